@@ -1,0 +1,56 @@
+"""cocoweave: distributed workloads with computation and communication as first-class operations.
+
+    import cocoweave as cw
+    p = cw.Program("adam")
+    g = p.tensor("g", ("N",), "float32", cw.Local)
+    ...
+"""
+
+from . import errors
+from .ir import WORLD, Group, Local, Program, Replicated, Sliced, Value
+from .ir.ops import (
+    abs,
+    add,
+    all_gather,
+    all_reduce,
+    broadcast,
+    cast,
+    div,
+    dropout,
+    eq,
+    exp,
+    ge,
+    gt,
+    layer_norm,
+    le,
+    lt,
+    matmul,
+    max,
+    maximum,
+    min,
+    minimum,
+    mul,
+    ne,
+    neg,
+    norm,
+    pow,
+    recv,
+    reduce,
+    reduce_scatter,
+    rsqrt,
+    send,
+    sqrt,
+    sub,
+    sum,
+    update,
+    where,
+)
+
+__version__ = "0.1.0"
+
+__all__ = [
+    "WORLD", "Group", "Local", "Program", "Replicated", "Sliced", "Value", "errors",
+    "abs", "add", "all_gather", "all_reduce", "broadcast", "cast", "div", "dropout", "eq", "exp", "ge", "gt",
+    "layer_norm", "le", "lt", "matmul", "max", "maximum", "min", "minimum", "mul", "ne", "neg", "norm", "pow",
+    "recv", "reduce", "reduce_scatter", "rsqrt", "send", "sqrt", "sub", "sum", "update", "where",
+]

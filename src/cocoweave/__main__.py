@@ -1,0 +1,5 @@
+"""`python -m cocoweave` is the command line."""
+
+from .cli import main
+
+main()

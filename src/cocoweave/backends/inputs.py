@@ -1,0 +1,131 @@
+"""Per-rank inputs: random valid inputs for a program, validation of given ones, and gathering
+per-rank values back into logical tensors."""
+
+from __future__ import annotations
+
+from collections.abc import Mapping, Sequence
+from typing import Any
+
+import torch
+
+from ..errors import InputError
+from ..ir.graph import Program, Value
+from ..ir.layout import slice_bounds
+from ..ir.types import DTYPES, bind_shape
+
+RankInputs = dict[str, Any]
+
+
+def bound_sizes(program: Program, sizes: Mapping[str, int] | None) -> dict[str, int]:
+    """Check that every symbolic size of the program is bound to a non-negative int."""
+    sizes = dict(sizes or {})
+    missing = [n for n in program.size_names() if n not in sizes]
+    if missing:
+        raise InputError(f"program `{program.name}`: size {', '.join(missing)} is not bound; "
+                         f"pass sizes={{{', '.join(repr(m) + ': ...' for m in missing)}}}")
+    for n, s in sizes.items():
+        if not isinstance(s, int) or s < 0:
+            raise InputError(f"program `{program.name}`: size {n} must be a non-negative int, got {s!r}")
+    return sizes
+
+
+def local_shape(v: Value, sizes: Mapping[str, int], group_rank: int, group_size: int) -> tuple[int, ...]:
+    """Shape of group rank `group_rank`'s part of value `v`."""
+    full = list(bind_shape(v.shape, sizes))
+    if v.layout.is_sliced:
+        start, stop = slice_bounds(full[v.layout.dim], group_size, group_rank)
+        full[v.layout.dim] = stop - start
+    return tuple(full)
+
+
+def _random(shape: tuple[int, ...], dtype: str, init: str, gen: torch.Generator, device: str) -> torch.Tensor:
+    if dtype == "bool":
+        t = torch.rand(shape, generator=gen) < 0.5
+    elif dtype.startswith("int"):
+        t = torch.randint(0, 10, shape, generator=gen, dtype=DTYPES[dtype])
+    elif init == "positive":
+        t = (torch.rand(shape, generator=gen) + 0.1).to(DTYPES[dtype])
+    elif init == "unit":
+        t = torch.rand(shape, generator=gen).to(DTYPES[dtype])
+    else:
+        t = torch.randn(shape, generator=gen).to(DTYPES[dtype])
+    return t.to(device)
+
+
+def make_inputs(program: Program, world_size: int, sizes: Mapping[str, int] | None = None, seed: int = 0,
+                device: str = "cpu", scalars: Mapping[str, float] | None = None) -> list[RankInputs]:
+    """Random valid inputs per rank: identical for Replicated, different for Local, the rank's part
+    of one logical tensor for Sliced. Scalars take their default, else a value in [0.1, 0.9)."""
+    sizes = bound_sizes(program, sizes)
+    gen = torch.Generator().manual_seed(seed)
+    per_rank: list[RankInputs] = [{} for _ in range(world_size)]
+    for v in program.tensor_inputs:
+        ranks = v.group.ranks(world_size)
+        full = bind_shape(v.shape, sizes)
+        if v.layout.is_local:
+            for r in ranks:
+                per_rank[r][v.name] = _random(full, v.dtype, v.attrs["init"], gen, device)
+            continue
+        logical = _random(full, v.dtype, v.attrs["init"], gen, device)
+        for gr, r in enumerate(ranks):
+            if v.layout.is_sliced:
+                d = v.layout.dim
+                start, stop = slice_bounds(full[d], len(ranks), gr)
+                per_rank[r][v.name] = logical.narrow(d, start, stop - start).clone()
+            else:
+                per_rank[r][v.name] = logical.clone()
+    for v in program.scalar_inputs:
+        given = (scalars or {}).get(v.name, v.attrs.get("default"))
+        value = float(given) if given is not None else 0.1 + 0.8 * torch.rand((), generator=gen).item()
+        for r in range(world_size):
+            per_rank[r][v.name] = value
+    return per_rank
+
+
+def check_inputs(program: Program, inputs: Sequence[RankInputs], sizes: Mapping[str, int]) -> None:
+    """Every rank has exactly its inputs, with the right local shape and dtype, on one device."""
+    world_size = len(inputs)
+    if world_size < 1:
+        raise InputError(f"program `{program.name}`: inputs for at least one rank are needed")
+    devices = set()
+    for r, given in enumerate(inputs):
+        expected = {v.name for v in program.scalar_inputs}
+        for v in program.tensor_inputs:
+            if r in v.group.ranks(world_size):
+                expected.add(v.name)
+        missing = sorted(expected - set(given))
+        extra = sorted(set(given) - expected)
+        if missing:
+            raise InputError(f"rank {r}: input `{missing[0]}` of program `{program.name}` is missing")
+        if extra:
+            raise InputError(f"rank {r}: `{extra[0]}` is not an input of program `{program.name}` on this rank")
+        for v in program.tensor_inputs:
+            if v.name not in given:
+                continue
+            t = given[v.name]
+            gr = v.group.ranks(world_size).index(r)
+            want = local_shape(v, sizes, gr, v.group.size(world_size))
+            if not isinstance(t, torch.Tensor):
+                raise InputError(f"rank {r}: input `{v.name}` must be a torch.Tensor, got {type(t).__name__}")
+            if tuple(t.shape) != want:
+                raise InputError(f"rank {r}: input `{v.name}` has shape {list(t.shape)}, expected {list(want)} "
+                                 f"(its {v.layout!r} part of {list(bind_shape(v.shape, sizes))})")
+            if t.dtype != DTYPES[v.dtype]:
+                raise InputError(f"rank {r}: input `{v.name}` is {t.dtype}, expected {DTYPES[v.dtype]}")
+            devices.add(t.device)
+        for v in program.scalar_inputs:
+            s = given[v.name]
+            if isinstance(s, torch.Tensor) and s.numel() != 1 or not isinstance(s, int | float | torch.Tensor):
+                raise InputError(f"rank {r}: scalar `{v.name}` must be a number, got {s!r}")
+    if len(devices) > 1:
+        raise InputError(f"program `{program.name}`: inputs are on several devices: {sorted(map(str, devices))}")
+
+
+def gather_logical(v: Value, parts: Sequence[torch.Tensor]) -> torch.Tensor:
+    """Rebuild a logical tensor from its group's per-rank parts: concatenate Sliced parts, take
+    rank 0's copy of a Replicated tensor, stack Local values along a new leading rank dimension."""
+    if v.layout.is_sliced:
+        return torch.cat(list(parts), dim=v.layout.dim)
+    if v.layout.is_local:
+        return torch.stack(list(parts))
+    return parts[0]

@@ -1,0 +1,149 @@
+"""The reference backend: every rank simulated in one process, collectives over lists of tensors.
+
+Slow and obvious on purpose: it is the oracle every schedule and every other backend is tested
+against. It never modifies its inputs; updated state is returned per rank.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+
+from ..errors import InputError
+from ..ir.graph import Program, Value
+from ..ir.layout import slice_bounds
+from .inputs import RankInputs, bound_sizes, check_inputs
+from .local_ops import HALF, RankContext, compute
+
+ADASUM_EPS = 1e-30  # squared norms below this keep the coefficient at 1 (no division by ~0)
+
+
+@dataclass
+class RankResult:
+    """What one rank holds after a run: its outputs and its updated state tensors."""
+
+    outputs: dict[str, torch.Tensor] = field(default_factory=dict)
+    state: dict[str, torch.Tensor] = field(default_factory=dict)
+
+
+# -- collectives over the group's list of per-rank tensors ------------------------------------
+def adasum_pair(a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
+    """Adasum of two tensors: (1 - a.b / 2|a|^2) a + (1 - a.b / 2|b|^2) b, dot and norms in float64."""
+    a64, b64 = a.double(), b.double()
+    dot = torch.sum(a64 * b64)
+    na, nb = torch.sum(a64 * a64), torch.sum(b64 * b64)
+    ca = torch.where(na >= ADASUM_EPS, 1 - dot / (2 * na.clamp_min(ADASUM_EPS)), torch.ones((), dtype=torch.float64))
+    cb = torch.where(nb >= ADASUM_EPS, 1 - dot / (2 * nb.clamp_min(ADASUM_EPS)), torch.ones((), dtype=torch.float64))
+    return (ca * a64 + cb * b64).to(a.dtype)
+
+
+def adasum_tree(parts: Sequence[torch.Tensor]) -> torch.Tensor:
+    """Adasum over ranks in tree order ((r0 + r1) + (r2 + r3)) ...; for a group size that is not
+    a power of two the left subtree takes the largest power of two below it (r0..r3 + r4 for 5)."""
+    n = len(parts)
+    if n == 1:
+        return parts[0]
+    left = 1 << ((n - 1).bit_length() - 1)
+    return adasum_pair(adasum_tree(parts[:left]), adasum_tree(parts[left:]))
+
+
+def combine(op: str, parts: Sequence[torch.Tensor]) -> torch.Tensor:
+    """Reduce the ranks' tensors with `op` in rank order (half types accumulate in float32)."""
+    dtype = parts[0].dtype
+    if op == "adasum":
+        return adasum_tree(parts)
+    acc = [p.float() if dtype in HALF else p for p in parts]
+    if op in ("sum", "avg"):
+        out = acc[0].clone()
+        for p in acc[1:]:
+            out = out + p
+        if op == "avg":
+            out = out / len(parts)
+    elif op == "max":
+        out = torch.stack(acc).amax(dim=0)
+    elif op == "min":
+        out = torch.stack(acc).amin(dim=0)
+    else:
+        raise ValueError(f"unknown reduction {op!r}")
+    return out.to(dtype)
+
+
+def collective(v: Value, parts: list[torch.Tensor]) -> list[torch.Tensor]:
+    """Result per group rank of communication value `v` given the group's operands."""
+    n, op, a = len(parts), v.op, v.attrs
+    if op == "all_reduce":
+        res = combine(a["op"], parts)
+        return [res.clone() for _ in range(n)]
+    if op == "reduce_scatter":
+        res, d = combine(a["op"], parts), a["dim"]
+        return [res.narrow(d, *_start_len(res.shape[d], n, r)).clone() for r in range(n)]
+    if op == "all_gather":
+        res = torch.cat(parts, dim=a["dim"])
+        return [res.clone() for _ in range(n)]
+    if op in ("broadcast", "reduce"):
+        if a["root"] >= n:
+            raise InputError(f"{op} `{v.name}`: root {a['root']} is outside its group of {n} ranks")
+        if op == "broadcast":
+            return [parts[a["root"]].clone() for _ in range(n)]
+        res = combine(a["op"], parts)
+        return [res if r == a["root"] else parts[r].clone() for r in range(n)]
+    if op == "send":
+        return [p.clone() for p in parts]
+    raise NotImplementedError(f"no reference semantics for communication {op!r}")
+
+
+def _start_len(size: int, parts: int, index: int) -> tuple[int, int]:
+    start, stop = slice_bounds(size, parts, index)
+    return start, stop - start
+
+
+# -- driver -----------------------------------------------------------------------------------
+def run(program: Program, inputs: Sequence[RankInputs], sizes: Mapping[str, int] | None = None) -> list[RankResult]:
+    """Run `program` for len(inputs) ranks; returns each rank's outputs and updated state."""
+    world = len(inputs)
+    sizes = bound_sizes(program, sizes)
+    for g in program.groups:
+        g.ranks(world)  # raises if the world does not split into the program's stages
+    check_inputs(program, inputs, sizes)
+    env: dict[Value, list[Any]] = {}
+    for v in program.values:
+        env[v] = _evaluate(v, env, inputs, sizes, world)
+    results = [RankResult() for _ in range(world)]
+    for name, v in program.outputs:
+        for r, t in enumerate(env[v]):
+            if t is not None:
+                results[r].outputs[name] = t
+    for name, v in program.updates.items():
+        for r, t in enumerate(env[v]):
+            if t is not None:
+                results[r].state[name] = t
+    return results
+
+
+def _evaluate(v: Value, env: dict[Value, list[Any]], inputs: Sequence[RankInputs], sizes: Mapping[str, int],
+              world: int) -> list[Any]:
+    """Per-world-rank values of `v` (None on ranks outside its process group)."""
+    if v.op == "scalar":
+        s = inputs[0][v.name]
+        return [torch.as_tensor(s, dtype=torch.float64).reshape(())] * world
+    if v.is_scalar:
+        val = compute(v, [env[a][0] for a in v.args], RankContext(0, 1, sizes))
+        return [val] * world
+    ranks = v.group.ranks(world)
+    out: list[Any] = [None] * world
+    if v.op == "input":
+        for r in ranks:
+            out[r] = inputs[r][v.name]
+    elif v.op == "update":
+        out = list(env[v.args[1]])
+    elif v.op in ("all_reduce", "reduce_scatter", "all_gather", "broadcast", "reduce", "send"):
+        src = v.args[0].group.ranks(world)
+        for r, t in zip(ranks, collective(v, [env[v.args[0]][s] for s in src])):
+            out[r] = t
+    else:
+        for gr, r in enumerate(ranks):
+            out[r] = compute(v, [env[a][r] for a in v.args], RankContext(gr, len(ranks), sizes))
+    return out

@@ -1,0 +1,37 @@
+"""What every command shares: turning cocoweave errors into one sentence and exit code 2."""
+
+from __future__ import annotations
+
+import functools
+from collections.abc import Callable
+from typing import Any
+
+import typer
+from rich.console import Console
+
+from ..errors import CocoweaveError
+
+console = Console()
+err_console = Console(stderr=True)
+
+EXIT_USAGE = 2  # bad input: the user can fix it
+EXIT_MISMATCH = 1  # a check found a difference
+
+
+def fail(message: str, code: int = EXIT_USAGE) -> typer.Exit:
+    """Print `error: message` on stderr and return the Exit to raise."""
+    err_console.print(f"[bold red]error:[/] {message}", markup=True, highlight=False, soft_wrap=True)
+    return typer.Exit(code)
+
+
+def user_errors(fn: Callable[..., Any]) -> Callable[..., Any]:
+    """Run a command; a CocoweaveError becomes one line on stderr and exit code 2, never a traceback."""
+
+    @functools.wraps(fn)
+    def wrapper(*args: Any, **kwargs: Any) -> Any:
+        try:
+            return fn(*args, **kwargs)
+        except CocoweaveError as e:
+            raise fail(str(e)) from None
+
+    return wrapper

@@ -1,0 +1,35 @@
+"""Exception classes of cocoweave. Every error a user can cause is one of these, with one sentence."""
+
+from __future__ import annotations
+
+
+class CocoweaveError(Exception):
+    """Base class: something the user asked for is wrong; the message says what and where."""
+
+
+class ProgramError(CocoweaveError):
+    """A program violates a typing, shape or layout rule of the DSL."""
+
+
+class ScheduleError(CocoweaveError):
+    """A transformation's precondition does not hold."""
+
+
+class LoadError(CocoweaveError):
+    """A program file could not be loaded (syntax error, missing function, bad sizes)."""
+
+
+class InputError(CocoweaveError):
+    """Inputs given to an executable do not match the program (names, shapes, dtypes, devices)."""
+
+
+class BackendError(CocoweaveError):
+    """A backend failed to execute a plan (a rank died, a timeout, a mismatch between ranks)."""
+
+
+class StoreError(CocoweaveError):
+    """The measurement store was given data that does not match its schema, or is unreadable."""
+
+
+class PlanningError(CocoweaveError):
+    """A configuration request cannot be satisfied (no configuration meets the deadline or budget)."""

@@ -1,0 +1,8 @@
+"""The program IR: layouts, types, the value graph, DSL operations and the printer."""
+
+from .graph import WORLD, Group, Program, Value
+from .layout import Layout, Local, Replicated, Sliced, slice_bounds
+from .printer import fingerprint, format_program
+
+__all__ = ["WORLD", "Group", "Layout", "Local", "Program", "Replicated", "Sliced", "Value",
+           "fingerprint", "format_program", "slice_bounds"]

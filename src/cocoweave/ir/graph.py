@@ -1,0 +1,302 @@
+"""The program graph: a typed SSA DAG of values, built by calling DSL operations.
+
+A `Value` is one node: the operation that made it, its operands and its type (dtype, shape,
+layout, process group). Construction order is a topological order. A `Program` owns its
+values, its named inputs (tensors and scalars), its outputs and its in-place updates.
+"""
+
+from __future__ import annotations
+
+import os
+import sys
+from collections.abc import Iterable, Mapping
+from dataclasses import dataclass, field
+from typing import Any
+
+from ..errors import ProgramError
+from .layout import Layout, Replicated, Sliced
+from .types import Dim, Shape, canonical_dtype, format_shape
+
+_PACKAGE_DIR = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+
+
+def user_location() -> str | None:
+    """'file:line' of the innermost caller outside the cocoweave package (where the user wrote the op)."""
+    frame = sys._getframe(1)
+    while frame is not None:
+        fname = os.path.abspath(frame.f_code.co_filename)
+        if not fname.startswith(_PACKAGE_DIR + os.sep):
+            return f"{_short(frame.f_code.co_filename)}:{frame.f_lineno}"
+        frame = frame.f_back
+    return None
+
+
+def _short(path: str) -> str:
+    """A path relative to the working directory when it lies below it, else as given."""
+    full = os.path.abspath(path)
+    cwd = os.getcwd() + os.sep
+    return full[len(cwd):] if full.startswith(cwd) else path
+
+
+@dataclass(frozen=True)
+class Group:
+    """A process group: the world, or stage `index` of the world split into `count` equal stages."""
+
+    name: str = "world"
+    index: int = 0
+    count: int = 1
+
+    def ranks(self, world_size: int) -> range:
+        """World ranks of this group; ProgramError if the world does not split evenly."""
+        if world_size % self.count:
+            raise ProgramError(
+                f"world size {world_size} cannot be split into {self.count} equal pipeline stages "
+                f"(needed by process group `{self.name}`)"
+            )
+        size = world_size // self.count
+        return range(self.index * size, (self.index + 1) * size)
+
+    def size(self, world_size: int) -> int:
+        return len(self.ranks(world_size))
+
+    def __repr__(self) -> str:
+        return self.name
+
+
+WORLD = Group()
+
+
+@dataclass(eq=False)
+class Value:
+    """One SSA value of a program: made by `op` from `args`, with attributes `attrs`."""
+
+    program: Program
+    id: int
+    op: str
+    args: tuple[Value, ...]
+    attrs: dict[str, Any]
+    dtype: str
+    shape: Shape
+    layout: Layout
+    group: Group | None  # None for scalars and constants: valid in every group
+    name: str
+    loc: str | None = None
+
+    # -- type queries -------------------------------------------------------------------------
+    @property
+    def ndim(self) -> int:
+        return len(self.shape)
+
+    @property
+    def is_scalar(self) -> bool:
+        """True for runtime scalars, constants and arithmetic on them only (no tensor involved)."""
+        return self.group is None
+
+    def type_str(self) -> str:
+        if self.is_scalar:
+            return f"{self.dtype} scalar"
+        grp = "" if self.group is None or self.group.count == 1 else f" @{self.group.name}"
+        return f"{self.dtype}{format_shape(self.shape)} {self.layout!r}{grp}"
+
+    def describe(self) -> str:
+        """A short operand description for error messages: `name: float32[N] Local`."""
+        if self.op == "const":
+            return repr(self.attrs["value"])
+        return f"`{self.name}`: {self.type_str()}"
+
+    def __repr__(self) -> str:
+        return f"<{self.name}: {self.type_str()}>"
+
+    def __hash__(self) -> int:
+        return id(self)
+
+    def __bool__(self) -> bool:
+        raise ProgramError(
+            f"`{self.name}` is a program value and has no truth value while the program is built; "
+            "use cw.where(cond, a, b) for data-dependent choices"
+        )
+
+    # -- operators: build new values ----------------------------------------------------------
+    def __add__(self, o: Any) -> Value:
+        return _ops().add(self, o)
+
+    def __radd__(self, o: Any) -> Value:
+        return _ops().add(o, self)
+
+    def __sub__(self, o: Any) -> Value:
+        return _ops().sub(self, o)
+
+    def __rsub__(self, o: Any) -> Value:
+        return _ops().sub(o, self)
+
+    def __mul__(self, o: Any) -> Value:
+        return _ops().mul(self, o)
+
+    def __rmul__(self, o: Any) -> Value:
+        return _ops().mul(o, self)
+
+    def __truediv__(self, o: Any) -> Value:
+        return _ops().div(self, o)
+
+    def __rtruediv__(self, o: Any) -> Value:
+        return _ops().div(o, self)
+
+    def __pow__(self, o: Any) -> Value:
+        return _ops().pow(self, o)
+
+    def __rpow__(self, o: Any) -> Value:
+        return _ops().pow(o, self)
+
+    def __neg__(self) -> Value:
+        return _ops().neg(self)
+
+    def __matmul__(self, o: Value) -> Value:
+        return _ops().matmul(self, o)
+
+    def __lt__(self, o: Any) -> Value:
+        return _ops().lt(self, o)
+
+    def __le__(self, o: Any) -> Value:
+        return _ops().le(self, o)
+
+    def __gt__(self, o: Any) -> Value:
+        return _ops().gt(self, o)
+
+    def __ge__(self, o: Any) -> Value:
+        return _ops().ge(self, o)
+
+
+def _ops():  # late import: ops builds Values, Values call ops
+    from . import ops
+
+    return ops
+
+
+@dataclass
+class Program:
+    """A distributed workload: named inputs, operations, outputs and in-place updates of state."""
+
+    name: str
+    values: list[Value] = field(default_factory=list)
+    inputs: dict[str, Value] = field(default_factory=dict)  # tensors and scalars, by name
+    outputs: list[tuple[str, Value]] = field(default_factory=list)
+    updates: dict[str, Value] = field(default_factory=dict)  # state input name -> update value
+    groups: tuple[Group, ...] = (WORLD,)
+
+    # -- declaring inputs ---------------------------------------------------------------------
+    def tensor(self, name: str, shape: Iterable[Dim], dtype: str = "float32",
+               layout: Layout = Replicated, group: Group | None = None, init: str = "normal") -> Value:
+        """Declare a tensor input held by every rank of `group` (the world by default) in `layout`.
+        `init` tells random-input generators its domain: "normal", "positive" (e.g. Adam's v) or "unit"."""
+        self._check_new_name(name)
+        shape = tuple(shape)
+        for d in shape:
+            if not (isinstance(d, str) and d.isidentifier()) and not (isinstance(d, int) and d >= 0):
+                raise ProgramError(f"tensor `{name}`: dimension {d!r} must be a non-negative int or a size name")
+        try:
+            dtype = canonical_dtype(dtype)
+        except ValueError as e:
+            raise ProgramError(f"tensor `{name}`: {e}") from None
+        if not isinstance(layout, Layout):
+            raise ProgramError(f"tensor `{name}`: layout must be cw.Replicated, cw.Local or cw.Sliced(dim), "
+                               f"got {layout!r}")
+        if layout.is_sliced:
+            d = layout.dim + len(shape) if layout.dim < 0 else layout.dim
+            if not 0 <= d < len(shape):
+                raise ProgramError(f"tensor `{name}`: Sliced({layout.dim}) is out of range for a "
+                                   f"{len(shape)}-dim tensor {format_shape(shape)}")
+            layout = Sliced(d)
+        if init not in ("normal", "positive", "unit"):
+            raise ProgramError(f"tensor `{name}`: init must be 'normal', 'positive' or 'unit', got {init!r}")
+        group = group or WORLD
+        if group not in self.groups:
+            raise ProgramError(f"tensor `{name}`: process group `{group.name}` does not belong to this program")
+        v = self._add("input", (), {"init": init}, dtype, shape, layout, group, name=name)
+        self.inputs[name] = v
+        return v
+
+    def scalar(self, name: str, dtype: str = "float32", default: float | None = None) -> Value:
+        """Declare a named runtime scalar (learning rate, step), the same on every rank."""
+        self._check_new_name(name)
+        v = self._add("scalar", (), {"default": default}, canonical_dtype(dtype), (), Replicated, None, name=name)
+        self.inputs[name] = v
+        return v
+
+    def scalars(self, names: str) -> tuple[Value, ...]:
+        """Declare several float32 scalars from a space-separated list of names."""
+        return tuple(self.scalar(n) for n in names.split())
+
+    def pipeline(self, stages: int) -> tuple[Group, ...]:
+        """Split the world into `stages` equal consecutive process groups (pipeline stages)."""
+        if len(self.groups) > 1:
+            raise ProgramError(f"program `{self.name}` already splits the world into {len(self.groups)} stages")
+        if stages < 1:
+            raise ProgramError(f"pipeline needs at least one stage, got {stages}")
+        self.groups = tuple(Group(f"stage{i}", i, stages) for i in range(stages))
+        return self.groups
+
+    # -- results ------------------------------------------------------------------------------
+    def update(self, state: Value, value: Any) -> Value:
+        """Write `value` into the state input `state` in place; returns the updated value."""
+        return _ops().update(state, value)
+
+    def output(self, value: Value, name: str | None = None) -> Value:
+        """Mark `value` as a result of the program."""
+        if not isinstance(value, Value) or value.program is not self:
+            raise ProgramError(f"program `{self.name}`: output must be a value of this program, got {value!r}")
+        name = name or f"out{len(self.outputs)}"
+        if any(n == name for n, _ in self.outputs):
+            raise ProgramError(f"program `{self.name}`: two outputs are named `{name}`")
+        self.outputs.append((name, value))
+        return value
+
+    # -- queries ------------------------------------------------------------------------------
+    @property
+    def tensor_inputs(self) -> list[Value]:
+        return [v for v in self.inputs.values() if v.op == "input"]
+
+    @property
+    def scalar_inputs(self) -> list[Value]:
+        return [v for v in self.inputs.values() if v.op == "scalar"]
+
+    def users(self) -> dict[Value, list[Value]]:
+        """Map each value to the values that read it (in program order)."""
+        out: dict[Value, list[Value]] = {v: [] for v in self.values}
+        for v in self.values:
+            for a in v.args:
+                out[a].append(v)
+        return out
+
+    def size_names(self) -> list[str]:
+        """Symbolic size names used by input shapes, in first-use order."""
+        seen: list[str] = []
+        for v in self.tensor_inputs:
+            for d in v.shape:
+                if isinstance(d, str) and d not in seen:
+                    seen.append(d)
+        return seen
+
+    def __str__(self) -> str:
+        from .printer import format_program
+
+        return format_program(self)
+
+    def fingerprint(self) -> str:
+        from .printer import fingerprint
+
+        return fingerprint(self)
+
+    # -- construction internals ---------------------------------------------------------------
+    def _check_new_name(self, name: str) -> None:
+        if not isinstance(name, str) or not name.isidentifier():
+            raise ProgramError(f"program `{self.name}`: input name {name!r} must be an identifier")
+        if name in self.inputs:
+            raise ProgramError(f"program `{self.name}`: an input named `{name}` already exists")
+
+    def _add(self, op: str, args: tuple[Value, ...], attrs: Mapping[str, Any], dtype: str, shape: Shape,
+             layout: Layout, group: Group | None, name: str | None = None, loc: str | None = None) -> Value:
+        vid = len(self.values)
+        v = Value(self, vid, op, tuple(args), dict(attrs), dtype, tuple(shape), layout, group,
+                  name or f"%{vid}", loc if loc is not None else user_location())
+        self.values.append(v)
+        return v

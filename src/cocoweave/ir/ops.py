@@ -1,0 +1,483 @@
+"""DSL operations. Each checks its operands and infers dtype, shape, layout and group.
+
+A rule violation raises `ProgramError` naming the operation, where it was written, its operands
+(with layouts and shapes) and the rule that failed.
+"""
+
+from __future__ import annotations
+
+import builtins
+from collections.abc import Sequence
+from typing import Any
+
+from ..errors import ProgramError
+from .graph import Group, Program, Value
+from .layout import Layout, Local, Replicated, Sliced
+from .types import Shape, broadcast_shapes, canonical_dtype, is_float, promote
+
+REDUCE_OPS = ("sum", "avg", "max", "min", "adasum")
+ELEMENTWISE_BINARY = ("add", "sub", "mul", "div", "pow", "maximum", "minimum")
+COMPARISONS = ("lt", "le", "gt", "ge", "eq", "ne")
+ELEMENTWISE_UNARY = ("neg", "sqrt", "rsqrt", "exp", "abs", "cast")
+ELEMENTWISE = ELEMENTWISE_BINARY + COMPARISONS + ELEMENTWISE_UNARY + ("where", "dropout")
+REDUCTIONS = ("sum", "max", "min", "norm")
+COLLECTIVES = ("all_reduce", "reduce_scatter", "all_gather", "broadcast", "reduce", "send")
+
+
+def _fail(op: str, operands: Sequence[Value], rule: str) -> ProgramError:
+    where = next((v.loc for v in operands if v.loc), None)
+    loc = _caller_loc()
+    args = ", ".join(v.describe() for v in operands)
+    return ProgramError(f"{loc or where or '?'}: {op}({args}): {rule}")
+
+
+def _caller_loc() -> str | None:
+    from .graph import user_location
+
+    return user_location()
+
+
+def _program_of(*xs: Any) -> Program:
+    for x in xs:
+        if isinstance(x, Value):
+            return x.program
+    raise ProgramError("an operation needs at least one program value among its operands")
+
+
+def _lift(x: Any, program: Program) -> Value:
+    """Python numbers become constants; values of another program are refused."""
+    if isinstance(x, Value):
+        if x.program is not program:
+            raise ProgramError(f"`{x.name}` belongs to program `{x.program.name}`, not `{program.name}`")
+        return x
+    if isinstance(x, bool):
+        return program._add("const", (), {"value": x}, "bool", (), Replicated, None)
+    if isinstance(x, int | float):
+        return program._add("const", (), {"value": float(x) if isinstance(x, float) else x},
+                            "float32" if isinstance(x, float) else "int64", (), Replicated, None)
+    raise ProgramError(f"cannot use {type(x).__name__} {x!r} as a program value")
+
+
+def _common_group(op: str, vals: Sequence[Value]) -> Group | None:
+    groups = {v.group for v in vals if v.group is not None}
+    if len(groups) > 1:
+        raise _fail(op, vals, "operands live on different process groups; move data with cw.send first")
+    return next(iter(groups), None)
+
+
+def _result_dtype(vals: Sequence[Value]) -> str:
+    """torch-like promotion where scalars and constants do not widen tensors (weak types)."""
+    tensors = [v for v in vals if not v.is_scalar]
+    pool = tensors or list(vals)
+    dtype = pool[0].dtype
+    for v in pool[1:]:
+        dtype = promote(dtype, v.dtype)
+    if tensors and not is_float(dtype) and any(is_float(v.dtype) for v in vals if v.is_scalar):
+        dtype = "float32"
+    if not tensors and all(v.op == "const" for v in vals) and dtype == "int64":
+        dtype = "int64"
+    return dtype
+
+
+def elementwise_layout(op: str, vals: Sequence[Value], shape: Shape) -> Layout:
+    """Layout rule for elementwise operations (DESIGN.md): equal layouts propagate, Replicated
+    with X gives X, Sliced(a) with Sliced(b) (a != b) and Local with Sliced are errors."""
+    tensors = [v for v in vals if not v.is_scalar]
+    if any(v.layout.is_local for v in tensors) and any(v.layout.is_sliced for v in tensors):
+        raise _fail(op, vals, "a Local operand cannot combine with a Sliced one (reduce the Local one first)")
+    dims = {}
+    for v in tensors:
+        if v.layout.is_sliced:
+            dims[v.layout.dim + len(shape) - v.ndim] = v
+    if len(dims) > 1:
+        a, b = sorted(dims)
+        raise _fail(op, vals, f"operands are sliced along different dimensions ({a} and {b} of the result); "
+                              "elementwise operands must be sliced along the same dimension")
+    if dims:
+        (d, _), = dims.items()
+        for v in tensors:
+            j = d - (len(shape) - v.ndim)
+            if v.layout.is_sliced and v.shape[j] != shape[d]:
+                raise _fail(op, vals, f"`{v.name}` is sliced along dimension {j}, which is broadcast; "
+                                      "a sliced dimension cannot be broadcast")
+        return Sliced(d)
+    if any(v.layout.is_local for v in tensors):
+        return Local
+    return Replicated
+
+
+def _elementwise(op: str, operands: Sequence[Any], attrs: dict | None = None, dtype: str | None = None) -> Value:
+    program = _program_of(*operands)
+    vals = [_lift(x, program) for x in operands]
+    shape = broadcast_shapes([v.shape for v in vals])
+    if shape is None:
+        raise _fail(op, vals, "shapes do not broadcast")
+    group = _common_group(op, vals)
+    layout = elementwise_layout(op, vals, shape)
+    out_dtype = dtype or _result_dtype(vals)
+    return program._add(op, tuple(vals), attrs or {}, out_dtype, shape, layout, group)
+
+
+def _float_only(op: str, vals: Sequence[Value]) -> None:
+    for v in vals:
+        if not v.is_scalar and not is_float(v.dtype):
+            raise _fail(op, vals, f"needs floating-point operands, `{v.name}` is {v.dtype}")
+
+
+# -- elementwise arithmetic -------------------------------------------------------------------
+def add(a: Any, b: Any) -> Value:
+    """a + b with broadcasting."""
+    return _elementwise("add", (a, b))
+
+
+def sub(a: Any, b: Any) -> Value:
+    """a - b with broadcasting."""
+    return _elementwise("sub", (a, b))
+
+
+def mul(a: Any, b: Any) -> Value:
+    """a * b with broadcasting."""
+    return _elementwise("mul", (a, b))
+
+
+def div(a: Any, b: Any) -> Value:
+    """a / b (true division; integer operands give float32)."""
+    program = _program_of(a, b)
+    vals = [_lift(x, program) for x in (a, b)]
+    dtype = _result_dtype(vals)
+    return _elementwise("div", vals, dtype=dtype if is_float(dtype) else "float32")
+
+
+def pow(a: Any, b: Any) -> Value:  # noqa: A001 - the DSL's name
+    """a ** b."""
+    return _elementwise("pow", (a, b))
+
+
+def maximum(a: Any, b: Any) -> Value:
+    """Elementwise maximum."""
+    return _elementwise("maximum", (a, b))
+
+
+def minimum(a: Any, b: Any) -> Value:
+    """Elementwise minimum."""
+    return _elementwise("minimum", (a, b))
+
+
+def neg(x: Value) -> Value:
+    """-x."""
+    return _elementwise("neg", (x,))
+
+
+def abs(x: Value) -> Value:  # noqa: A001 - the DSL's name
+    """|x|."""
+    return _elementwise("abs", (x,))
+
+
+def _float_unary(op: str, x: Value) -> Value:
+    v = _lift(x, _program_of(x))
+    dtype = v.dtype if is_float(v.dtype) else "float32"
+    return _elementwise(op, (v,), dtype=dtype)
+
+
+def sqrt(x: Value) -> Value:
+    """Square root."""
+    return _float_unary("sqrt", x)
+
+
+def rsqrt(x: Value) -> Value:
+    """1 / sqrt(x)."""
+    return _float_unary("rsqrt", x)
+
+
+def exp(x: Value) -> Value:
+    """e ** x."""
+    return _float_unary("exp", x)
+
+
+def cast(x: Value, dtype: str) -> Value:
+    """Convert to `dtype` (e.g. fp32 master weights to bf16)."""
+    try:
+        dtype = canonical_dtype(dtype)
+    except ValueError as e:
+        raise _fail("cast", (x,), str(e)) from None
+    return _elementwise("cast", (x,), {"dtype": dtype}, dtype=dtype)
+
+
+def _compare(op: str, a: Any, b: Any) -> Value:
+    return _elementwise(op, (a, b), dtype="bool")
+
+
+def lt(a: Any, b: Any) -> Value:
+    """a < b (bool)."""
+    return _compare("lt", a, b)
+
+
+def le(a: Any, b: Any) -> Value:
+    """a <= b (bool)."""
+    return _compare("le", a, b)
+
+
+def gt(a: Any, b: Any) -> Value:
+    """a > b (bool)."""
+    return _compare("gt", a, b)
+
+
+def ge(a: Any, b: Any) -> Value:
+    """a >= b (bool)."""
+    return _compare("ge", a, b)
+
+
+def eq(a: Any, b: Any) -> Value:
+    """a == b (bool); a function because `==` on values keeps Python's identity meaning."""
+    return _compare("eq", a, b)
+
+
+def ne(a: Any, b: Any) -> Value:
+    """a != b (bool)."""
+    return _compare("ne", a, b)
+
+
+def where(cond: Any, a: Any, b: Any) -> Value:
+    """Elementwise choice: a where cond holds, else b."""
+    program = _program_of(cond, a, b)
+    vals = [_lift(x, program) for x in (cond, a, b)]
+    if vals[0].dtype != "bool":
+        raise _fail("where", vals, f"the condition must be bool, `{vals[0].name}` is {vals[0].dtype}")
+    return _elementwise("where", vals, dtype=_result_dtype(vals[1:]))
+
+
+def dropout(x: Value, p: float, seed: int | Value = 0) -> Value:
+    """Zero each element with probability p, scale the rest by 1/(1-p). The mask depends only on
+    (seed, the element's index in the logical tensor) and, for Local tensors, the rank."""
+    program = _program_of(x)
+    x = _lift(x, program)
+    if not isinstance(p, int | float) or not 0.0 <= float(p) < 1.0:
+        raise _fail("dropout", (x,), f"the probability must be a number in [0, 1), got {p!r}")
+    _float_only("dropout", (x,))
+    if x.is_scalar:
+        raise _fail("dropout", (x,), "needs a tensor operand")
+    if isinstance(seed, Value):
+        if not seed.is_scalar or seed.dtype not in ("int32", "int64", "float32"):
+            raise _fail("dropout", (x, seed), "the seed must be an int or a runtime scalar")
+        return program._add("dropout", (x, seed), {"p": float(p), "seed": None}, x.dtype, x.shape,
+                            x.layout, x.group)
+    if not isinstance(seed, int):
+        raise _fail("dropout", (x,), f"the seed must be an int or a runtime scalar, got {seed!r}")
+    return program._add("dropout", (x,), {"p": float(p), "seed": seed}, x.dtype, x.shape, x.layout, x.group)
+
+
+# -- reductions -------------------------------------------------------------------------------
+def _norm_dims(op: str, x: Value, dim: int | Sequence[int] | None) -> tuple[int, ...]:
+    if dim is None:
+        return tuple(range(x.ndim))
+    dims = (dim,) if isinstance(dim, int) else tuple(dim)
+    out = []
+    for d in dims:
+        dd = d + x.ndim if d < 0 else d
+        if not 0 <= dd < x.ndim:
+            raise _fail(op, (x,), f"dimension {d} is out of range for a {x.ndim}-dim tensor")
+        out.append(dd)
+    if len(set(out)) != len(out):
+        raise _fail(op, (x,), f"dimensions {dims} repeat")
+    return tuple(sorted(out))
+
+
+def reduction_layout(x: Value, dims: tuple[int, ...], keepdim: bool) -> Layout:
+    """A reduction over a sliced dimension gives a per-rank (Local) partial; otherwise the layout
+    follows the remaining dimensions."""
+    if x.layout.is_sliced:
+        d = x.layout.dim
+        if d in dims:
+            return Local
+        return Sliced(d if keepdim else d - builtins.sum(1 for r in dims if r < d))
+    return x.layout
+
+
+def _reduce(op: str, x: Value, dim: int | Sequence[int] | None, keepdim: bool) -> Value:
+    x = _lift(x, _program_of(x))
+    if x.is_scalar:
+        raise _fail(op, (x,), "needs a tensor operand")
+    dims = _norm_dims(op, x, dim)
+    shape = tuple((1 if i in dims else s) for i, s in enumerate(x.shape) if keepdim or i not in dims)
+    dtype = x.dtype if op != "norm" or is_float(x.dtype) else "float32"
+    if op == "norm":
+        _float_only(op, (x,))
+    return x.program._add(op, (x,), {"dims": dims, "keepdim": keepdim}, dtype, shape,
+                          reduction_layout(x, dims, keepdim), x.group)
+
+
+def sum(x: Value, dim: int | Sequence[int] | None = None, keepdim: bool = False) -> Value:  # noqa: A001
+    """Sum over `dim` (all dims by default)."""
+    return _reduce("sum", x, dim, keepdim)
+
+
+def max(x: Value, dim: int | Sequence[int] | None = None, keepdim: bool = False) -> Value:  # noqa: A001
+    """Maximum over `dim` (all dims by default)."""
+    return _reduce("max", x, dim, keepdim)
+
+
+def min(x: Value, dim: int | Sequence[int] | None = None, keepdim: bool = False) -> Value:  # noqa: A001
+    """Minimum over `dim` (all dims by default)."""
+    return _reduce("min", x, dim, keepdim)
+
+
+def norm(x: Value, dim: int | Sequence[int] | None = None, keepdim: bool = False) -> Value:
+    """Euclidean norm over `dim` (all dims by default), accumulated in float32 or wider."""
+    return _reduce("norm", x, dim, keepdim)
+
+
+# -- matmul and layer norm --------------------------------------------------------------------
+MATMUL_RULES = ("Sliced(last) x Sliced(0) -> Local; Replicated x Sliced(1) -> Sliced(last); "
+                "Sliced(d != last) x Replicated -> Sliced(d); Local or Replicated x Replicated -> left layout")
+
+
+def matmul(a: Value, b: Value) -> Value:
+    """a @ b for a of shape [..., K] and a 2-dim b of shape [K, N]."""
+    program = _program_of(a, b)
+    a, b = _lift(a, program), _lift(b, program)
+    vals = (a, b)
+    if a.is_scalar or b.is_scalar or b.ndim != 2 or a.ndim < 1:
+        raise _fail("matmul", vals, "needs a tensor of shape [..., K] and a 2-dim tensor of shape [K, N]")
+    if a.shape[-1] != b.shape[0]:
+        raise _fail("matmul", vals, f"inner dimensions differ ({a.shape[-1]} vs {b.shape[0]})")
+    _float_only("matmul", vals)
+    group = _common_group("matmul", vals)
+    la, lb, last = a.layout, b.layout, a.ndim - 1
+    out_ndim = a.ndim
+    if la.is_sliced and la.dim == last and lb.is_sliced and lb.dim == 0:
+        layout: Layout = Local
+    elif la.is_replicated and lb.is_sliced and lb.dim == 1:
+        layout = Sliced(out_ndim - 1)
+    elif la.is_sliced and la.dim != last and lb.is_replicated:
+        layout = Sliced(la.dim)
+    elif (la.is_local or la.is_replicated) and lb.is_replicated:
+        layout = la
+    else:
+        raise _fail("matmul", vals, f"no layout rule applies ({la!r} x {lb!r}); the rules are: {MATMUL_RULES}")
+    shape = tuple(a.shape[:-1]) + (b.shape[1],)
+    return program._add("matmul", vals, {}, promote(a.dtype, b.dtype), shape, layout, group)
+
+
+def layer_norm(x: Value, weight: Value | None = None, bias: Value | None = None, eps: float = 1e-5) -> Value:
+    """Normalise over the last dimension, then scale by `weight` and shift by `bias` (both [H])."""
+    program = _program_of(x)
+    x = _lift(x, program)
+    ops = [x] + [_lift(t, program) for t in (weight, bias) if t is not None]
+    if x.is_scalar or x.ndim < 1:
+        raise _fail("layer_norm", ops, "needs a tensor operand")
+    _float_only("layer_norm", ops)
+    if x.layout.is_sliced and x.layout.dim == x.ndim - 1:
+        raise _fail("layer_norm", ops, "normalises over the last dimension, which is sliced; all_gather first")
+    for t in ops[1:]:
+        if t.shape != (x.shape[-1],):
+            raise _fail("layer_norm", ops, f"`{t.name}` must have shape [{x.shape[-1]}]")
+    layout = elementwise_layout("layer_norm", ops, x.shape)
+    group = _common_group("layer_norm", ops)
+    attrs = {"eps": float(eps), "has_weight": weight is not None, "has_bias": bias is not None}
+    return program._add("layer_norm", tuple(ops), attrs, x.dtype, x.shape, layout, group)
+
+
+# -- communication ----------------------------------------------------------------------------
+def _check_reduce_op(name: str, x: Value, op: str, allowed: Sequence[str] = REDUCE_OPS) -> None:
+    if op not in allowed:
+        raise _fail(name, (x,), f"unknown reduction {op!r}; use one of {', '.join(allowed)}")
+
+
+def _tensor_operand(name: str, x: Any) -> Value:
+    v = _lift(x, _program_of(x))
+    if v.is_scalar:
+        raise _fail(name, (v,), "communication needs a tensor operand, not a scalar")
+    return v
+
+
+def all_reduce(x: Value, op: str = "sum") -> Value:
+    """Combine the ranks' Local tensors with `op`; every rank gets the result (Replicated)."""
+    x = _tensor_operand("all_reduce", x)
+    _check_reduce_op("all_reduce", x, op)
+    if not x.layout.is_local:
+        raise _fail("all_reduce", (x,), f"needs a Local operand (per-rank values to combine), got {x.layout!r}")
+    if op == "adasum" and not is_float(x.dtype):
+        raise _fail("all_reduce", (x,), "adasum needs a floating-point operand")
+    return x.program._add("all_reduce", (x,), {"op": op}, x.dtype, x.shape, Replicated, x.group)
+
+
+def reduce_scatter(x: Value, op: str = "sum", dim: int = 0) -> Value:
+    """Combine the ranks' Local tensors with `op`; rank r keeps part r along `dim` (Sliced(dim))."""
+    x = _tensor_operand("reduce_scatter", x)
+    _check_reduce_op("reduce_scatter", x, op, ("sum", "avg", "max", "min"))
+    if not x.layout.is_local:
+        raise _fail("reduce_scatter", (x,), f"needs a Local operand, got {x.layout!r}")
+    d = _norm_dims("reduce_scatter", x, dim)[0]
+    return x.program._add("reduce_scatter", (x,), {"op": op, "dim": d}, x.dtype, x.shape, Sliced(d), x.group)
+
+
+def all_gather(x: Value, dim: int | None = None) -> Value:
+    """Concatenate the ranks' slices; every rank gets the full tensor (Replicated)."""
+    x = _tensor_operand("all_gather", x)
+    if not x.layout.is_sliced:
+        raise _fail("all_gather", (x,), f"needs a Sliced operand, got {x.layout!r}")
+    if dim is not None and _norm_dims("all_gather", x, dim)[0] != x.layout.dim:
+        raise _fail("all_gather", (x,), f"gathers along the sliced dimension {x.layout.dim}, not {dim}")
+    return x.program._add("all_gather", (x,), {"dim": x.layout.dim}, x.dtype, x.shape, Replicated, x.group)
+
+
+def broadcast(x: Value, root: int = 0) -> Value:
+    """Every rank gets group rank `root`'s tensor (Replicated)."""
+    x = _tensor_operand("broadcast", x)
+    if x.layout.is_sliced:
+        raise _fail("broadcast", (x,), "needs a Local or Replicated operand; all_gather a Sliced one")
+    if not isinstance(root, int) or root < 0:
+        raise _fail("broadcast", (x,), f"root must be a non-negative group rank, got {root!r}")
+    return x.program._add("broadcast", (x,), {"root": root}, x.dtype, x.shape, Replicated, x.group)
+
+
+def reduce(x: Value, op: str = "sum", root: int = 0) -> Value:
+    """Combine the ranks' Local tensors with `op` onto group rank `root`; the other ranks keep their
+    own input (the result is Local)."""
+    x = _tensor_operand("reduce", x)
+    _check_reduce_op("reduce", x, op, ("sum", "avg", "max", "min"))
+    if not x.layout.is_local:
+        raise _fail("reduce", (x,), f"needs a Local operand, got {x.layout!r}")
+    if not isinstance(root, int) or root < 0:
+        raise _fail("reduce", (x,), f"root must be a non-negative group rank, got {root!r}")
+    return x.program._add("reduce", (x,), {"op": op, "root": root}, x.dtype, x.shape, Local, x.group)
+
+
+def send(x: Value, to: Group) -> Value:
+    """Send to process group `to` (the next pipeline stage): group rank i of x's group sends its
+    part to group rank i of `to`. Returns the tensor as received there, in the same layout."""
+    x = _tensor_operand("send", x)
+    if not isinstance(to, Group) or to not in x.program.groups:
+        raise _fail("send", (x,), f"the destination must be a process group of this program, got {to!r}")
+    if to == x.group:
+        raise _fail("send", (x,), f"`{x.name}` already lives on `{to.name}`")
+    return x.program._add("send", (x,), {"to": to.name}, x.dtype, x.shape, x.layout, to)
+
+
+recv = send  # the receiving side of the same transfer; one op describes both ends
+
+
+# -- state ------------------------------------------------------------------------------------
+def update(state: Value, value: Any) -> Value:
+    """Write `value` into the tensor input `state` in place; returns the updated value."""
+    if not isinstance(state, Value) or state.op != "input":
+        raise ProgramError(f"update: the target must be a tensor input of the program, got {state!r}")
+    program = state.program
+    value = _lift(value, program)
+    vals = (state, value)
+    if state.name in program.updates:
+        raise _fail("update", vals, f"`{state.name}` is already updated once; a state is updated at most once")
+    if value.is_scalar:
+        raise _fail("update", vals, "the new value must be a tensor")
+    if value.shape != state.shape:
+        raise _fail("update", vals, "the new value must have the state's shape")
+    if value.dtype != state.dtype:
+        raise _fail("update", vals, f"the new value is {value.dtype} but the state is {state.dtype}; use cw.cast")
+    if value.layout != state.layout:
+        raise _fail("update", vals, f"the new value is {value.layout!r} but the state is {state.layout!r}")
+    if value.group != state.group:
+        raise _fail("update", vals, "the new value lives on another process group")
+    v = program._add("update", vals, {}, state.dtype, state.shape, state.layout, state.group,
+                     name=f"{state.name}'")
+    program.updates[state.name] = v
+    return v

@@ -1,0 +1,114 @@
+"""Load a program from `FILE.py:FUNC` with sizes: a Python file with a function that takes size
+arguments and returns a Program. Every failure is a `LoadError` (or the `ProgramError` the
+program raised) with one sentence naming the file and, where known, the line."""
+
+from __future__ import annotations
+
+import importlib.util
+import inspect
+import os
+import sys
+import traceback
+from collections.abc import Mapping
+from types import ModuleType
+
+from .errors import LoadError, ProgramError
+from .ir.graph import Program
+
+
+def parse_sizes(items: list[str] | None) -> dict[str, int]:
+    """['N=1024', 'B=8'] -> {'N': 1024, 'B': 8}; also accepts 'N=1024,B=8'."""
+    sizes: dict[str, int] = {}
+    for item in items or []:
+        for part in filter(None, item.split(",")):
+            name, eq, value = part.partition("=")
+            if not eq or not name.strip().isidentifier():
+                raise LoadError(f"size {part!r} must look like NAME=INT, e.g. N=1024")
+            try:
+                sizes[name.strip()] = int(value.replace("_", ""))
+            except ValueError:
+                raise LoadError(f"size {name.strip()} must be an integer, got {value!r}") from None
+    return sizes
+
+
+def split_spec(spec: str) -> tuple[str, str]:
+    """'examples/adam.py:adam' -> ('examples/adam.py', 'adam')."""
+    path, sep, func = spec.rpartition(":")
+    if not sep or not path or not func.isidentifier():
+        raise LoadError(f"{spec!r} must be FILE.py:FUNCTION, e.g. examples/adam.py:adam")
+    return path, func
+
+
+def _user_line(exc: BaseException, path: str) -> str:
+    """'file:line' of the innermost traceback frame inside the program file."""
+    target = os.path.abspath(path)
+    where = path
+    for frame in traceback.extract_tb(exc.__traceback__):
+        if os.path.abspath(frame.filename) == target:
+            where = f"{path}:{frame.lineno}"
+    return where
+
+
+def _describe(exc: BaseException, path: str) -> str:
+    where = _user_line(exc, path)
+    if isinstance(exc, AttributeError) and getattr(exc, "obj", None) is not None \
+            and getattr(exc.obj, "__name__", "") == "cocoweave":
+        return f"{where}: unknown operation `{exc.name}` (not part of the cocoweave DSL)"
+    return f"{where}: {type(exc).__name__}: {exc}"
+
+
+def load_module(path: str) -> ModuleType:
+    """Import a program file as a fresh module."""
+    if not os.path.isfile(path):
+        raise LoadError(f"{path}: no such program file")
+    with open(path, encoding="utf-8") as f:
+        source = f.read()
+    try:
+        compile(source, path, "exec")
+    except SyntaxError as e:
+        raise LoadError(f"{path}:{e.lineno}: syntax error: {e.msg}") from None
+    name = f"cocoweave_user_{abs(hash(os.path.abspath(path)))}"
+    spec = importlib.util.spec_from_file_location(name, path)
+    module = importlib.util.module_from_spec(spec)
+    sys.modules[name] = module
+    try:
+        spec.loader.exec_module(module)
+    except ProgramError:
+        raise
+    except Exception as e:  # the user's file failed while importing: say where
+        raise LoadError(_describe(e, path)) from None
+    return module
+
+
+def load_program(spec: str, sizes: Mapping[str, int] | None = None) -> Program:
+    """Build the Program that `FILE.py:FUNC` returns for the given sizes."""
+    path, func_name = split_spec(spec)
+    module = load_module(path)
+    func = getattr(module, func_name, None)
+    if not callable(func):
+        defined = sorted(n for n, f in vars(module).items()
+                         if inspect.isfunction(f) and f.__module__ == module.__name__)
+        raise LoadError(f"{path}: no function `{func_name}`; it defines: {', '.join(defined) or 'no functions'}")
+    params = inspect.signature(func).parameters
+    sizes = dict(sizes or {})
+    missing = [n for n, p in params.items() if p.default is inspect.Parameter.empty and n not in sizes]
+    if missing:
+        raise LoadError(f"{path}: `{func_name}` needs size `{missing[0]}`; pass --size {missing[0]}=...")
+    try:
+        program = func(**{n: s for n, s in sizes.items() if n in params})
+    except ProgramError:
+        raise
+    except Exception as e:
+        raise LoadError(_describe(e, path)) from None
+    if not isinstance(program, Program):
+        raise LoadError(f"{path}: `{func_name}` returned {type(program).__name__}, not a cocoweave Program")
+    unknown = [n for n in sizes if n not in params and n not in program.size_names()]
+    if unknown:
+        takes = list(params) + program.size_names()
+        raise LoadError(f"{path}: `{func_name}` has no size `{unknown[0]}`; it takes: {', '.join(takes) or 'none'}")
+    return program
+
+
+def symbolic_sizes(program: Program, sizes: Mapping[str, int]) -> dict[str, int]:
+    """The subset of `sizes` that binds the program's symbolic dimensions."""
+    return {n: sizes[n] for n in program.size_names() if n in sizes}

@@ -1,0 +1,74 @@
+"""Loading FILE.py:FUNC: every way a program file can be wrong gives one sentence with file and line."""
+
+import pytest
+
+from cocoweave.errors import LoadError, ProgramError
+from cocoweave.loader import load_program, parse_sizes
+
+GOOD = """import cocoweave as cw
+
+def prog(N, M=3):
+    p = cw.Program("good")
+    x = p.tensor("x", (N, M), "float32", cw.Local)
+    p.output(cw.all_reduce(x))
+    return p
+
+def symbolic():
+    p = cw.Program("sym")
+    p.output(p.tensor("x", ("K",), "float32") * 2)
+    return p
+"""
+
+
+def write(tmp_path, text, name="prog.py"):
+    f = tmp_path / name
+    f.write_text(text)
+    return str(f)
+
+
+def test_loads_with_sizes(tmp_path):
+    path = write(tmp_path, GOOD)
+    p = load_program(f"{path}:prog", {"N": 5})
+    assert p.name == "good" and p.inputs["x"].shape == (5, 3)
+    assert load_program(f"{path}:symbolic", {"K": 4}).size_names() == ["K"]
+
+
+@pytest.mark.parametrize("text, spec_func, sizes, pattern", [
+    ("def f(:\n", "f", {}, r"prog.py:1: syntax error"),
+    (GOOD, "nope", {}, r"prog.py: no function `nope`; it defines: prog, symbolic"),
+    (GOOD, "prog", {}, r"`prog` needs size `N`; pass --size N=..."),
+    (GOOD, "prog", {"N": 2, "Q": 1}, r"`prog` has no size `Q`; it takes: N, M"),
+    ("import cocoweave as cw\n\ndef f():\n    p = cw.Program('x')\n    cw.frobnicate(p)\n", "f", {},
+     r"prog.py:5: unknown operation `frobnicate`"),
+    ("def f():\n    return 1 / 0\n", "f", {}, r"prog.py:2: ZeroDivisionError: division by zero"),
+    ("def f():\n    return 42\n", "f", {}, r"`f` returned int, not a cocoweave Program"),
+    ("raise RuntimeError('boom')\n", "f", {}, r"prog.py:1: RuntimeError: boom"),
+])
+def test_bad_program_files(tmp_path, text, spec_func, sizes, pattern):
+    path = write(tmp_path, text)
+    with pytest.raises(LoadError, match=pattern):
+        load_program(f"{path}:{spec_func}", sizes)
+
+
+def test_layout_violation_names_the_line(tmp_path):
+    text = ("import cocoweave as cw\n\ndef f():\n    p = cw.Program('x')\n"
+            "    a = p.tensor('a', (4,), 'float32', cw.Sliced(0))\n"
+            "    b = p.tensor('b', (4,), 'float32', cw.Local)\n    return p.output(a + b)\n")
+    path = write(tmp_path, text)
+    with pytest.raises(ProgramError, match=r"prog.py:7: add\(.*Local operand cannot combine"):
+        load_program(f"{path}:f")
+
+
+def test_missing_file_and_bad_spec(tmp_path):
+    with pytest.raises(LoadError, match="no such program file"):
+        load_program(f"{tmp_path}/none.py:f")
+    with pytest.raises(LoadError, match="must be FILE.py:FUNCTION"):
+        load_program("examples/adam.py")
+
+
+def test_parse_sizes():
+    assert parse_sizes(["N=1_024", "B=2,S=3"]) == {"N": 1024, "B": 2, "S": 3}
+    with pytest.raises(LoadError, match="must look like NAME=INT"):
+        parse_sizes(["N"])
+    with pytest.raises(LoadError, match="size N must be an integer"):
+        parse_sizes(["N=x"])
