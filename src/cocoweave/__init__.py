@@ -39,6 +39,7 @@ from .ir.ops import (
     reduce_scatter,
     rsqrt,
     send,
+    slice,
     sqrt,
     sub,
     sum,
@@ -52,5 +53,5 @@ __all__ = [
     "WORLD", "Group", "Local", "Program", "Replicated", "Sliced", "Value", "errors",
     "abs", "add", "all_gather", "all_reduce", "broadcast", "cast", "div", "dropout", "eq", "exp", "ge", "gt",
     "layer_norm", "le", "lt", "matmul", "max", "maximum", "min", "minimum", "mul", "ne", "neg", "norm", "pow",
-    "recv", "reduce", "reduce_scatter", "rsqrt", "send", "sqrt", "sub", "sum", "update", "where",
+    "recv", "reduce", "reduce_scatter", "rsqrt", "slice", "send", "sqrt", "sub", "sum", "update", "where",
 ]

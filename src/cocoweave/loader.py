@@ -10,6 +10,7 @@ import os
 import sys
 import traceback
 from collections.abc import Mapping
+from pathlib import Path
 from types import ModuleType
 
 from .errors import LoadError, ProgramError
@@ -112,3 +113,13 @@ def load_program(spec: str, sizes: Mapping[str, int] | None = None) -> Program:
 def symbolic_sizes(program: Program, sizes: Mapping[str, int]) -> dict[str, int]:
     """The subset of `sizes` that binds the program's symbolic dimensions."""
     return {n: sizes[n] for n in program.size_names() if n in sizes}
+
+
+def examples_dir() -> Path:
+    """The repository's examples/ folder (next to src/)."""
+    return Path(__file__).resolve().parents[2] / "examples"
+
+
+def load_example(spec: str, **sizes: int) -> Program:
+    """An example program by `FILE.py:FUNC` relative to examples/, e.g. load_example("adam.py:adam", N=8)."""
+    return load_program(str(examples_dir() / spec), sizes)

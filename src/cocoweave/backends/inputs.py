@@ -129,3 +129,23 @@ def gather_logical(v: Value, parts: Sequence[torch.Tensor]) -> torch.Tensor:
     if v.layout.is_local:
         return torch.stack(list(parts))
     return parts[0]
+
+
+def reshard_inputs(program: Program, inputs: Sequence[RankInputs], names: Sequence[str],
+                   sizes: Mapping[str, int]) -> list[RankInputs]:
+    """Inputs given in the original layouts, adapted to `program` (a scheduled version) for the
+    tensors `names` it stores sliced (as_slice): each rank keeps its part of the whole tensor.
+    Tensors already given sliced are left as they are."""
+    world = len(inputs)
+    out = [dict(i) for i in inputs]
+    for name in names:
+        v = program.inputs[name]
+        ranks = v.group.ranks(world)
+        full = bind_shape(v.shape, sizes)[v.layout.dim]
+        for gr, r in enumerate(ranks):
+            t = inputs[r].get(name)
+            if not isinstance(t, torch.Tensor) or t.ndim != v.ndim or t.shape[v.layout.dim] != full or world == 1:
+                continue  # missing, malformed (check_inputs says so) or already sliced
+            start, stop = slice_bounds(t.shape[v.layout.dim], len(ranks), gr)
+            out[r][v.name] = t.narrow(v.layout.dim, start, stop - start).clone()
+    return out

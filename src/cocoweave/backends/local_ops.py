@@ -27,6 +27,7 @@ class RankContext:
     group_rank: int
     group_size: int
     sizes: Mapping[str, int]
+    chunk: tuple[int, int, int, int] | None = None  # (dim, ndim of the chain, start, length) when chunked
 
 
 def align(arg: Value, t: Any, out: Value, ctx: RankContext) -> Any:
@@ -37,8 +38,12 @@ def align(arg: Value, t: Any, out: Value, ctx: RankContext) -> Any:
     j = out.layout.dim - (out.ndim - arg.ndim)
     if j < 0 or t.shape[j] == 1:
         return t
-    start, stop = slice_bounds(t.shape[j], ctx.group_size, ctx.group_rank)
-    return t.narrow(j, start, stop - start)
+    return _own_part(t, j, ctx)
+
+
+def _own_part(t: torch.Tensor, dim: int, ctx: RankContext) -> torch.Tensor:
+    start, stop = slice_bounds(t.shape[dim], ctx.group_size, ctx.group_rank)
+    return t.narrow(dim, start, stop - start)
 
 
 def _up(t: Any) -> Any:
@@ -71,7 +76,12 @@ def dropout_index(v: Value, local_shape: tuple[int, ...], ctx: RankContext, devi
         d = x.layout.dim
         start, stop = slice_bounds(full[d], ctx.group_size, ctx.group_rank)
         idx = idx.narrow(d, start, stop - start)
-    assert tuple(idx.shape) == tuple(local_shape)
+    if ctx.chunk is not None:
+        dim, nd, start, length = ctx.chunk
+        j = dim - (nd - x.ndim)
+        if j >= 0 and idx.shape[j] != 1:
+            idx = idx.narrow(j, start, length)
+    assert tuple(idx.shape) == tuple(local_shape), (idx.shape, local_shape)
     return idx
 
 
@@ -81,7 +91,7 @@ def compute(v: Value, args: list[Any], ctx: RankContext) -> Any:
     if op == "const":
         return torch.tensor(v.attrs["value"], dtype=torch.float64 if isinstance(v.attrs["value"], float)
                             else torch.int64)
-    if op != "matmul":  # elementwise-style operands line up with the result's slice
+    if op not in ("matmul", "slice"):  # elementwise-style operands line up with the result's slice
         args = [align(a, t, v, ctx) for a, t in zip(v.args, args)]
     if op in _BINARY:
         return _finish(v, _BINARY[op](_up(args[0]), _up(args[1])))
@@ -92,6 +102,8 @@ def compute(v: Value, args: list[Any], ctx: RankContext) -> Any:
         return _finish(v, _UNARY[op](_up(x)))
     if op == "cast":
         return args[0].to(DTYPES[v.dtype])
+    if op == "slice":
+        return _own_part(args[0], v.attrs["dim"], ctx)
     if op == "where":
         return _finish(v, torch.where(args[0], _up(args[1]), _up(args[2])))
     if op == "dropout":

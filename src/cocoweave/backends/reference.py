@@ -15,7 +15,10 @@ import torch
 from ..errors import InputError
 from ..ir.graph import Program, Value
 from ..ir.layout import slice_bounds
-from .inputs import RankInputs, bound_sizes, check_inputs
+from ..ir.types import bind_shape
+from ..plan import Chunked, Plan, PlanStage, lower
+from ..schedule.schedule import Schedule
+from .inputs import RankInputs, bound_sizes, check_inputs, reshard_inputs
 from .local_ops import HALF, RankContext, compute
 
 ADASUM_EPS = 1e-30  # squared norms below this keep the coefficient at 1 (no division by ~0)
@@ -101,49 +104,112 @@ def _start_len(size: int, parts: int, index: int) -> tuple[int, int]:
 
 
 # -- driver -----------------------------------------------------------------------------------
-def run(program: Program, inputs: Sequence[RankInputs], sizes: Mapping[str, int] | None = None) -> list[RankResult]:
-    """Run `program` for len(inputs) ranks; returns each rank's outputs and updated state."""
+Target = Program | Schedule | Plan
+
+
+def run(target: Target, inputs: Sequence[RankInputs], sizes: Mapping[str, int] | None = None,
+        whole_state: bool = False) -> list[RankResult]:
+    """Run a program, schedule or plan for len(inputs) ranks; returns each rank's outputs and updated
+    state. Inputs are given in the program's original layouts (tensors a schedule stores sliced are
+    sliced here). With `whole_state`, sliced state comes back whole on every rank."""
+    plan = target if isinstance(target, Plan) else lower(target)
+    program = plan.program
     world = len(inputs)
     sizes = bound_sizes(program, sizes)
     for g in program.groups:
         g.ranks(world)  # raises if the world does not split into the program's stages
+    inputs = reshard_inputs(program, inputs, plan.sliced_state, sizes)
     check_inputs(program, inputs, sizes)
     env: dict[Value, list[Any]] = {}
     for v in program.values:
+        if v.op in ("input", "scalar", "const"):
+            env[v] = _evaluate(v, env, inputs, sizes, world)
+    for v in plan.host:
         env[v] = _evaluate(v, env, inputs, sizes, world)
+    for stage in plan.stages:
+        _run_stage(stage, env, inputs, sizes, world)
     results = [RankResult() for _ in range(world)]
-    for name, v in program.outputs:
+    for name, v in plan.outputs:
         for r, t in enumerate(env[v]):
             if t is not None:
                 results[r].outputs[name] = t
-    for name, v in program.updates.items():
-        for r, t in enumerate(env[v]):
+    for name, v in plan.state.items():
+        parts = env[v]
+        if whole_state and v.layout.is_sliced:
+            ranks = v.group.ranks(world)
+            full = torch.cat([parts[r] for r in ranks], dim=v.layout.dim)
+            parts = [full.clone() if r in ranks else None for r in range(world)]
+        for r, t in enumerate(parts):
             if t is not None:
                 results[r].state[name] = t
     return results
 
 
-def _evaluate(v: Value, env: dict[Value, list[Any]], inputs: Sequence[RankInputs], sizes: Mapping[str, int],
-              world: int) -> list[Any]:
+def _get(env: Mapping[Value, list[Any]], a: Value) -> list[Any]:
+    """An updated state reads as its new value (updates are written in place, not computed)."""
+    return env[a.args[1]] if a.op == "update" else env[a]
+
+
+def _run_stage(stage: PlanStage, env: dict[Value, list[Any]], inputs: Sequence[RankInputs],
+               sizes: Mapping[str, int], world: int) -> None:
+    if isinstance(stage, Chunked):
+        _run_chunked(stage, env, inputs, sizes, world)
+        return
+    for v in stage.values:  # a fused collective is RS, its kernel, then the AGs: the same values in order
+        env[v] = _evaluate(v, env, inputs, sizes, world)
+
+
+def _run_chunked(stage: Chunked, env: dict[Value, list[Any]], inputs: Sequence[RankInputs],
+                 sizes: Mapping[str, int], world: int) -> None:
+    """Run the chain chunk by chunk along stage.dim, then concatenate each value's chunks."""
+    nd, dim = stage.values[0].ndim, stage.dim
+    size = bind_shape(stage.values[0].shape, sizes)[dim]  # the chunk dimension is never sliced
+    inside = {id(v) for v in stage.values}
+    pieces: dict[Value, list[list[Any]]] = {v: [] for v in stage.values}
+    for k in range(stage.chunks):
+        start, stop = slice_bounds(size, stage.chunks, k)
+        cenv: dict[Value, list[Any]] = {}
+        for v in stage.values:
+            operands: dict[Value, list[Any]] = {}
+            for i, a in enumerate(v.args):
+                if id(a) in inside:
+                    operands[a] = cenv[a]
+                elif a.is_scalar or (v.op == "matmul" and i == 1) or dim - (nd - a.ndim) < 0:
+                    operands[a] = _get(env, a)
+                else:
+                    j = dim - (nd - a.ndim)
+                    operands[a] = [t if t is None or t.shape[j] == 1 else _chunk(t, j, stage.chunks, k)
+                                   for t in _get(env, a)]
+            cenv[v] = _evaluate(v, operands, inputs, sizes, world, chunk=(dim, nd, start, stop - start))
+            pieces[v].append(cenv[v])
+    for v, chunks in pieces.items():
+        env[v] = [None if chunks[0][r] is None else torch.cat([c[r] for c in chunks], dim=dim) for r in range(world)]
+
+
+def _chunk(t: torch.Tensor, dim: int, chunks: int, k: int) -> torch.Tensor:
+    start, stop = slice_bounds(t.shape[dim], chunks, k)
+    return t.narrow(dim, start, stop - start)
+
+
+def _evaluate(v: Value, env: Mapping[Value, list[Any]], inputs: Sequence[RankInputs], sizes: Mapping[str, int],
+              world: int, chunk: tuple[int, int, int, int] | None = None) -> list[Any]:
     """Per-world-rank values of `v` (None on ranks outside its process group)."""
     if v.op == "scalar":
         s = inputs[0][v.name]
         return [torch.as_tensor(s, dtype=torch.float64).reshape(())] * world
     if v.is_scalar:
-        val = compute(v, [env[a][0] for a in v.args], RankContext(0, 1, sizes))
+        val = compute(v, [_get(env, a)[0] for a in v.args], RankContext(0, 1, sizes))
         return [val] * world
     ranks = v.group.ranks(world)
     out: list[Any] = [None] * world
     if v.op == "input":
         for r in ranks:
             out[r] = inputs[r][v.name]
-    elif v.op == "update":
-        out = list(env[v.args[1]])
     elif v.op in ("all_reduce", "reduce_scatter", "all_gather", "broadcast", "reduce", "send"):
         src = v.args[0].group.ranks(world)
-        for r, t in zip(ranks, collective(v, [env[v.args[0]][s] for s in src])):
+        for r, t in zip(ranks, collective(v, [_get(env, v.args[0])[s] for s in src])):
             out[r] = t
     else:
         for gr, r in enumerate(ranks):
-            out[r] = compute(v, [env[a][r] for a in v.args], RankContext(gr, len(ranks), sizes))
+            out[r] = compute(v, [_get(env, a)[r] for a in v.args], RankContext(gr, len(ranks), sizes, chunk))
     return out

@@ -9,6 +9,7 @@ import typer
 from .. import __version__
 from .demo import demo
 from .program_commands import run, show
+from .schedule_commands import check, schedules
 
 app = typer.Typer(help="cocoweave: write a distributed workload once; rewrite, check, run and tune it.",
                   no_args_is_help=True, add_completion=False, pretty_exceptions_enable=False)
@@ -28,6 +29,8 @@ def _root(version: Annotated[bool, typer.Option("--version", callback=_version, 
 
 app.command()(show)
 app.command()(run)
+app.command()(schedules)
+app.command()(check)
 app.command()(demo)
 
 

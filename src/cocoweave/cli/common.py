@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import functools
+import os
 from collections.abc import Callable
 from typing import Any
 
@@ -16,6 +17,7 @@ err_console = Console(stderr=True)
 
 EXIT_USAGE = 2  # bad input: the user can fix it
 EXIT_MISMATCH = 1  # a check found a difference
+EXIT_INTERNAL = 3  # a bug in cocoweave
 
 
 def fail(message: str, code: int = EXIT_USAGE) -> typer.Exit:
@@ -33,5 +35,12 @@ def user_errors(fn: Callable[..., Any]) -> Callable[..., Any]:
             return fn(*args, **kwargs)
         except CocoweaveError as e:
             raise fail(str(e)) from None
+        except (typer.Exit, typer.Abort, KeyboardInterrupt):
+            raise
+        except Exception as e:  # a bug of ours: one line, the traceback only on request
+            if os.environ.get("COCOWEAVE_DEBUG"):
+                raise
+            raise fail(f"internal error: {type(e).__name__}: {e} (set COCOWEAVE_DEBUG=1 for the traceback; "
+                       "please report it)", EXIT_INTERNAL) from None
 
     return wrapper

@@ -4,7 +4,6 @@ backend at world size 4 and print what they compute."""
 from __future__ import annotations
 
 import time
-from pathlib import Path
 from typing import Annotated
 
 import typer
@@ -12,7 +11,7 @@ from rich.table import Table
 
 from ..backends import reference
 from ..backends.inputs import make_inputs
-from ..loader import load_program
+from ..loader import examples_dir, load_program
 from .common import console, user_errors
 from .program_commands import summarize
 
@@ -22,11 +21,6 @@ WORKLOADS = [
     ("pipeline_parallel.py:boundary", {"B": 4, "S": 64, "H": 256}),
     ("lamb.py:lamb", {"N": 1 << 16}),
 ]
-
-
-def examples_dir() -> Path:
-    """The repository's examples/ folder (next to src/)."""
-    return Path(__file__).resolve().parents[3] / "examples"
 
 
 @user_errors

@@ -22,11 +22,22 @@ SpecArg = Annotated[str, typer.Argument(help="A program: FILE.py:FUNCTION.")]
 
 
 @user_errors
-def show(spec: SpecArg, size: SizeOpt = None) -> None:
-    """Print a program: one line per operation, with layouts and shapes, and its fingerprint."""
+def show(spec: SpecArg, size: SizeOpt = None,
+         schedule: Annotated[str | None, typer.Option(help="Show this schedule (see `cocoweave schedules`).")]
+         = None) -> None:
+    """Print a program (one line per operation, with layouts and shapes), or one of its schedules
+    with its steps, stages, rewritten program and plan."""
     program = load_program(spec, parse_sizes(size))
-    console.print(str(program), highlight=False, markup=False)
-    console.print(f"fingerprint {program.fingerprint()}", style="dim")
+    if schedule is None:
+        console.print(str(program), highlight=False, markup=False)
+        console.print(f"fingerprint {program.fingerprint()}", style="dim")
+        return
+    from ..plan import lower
+    from .schedule_commands import select
+
+    s = select(program, schedule)[0]
+    console.print(str(s), highlight=False, markup=False)
+    console.print(str(lower(s)), highlight=False, markup=False)
 
 
 def summarize(program: Program, results: list[reference.RankResult], world_size: int) -> list[dict]:

@@ -110,6 +110,9 @@ class Value:
     def __hash__(self) -> int:
         return id(self)
 
+    def _repr_pretty_(self, printer: Any, cycle: bool) -> None:  # compact in hypothesis / IPython output
+        printer.text(repr(self))
+
     def __bool__(self) -> bool:
         raise ProgramError(
             f"`{self.name}` is a program value and has no truth value while the program is built; "
@@ -182,6 +185,12 @@ class Program:
     outputs: list[tuple[str, Value]] = field(default_factory=list)
     updates: dict[str, Value] = field(default_factory=dict)  # state input name -> update value
     groups: tuple[Group, ...] = (WORLD,)
+
+    def __repr__(self) -> str:
+        return f"<Program {self.name}: {len(self.values)} values>\n{self}"
+
+    def _repr_pretty_(self, printer: Any, cycle: bool) -> None:
+        printer.text(repr(self))
 
     # -- declaring inputs ---------------------------------------------------------------------
     def tensor(self, name: str, shape: Iterable[Dim], dtype: str = "float32",

@@ -481,3 +481,57 @@ def update(state: Value, value: Any) -> Value:
                      name=f"{state.name}'")
     program.updates[state.name] = v
     return v
+
+
+# -- local re-layout --------------------------------------------------------------------------
+def slice(x: Value, dim: int = 0) -> Value:  # noqa: A001 - the DSL's name
+    """Keep this rank's part of a Replicated tensor along `dim` (Sliced(dim)); no communication."""
+    x = _tensor_operand("slice", x)
+    if not x.layout.is_replicated:
+        raise _fail("slice", (x,), f"needs a Replicated operand, got {x.layout!r}")
+    d = _norm_dims("slice", x, dim)[0]
+    return x.program._add("slice", (x,), {"dim": d}, x.dtype, x.shape, Sliced(d), x.group)
+
+
+COMPUTATIONS = ELEMENTWISE + REDUCTIONS + ("layer_norm", "slice", "const")
+
+
+def make(program: Program, op: str, args: Sequence[Value], attrs: dict[str, Any]) -> Value:
+    """Apply operation `op` of another program's value to new operands (used by rewrites, which
+    rebuild programs through the checked constructors so every rewrite is type-checked again)."""
+    a = attrs
+    if op in ELEMENTWISE_BINARY or op in COMPARISONS:
+        return globals()[op](*args)
+    if op in ("neg", "sqrt", "rsqrt", "exp", "abs"):
+        return globals()[op](args[0])
+    if op == "cast":
+        return cast(args[0], a["dtype"])
+    if op == "where":
+        return where(*args)
+    if op == "dropout":
+        return dropout(args[0], a["p"], a["seed"] if a["seed"] is not None else args[1])
+    if op in REDUCTIONS:
+        return globals()[op](args[0], a["dims"], a["keepdim"])
+    if op == "matmul":
+        return matmul(*args)
+    if op == "layer_norm":
+        w = args[1] if a["has_weight"] else None
+        b = args[1 + a["has_weight"]] if a["has_bias"] else None
+        return layer_norm(args[0], w, b, a["eps"])
+    if op == "slice":
+        return slice(args[0], a["dim"])
+    if op == "all_reduce":
+        return all_reduce(args[0], a["op"])
+    if op == "reduce_scatter":
+        return reduce_scatter(args[0], a["op"], a["dim"])
+    if op == "all_gather":
+        return all_gather(args[0])
+    if op == "broadcast":
+        return broadcast(args[0], a["root"])
+    if op == "reduce":
+        return reduce(args[0], a["op"], a["root"])
+    if op == "send":
+        return send(args[0], next(g for g in program.groups if g.name == a["to"]))
+    if op == "update":
+        return update(args[0], args[1])
+    raise ProgramError(f"cannot rebuild operation {op!r}")

@@ -1,0 +1,145 @@
+"""Every legal schedule of a program, by CoCoNet's recipe, deduplicated.
+
+1. The program as written (eager computation: `c`).
+2. Rewrites: none; split every AllReduce; split + reorder; + as_slice of the internal state
+   (state whose new value other computations read, like Adam's m and v) and of all sliceable state.
+3. Groupings on each rewrite: fuse every computation stage into one kernel (`C`); fuse
+   ReduceScatter + computation + AllGather; overlap matmul -> collective (-> epilogue) chains and
+   collective -> computation -> send chains with 2, 4 or 8 chunks.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+
+from ..errors import ScheduleError
+from ..ir.graph import Program
+from .as_slice import sliced_dim
+from .schedule import Schedule
+from .stages import Stage, value
+
+CHUNKS = (2, 4, 8)
+
+
+def _try(build: Callable[[], Schedule]) -> Schedule | None:
+    try:
+        return build()
+    except ScheduleError:
+        return None
+
+
+def _rewrites(program: Program) -> list[Schedule]:
+    """The program, then split, split + reorder and the as_slice variants, where legal."""
+    out = [Schedule(program)]
+    ars = [v.name for v in program.values if v.op == "all_reduce" and v.attrs["op"] != "adasum" and v.ndim > 0]
+    if not ars:
+        return out
+
+    def split_all(reorder: bool) -> Schedule:
+        s = Schedule(program)
+        for ar in ars:
+            _, ag = s.split(ar)
+            if reorder:
+                s.reorder(ag)
+        return s
+
+    split = _try(lambda: split_all(False))
+    reordered = _try(lambda: split_all(True))
+    out += [s for s in (split, reordered) if s is not None]
+    if reordered is None:
+        return out
+    sliceable = [n for n in reordered.program.updates if _try_dim(reordered.program, n)]
+    users = program.users()  # internal state: its new value is read by other computations (Adam's m, v)
+    internal = [n for n in sliceable if users[program.updates[n]]]
+    for names in ([internal] if internal and internal != sliceable else []) + ([sliceable] if sliceable else []):
+        s = _try(lambda names=names: _with_slices(program, reordered.steps, names))
+        if s is not None:
+            out.append(s)
+    return out
+
+
+def _try_dim(program: Program, name: str) -> bool:
+    try:
+        sliced_dim(program, name)
+        return True
+    except ScheduleError:
+        return False
+
+
+def _with_slices(program: Program, steps: list[dict], names: list[str]) -> Schedule:
+    s = Schedule.replay(program, steps)
+    s.as_slice(*names)
+    return s
+
+
+def _fuse_computations(s: Schedule) -> Schedule:
+    for stage in [x for x in s.stages if x.kind == "compute"]:
+        s.fuse(stage)
+    return s
+
+
+def _fuse_collectives(s: Schedule) -> Schedule | None:
+    """Fuse each RS, C, AG... run of stages into one stage; None if there is none."""
+    stages, changed, i = s.stages, False, 0
+    while i < len(stages):
+        run = _rs_c_ag(s, stages, i)
+        if run:
+            s.fuse(*run)
+            stages, changed = s.stages, True
+        i += 1
+    return s if changed else None
+
+
+def _rs_c_ag(s: Schedule, stages: list[Stage], i: int) -> list[Stage] | None:
+    op = lambda st: value(s.program, st.anchor).op  # noqa: E731
+    if stages[i].kind != "collective" or op(stages[i]) != "reduce_scatter" or i + 2 >= len(stages):
+        return None
+    if stages[i + 1].kind != "compute":
+        return None
+    j = i + 2
+    while j < len(stages) and stages[j].kind == "collective" and op(stages[j]) == "all_gather":
+        j += 1
+    return stages[i:j] if j > i + 2 else None
+
+
+def _chains(s: Schedule) -> list[list[Stage]]:
+    """Producer/consumer chains worth overlapping: MM -> collective (-> C), and
+    collective -> C -> P2P."""
+    st, out = s.stages, []
+    for i, x in enumerate(st):
+        if x.kind == "matmul" and i + 1 < len(st) and st[i + 1].kind in ("collective", "fused"):
+            out.append(st[i:i + 2])
+            if i + 2 < len(st) and st[i + 2].kind == "compute":
+                out.append(st[i:i + 3])
+        if x.kind == "p2p" and i >= 2 and st[i - 1].kind == "compute" and st[i - 2].kind in ("collective", "fused"):
+            out.append(st[i - 2:i + 1])
+    return out
+
+
+def enumerate_schedules(program: Program) -> list[Schedule]:
+    """Every legal schedule of `program` by CoCoNet's recipe, deduplicated, the program as written first."""
+    found: dict[str, Schedule] = {}
+
+    def add(s: Schedule | None) -> None:
+        if s is not None:
+            found.setdefault(s.name, s)
+
+    for rewrite in _rewrites(program):
+        if not rewrite.steps:
+            add(rewrite)  # the program as written: the baseline
+        steps = rewrite.steps
+        bases = [_fuse_computations(Schedule.replay(program, steps))]
+        bases.append(_try(lambda steps=steps: _fuse_collectives(_fuse_computations(Schedule.replay(program, steps)))))
+        for base in [b for b in bases if b is not None]:
+            add(base)
+            for chain in _chains(base):
+                for n in CHUNKS:
+                    refs = [c.anchor for c in chain]
+                    add(_try(lambda base=base, refs=refs, n=n: _overlapped(program, base, refs, n)))
+    return list(found.values())
+
+
+def _overlapped(program: Program, base: Schedule, refs: list[str], chunks: int) -> Schedule:
+    s = Schedule.replay(program, base.steps)
+    s.overlap(*refs, chunks=chunks)
+    return s
