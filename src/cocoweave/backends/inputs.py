@@ -89,36 +89,44 @@ def check_inputs(program: Program, inputs: Sequence[RankInputs], sizes: Mapping[
         raise InputError(f"program `{program.name}`: inputs for at least one rank are needed")
     devices = set()
     for r, given in enumerate(inputs):
-        expected = {v.name for v in program.scalar_inputs}
-        for v in program.tensor_inputs:
-            if r in v.group.ranks(world_size):
-                expected.add(v.name)
-        missing = sorted(expected - set(given))
-        extra = sorted(set(given) - expected)
-        if missing:
-            raise InputError(f"rank {r}: input `{missing[0]}` of program `{program.name}` is missing")
-        if extra:
-            raise InputError(f"rank {r}: `{extra[0]}` is not an input of program `{program.name}` on this rank")
-        for v in program.tensor_inputs:
-            if v.name not in given:
-                continue
-            t = given[v.name]
-            gr = v.group.ranks(world_size).index(r)
-            want = local_shape(v, sizes, gr, v.group.size(world_size))
-            if not isinstance(t, torch.Tensor):
-                raise InputError(f"rank {r}: input `{v.name}` must be a torch.Tensor, got {type(t).__name__}")
-            if tuple(t.shape) != want:
-                raise InputError(f"rank {r}: input `{v.name}` has shape {list(t.shape)}, expected {list(want)} "
-                                 f"(its {v.layout!r} part of {list(bind_shape(v.shape, sizes))})")
-            if t.dtype != DTYPES[v.dtype]:
-                raise InputError(f"rank {r}: input `{v.name}` is {t.dtype}, expected {DTYPES[v.dtype]}")
-            devices.add(t.device)
-        for v in program.scalar_inputs:
-            s = given[v.name]
-            if isinstance(s, torch.Tensor) and s.numel() != 1 or not isinstance(s, int | float | torch.Tensor):
-                raise InputError(f"rank {r}: scalar `{v.name}` must be a number, got {s!r}")
+        devices |= check_rank_inputs(program, r, world_size, given, sizes)
     if len(devices) > 1:
         raise InputError(f"program `{program.name}`: inputs are on several devices: {sorted(map(str, devices))}")
+
+
+def check_rank_inputs(program: Program, r: int, world_size: int, given: RankInputs,
+                      sizes: Mapping[str, int]) -> set:
+    """Rank r's inputs are exactly the program's, with its local shapes and dtypes; returns their devices."""
+    devices = set()
+    expected = {v.name for v in program.scalar_inputs}
+    for v in program.tensor_inputs:
+        if r in v.group.ranks(world_size):
+            expected.add(v.name)
+    missing = sorted(expected - set(given))
+    extra = sorted(set(given) - expected)
+    if missing:
+        raise InputError(f"rank {r}: input `{missing[0]}` of program `{program.name}` is missing")
+    if extra:
+        raise InputError(f"rank {r}: `{extra[0]}` is not an input of program `{program.name}` on this rank")
+    for v in program.tensor_inputs:
+        if v.name not in given:
+            continue
+        t = given[v.name]
+        gr = v.group.ranks(world_size).index(r)
+        want = local_shape(v, sizes, gr, v.group.size(world_size))
+        if not isinstance(t, torch.Tensor):
+            raise InputError(f"rank {r}: input `{v.name}` must be a torch.Tensor, got {type(t).__name__}")
+        if tuple(t.shape) != want:
+            raise InputError(f"rank {r}: input `{v.name}` has shape {list(t.shape)}, expected {list(want)} "
+                             f"(its {v.layout!r} part of {list(bind_shape(v.shape, sizes))})")
+        if t.dtype != DTYPES[v.dtype]:
+            raise InputError(f"rank {r}: input `{v.name}` is {t.dtype}, expected {DTYPES[v.dtype]}")
+        devices.add(t.device)
+    for v in program.scalar_inputs:
+        s = given[v.name]
+        if isinstance(s, torch.Tensor) and s.numel() != 1 or not isinstance(s, int | float | torch.Tensor):
+            raise InputError(f"rank {r}: scalar `{v.name}` must be a number, got {s!r}")
+    return devices
 
 
 def gather_logical(v: Value, parts: Sequence[torch.Tensor]) -> torch.Tensor:

@@ -1,0 +1,157 @@
+"""One rank's compiled schedule: the generated step function (cached on disk, readable), its
+buffers, its process groups and the state it keeps sliced between calls."""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import os
+import tempfile
+from collections.abc import Mapping
+from pathlib import Path
+from typing import Any
+
+import torch
+import torch.distributed as dist
+
+from ...errors import BackendError, InputError
+from ...ir.graph import Program
+from ...ir.layout import slice_bounds
+from ...ir.types import bind_shape
+from ...plan.plan import Plan
+from ..inputs import RankInputs, bound_sizes, check_rank_inputs, local_shape
+from ..local_ops import RankContext as LocalContext
+from ..local_ops import dropout_index
+from ..reference import RankResult
+from .codegen import generate
+from .runtime import RankContext
+
+_GROUPS: dict[tuple[int, ...], Any] = {}
+
+
+def cache_dir() -> Path:
+    """Where generated modules are kept: $COCOWEAVE_CACHE or ~/.cache/cocoweave/plans."""
+    return Path(os.environ.get("COCOWEAVE_CACHE", Path.home() / ".cache" / "cocoweave")) / "plans"
+
+
+def write_source(source: str, key: str) -> Path:
+    """Write generated source once, atomically (a crash never leaves half a module)."""
+    path = cache_dir() / f"{key}.py"
+    if path.exists() and path.read_text() == source:
+        return path
+    path.parent.mkdir(parents=True, exist_ok=True)
+    fd, tmp = tempfile.mkstemp(dir=path.parent, suffix=".tmp")
+    with os.fdopen(fd, "w") as f:
+        f.write(source)
+    os.replace(tmp, path)
+    return path
+
+
+def process_groups(program: Program, world_size: int) -> dict[str, Any]:
+    """torch.distributed groups of the program's stages. Every rank creates every group, in the
+    same order (new_group is collective); groups are shared by all executables of a process."""
+    if len(program.groups) == 1:
+        return {program.groups[0].name: None}
+    out = {}
+    for g in program.groups:
+        ranks = tuple(g.ranks(world_size))
+        if ranks not in _GROUPS:
+            _GROUPS[ranks] = dist.new_group(list(ranks))
+        out[g.name] = _GROUPS[ranks]
+    return out
+
+
+class Executable:
+    """Runs one rank's part of a plan inside an initialised torch.distributed process group."""
+
+    def __init__(self, plan: Plan, rank: int, world_size: int, sizes: Mapping[str, int] | None = None,
+                 device: str | torch.device = "cpu", kernels: str = "auto"):
+        self.plan, self.rank, self.world_size = plan, rank, world_size
+        self.program = plan.program
+        self.sizes = bound_sizes(self.program, sizes)
+        self.device = torch.device(device)
+        for g in self.program.groups:
+            g.ranks(world_size)
+        fused = self._fused_kernels(kernels)
+        self.source = generate(plan, rank, world_size, self.sizes, fused)
+        key = hashlib.sha256(json.dumps([plan.fingerprint, rank, world_size, self.sizes, sorted(fused)]).encode())
+        key = key.hexdigest()[:16]
+        self.path = write_source(self.source, f"{plan.fingerprint}-r{rank}-w{world_size}-{key}")
+        namespace: dict[str, Any] = {}
+        exec(compile(self.source, str(self.path), "exec"), namespace)  # noqa: S102 - our own generated code
+        self._step = namespace["step"]
+        backend = dist.get_backend() if dist.is_initialized() else "gloo"
+        if world_size > 1 and not dist.is_initialized():
+            raise BackendError(f"rank {rank}: torch.distributed is not initialised; start ranks with "
+                               "`cocoweave run --backend torch` or torchrun, or call cocoweave.launch.init_from_env()")
+        self.ctx = RankContext(rank, world_size, process_groups(self.program, world_size) if world_size > 1 else
+                               {g.name: None for g in self.program.groups}, self.device, self._dropout_indices(),
+                               backend)
+        self.ctx.kernels = dict(fused)
+        self.kept: dict[str, torch.Tensor] = {}  # state the schedule stores sliced, between calls
+
+    def _fused_kernels(self, kernels: str) -> dict[int, Any]:
+        """Generated Triton kernels for fused computation stages: on CUDA by default ("auto"), on any
+        device with "triton" (CPU runs them under TRITON_INTERPRET=1), never with "torch"."""
+        if kernels not in ("auto", "triton", "torch"):
+            raise BackendError(f"kernels must be 'auto', 'triton' or 'torch', got {kernels!r}")
+        if kernels == "torch" or (kernels == "auto" and self.device.type != "cuda"):
+            return {}
+        try:
+            from ...kernels.codegen import build_fused_kernels
+        except ImportError:  # Triton is not installed: torch ops compute every stage
+            return {}
+        return build_fused_kernels(self.plan, self.rank, self.world_size, self.sizes, self.device)
+
+    def _dropout_indices(self) -> dict[str, torch.Tensor]:
+        out = {}
+        for v in self.program.values:
+            if v.op == "dropout" and self.rank in v.group.ranks(self.world_size):
+                ranks = v.group.ranks(self.world_size)
+                ctx = LocalContext(ranks.index(self.rank), len(ranks), self.sizes)
+                shape = local_shape(v, self.sizes, ctx.group_rank, ctx.group_size)
+                out[v.name] = dropout_index(v, shape, ctx, self.device)
+        return out
+
+    def _prepare(self, inputs: Mapping[str, Any]) -> dict[str, Any]:
+        """This rank's inputs in the plan's layouts: sliced state is sliced (when given whole) and
+        kept; state not given continues from what was kept."""
+        given = dict(inputs)
+        for name in self.plan.sliced_state:
+            v = self.program.inputs[name]
+            if self.rank not in v.group.ranks(self.world_size):
+                continue
+            if name in given:
+                t = given.pop(name)
+                d, full = v.layout.dim, bind_shape(v.shape, self.sizes)
+                ranks = v.group.ranks(self.world_size)
+                if isinstance(t, torch.Tensor) and t.ndim == v.ndim and t.shape[d] == full[d] and len(ranks) > 1:
+                    s, e = slice_bounds(full[d], len(ranks), ranks.index(self.rank))
+                    t = t.narrow(d, s, e - s)
+                self.kept[name] = t.clone() if isinstance(t, torch.Tensor) else t
+            if name not in self.kept:
+                raise InputError(f"rank {self.rank}: state `{name}` was never given; pass it on the first call")
+            given[name] = self.kept[name]
+        check_rank_inputs(self.program, self.rank, self.world_size, given, self.sizes)
+        return given
+
+    def run(self, inputs: RankInputs) -> RankResult:
+        """One step. State tensors are updated in place (sliced ones are kept by the executable);
+        returned outputs are the executable's buffers, valid until the next call."""
+        given = self._prepare(inputs)
+        outputs = self._step(self.ctx, given)
+        state = {n: given[n] for n in self.plan.state if n in given}
+        return RankResult(outputs=outputs, state=state)
+
+    __call__ = run
+
+    def gather_state(self, name: str) -> torch.Tensor:
+        """The whole tensor of state kept sliced (a collective: every rank of its group calls it)."""
+        v = self.program.inputs[name]
+        part = self.kept[name]
+        full = bind_shape(v.shape, self.sizes)
+        return self.ctx.all_gather(part, v.layout.dim, full[v.layout.dim], self.ctx.group(v.group.name),
+                                   out=("gather_state", name)).clone()
+
+    def trace(self, enabled: bool = True) -> None:
+        self.ctx.tracing = enabled

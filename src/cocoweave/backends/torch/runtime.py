@@ -1,0 +1,277 @@
+"""What generated step functions call: per-rank buffers, collectives, P2P, the chunk pipeline,
+dropout and trace spans. One `RankContext` per executable; buffers are allocated on first use and
+reused by every later step.
+
+Uneven splits (torch.tensor_split sizes) are handled by padding every part to the largest one, so
+the library's equal-size reduce_scatter / all_gather apply; when the split is even along dim 0 the
+tensors are used as they are, without copies.
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Callable, Sequence
+from contextlib import contextmanager
+from typing import Any
+
+import torch
+import torch.distributed as dist
+
+from ... import rng
+from ...ir.layout import slice_bounds
+from ..local_ops import reduce_local
+
+_REDUCE = {"sum": dist.ReduceOp.SUM, "avg": dist.ReduceOp.SUM, "max": dist.ReduceOp.MAX, "min": dist.ReduceOp.MIN}
+# torch 2.13 renamed the tensor collectives; older releases (the GPU machine's 2.11) have the old names
+_ALL_GATHER = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
+_REDUCE_SCATTER = getattr(dist, "reduce_scatter_single", None) or dist.reduce_scatter_tensor
+
+
+# -- helpers used inline by generated code ----------------------------------------------------
+def dropout_key(seed: int, rank: int) -> int:
+    return rng.dropout_key(int(seed), rank)
+
+
+def dropout(x: torch.Tensor, index: torch.Tensor, p: float, key: int) -> torch.Tensor:
+    """Counter-based dropout (cocoweave.rng) on precomputed logical indices."""
+    if p == 0.0:
+        return x
+    keep = rng.triple32((index & rng.MASK32) ^ key) >= rng.keep_threshold(p)
+    return torch.where(keep, x * (1.0 / (1.0 - p)), torch.zeros((), dtype=x.dtype, device=x.device))
+
+
+def reduce(op: str, x: torch.Tensor, dims: tuple[int, ...], keepdim: bool) -> torch.Tensor:
+    return reduce_local(op, x, dims, keepdim)
+
+
+def maximum(a: Any, b: Any) -> torch.Tensor:
+    if not isinstance(a, torch.Tensor):
+        a, b = b, a
+    return torch.clamp(a, min=b) if not isinstance(b, torch.Tensor) else torch.maximum(a, b)
+
+
+def minimum(a: Any, b: Any) -> torch.Tensor:
+    if not isinstance(a, torch.Tensor):
+        a, b = b, a
+    return torch.clamp(a, max=b) if not isinstance(b, torch.Tensor) else torch.minimum(a, b)
+
+
+def concat(parts: Sequence[torch.Tensor], dim: int) -> torch.Tensor:
+    return torch.cat(list(parts), dim=dim)
+
+
+def with_dim(shape: Sequence[int], dim: int, size: int) -> tuple[int, ...]:
+    return tuple(size if i == dim else s for i, s in enumerate(shape))
+
+
+class Pending:
+    """An asynchronous collective: `wait()` completes it and returns its result."""
+
+    def __init__(self, work: Any, finish: Callable[[], Any]):
+        self.work, self.finish = work, finish
+
+    def wait(self) -> Any:
+        if self.work is not None:
+            self.work.wait()
+        return self.finish()
+
+
+class RankContext:
+    """One rank's runtime state for one executable: process groups, buffers, dropout indices, trace."""
+
+    def __init__(self, rank: int, world_size: int, groups: dict[str, Any], device: torch.device,
+                 indices: dict[str, torch.Tensor], backend: str):
+        self.rank, self.world_size, self.device = rank, world_size, device
+        self.groups, self.indices, self.backend = groups, indices, backend
+        self.buffers: dict[Any, torch.Tensor] = {}
+        self.events: list[tuple[str, str, int, int, int | None]] = []
+        self.tracing = False
+        self.kernels: dict[int, Any] = {}  # stage index -> generated Triton kernel (kernels.codegen)
+
+    # -- resources ----------------------------------------------------------------------------
+    def group(self, name: str) -> Any:
+        return self.groups[name]
+
+    def fused(self, stage: int) -> Any:
+        return self.kernels[stage]
+
+    def index(self, name: str) -> torch.Tensor:
+        return self.indices[name]
+
+    def buffer(self, key: Any, shape: Sequence[int], dtype: torch.dtype) -> torch.Tensor:
+        """A tensor owned by this executable, allocated on first use and reused by later steps."""
+        shape = tuple(shape)
+        b = self.buffers.get(key)
+        if b is None or tuple(b.shape) != shape or b.dtype != dtype:
+            b = self.buffers[key] = torch.empty(shape, dtype=dtype, device=self.device)
+        return b
+
+    @contextmanager
+    def span(self, label: str, stage: int, stream: str = "compute", chunk: int | None = None):
+        if not self.tracing:
+            yield
+            return
+        t0 = time.perf_counter_ns()
+        try:
+            yield
+        finally:
+            if self.device.type == "cuda":
+                torch.cuda.synchronize(self.device)
+            self.events.append((f"{stage}:{label}", stream, t0, time.perf_counter_ns(), chunk))
+
+    # -- collectives --------------------------------------------------------------------------
+    def _wire(self, x: torch.Tensor) -> torch.Tensor:
+        """Gloo reduces half types in half; accumulate in float32 like the reference does."""
+        return x.float() if self.backend == "gloo" and x.dtype in (torch.float16, torch.bfloat16) else x
+
+    def _done(self, work: Any, finish: Callable[[], Any], async_op: bool) -> Any:
+        p = Pending(work, finish)
+        return p if async_op else p.wait()
+
+    def all_reduce(self, x: torch.Tensor, op: str, group: Any, out: Any, async_op: bool = False) -> Any:
+        n = dist.get_world_size(group)
+        if op == "adasum":
+            return self._adasum(x, group, out)
+        wire = self._wire(x)
+        key = (out, "wire") if wire is not x else out
+        buf = self.buffer(key, wire.shape, wire.dtype)
+        buf.copy_(wire)
+        work = dist.all_reduce(buf, _REDUCE[op], group=group, async_op=async_op)
+
+        def finish() -> torch.Tensor:
+            if op == "avg":
+                buf.div_(n)
+            if buf.dtype == x.dtype:
+                return buf
+            res = self.buffer(out, x.shape, x.dtype)
+            res.copy_(buf)
+            return res
+
+        return self._done(work if async_op else None, finish, async_op)
+
+    def _adasum(self, x: torch.Tensor, group: Any, out: Any) -> torch.Tensor:
+        """Adasum by gathering every rank's tensor and combining in the reference's tree order
+        (correct on any world size; bandwidth like an all_gather, not a ring)."""
+        from ..reference import adasum_tree
+
+        n = dist.get_world_size(group)
+        parts = [torch.empty_like(x) for _ in range(n)]
+        dist.all_gather(parts, x.contiguous(), group=group)
+        res = self.buffer(out, x.shape, x.dtype)
+        res.copy_(adasum_tree(parts))
+        return res
+
+    def reduce_scatter(self, x: torch.Tensor, op: str, dim: int, group: Any, out: Any,
+                       async_op: bool = False) -> Any:
+        n, me = dist.get_world_size(group), dist.get_rank(group)
+        size = x.shape[dim]
+        bounds = [slice_bounds(size, n, r) for r in range(n)]
+        c = max(stop - start for start, stop in bounds)
+        wire = self._wire(x).movedim(dim, 0)
+        rest = tuple(wire.shape[1:])
+        if size % n == 0 and dim == 0 and wire.is_contiguous():
+            inp = wire
+        else:  # pad each rank's segment to c rows so that equal-size reduce_scatter applies
+            inp = self.buffer((out, "in"), (c * n, *rest), wire.dtype)
+            for r, (start, stop) in enumerate(bounds):
+                inp[r * c:r * c + stop - start].copy_(wire[start:stop])
+        part = self.buffer((out, "part"), (c, *rest), wire.dtype)
+        work = _REDUCE_SCATTER(part, inp, op=_REDUCE[op], group=group, async_op=async_op)
+        mine = bounds[me][1] - bounds[me][0]
+
+        def finish() -> torch.Tensor:
+            res = self.buffer(out, _moved_shape(x.shape, dim, mine), x.dtype)
+            res.movedim(dim, 0).copy_(part[:mine])
+            if op == "avg":
+                res.div_(n)
+            return res
+
+        return self._done(work if async_op else None, finish, async_op)
+
+    def all_gather(self, x: torch.Tensor, dim: int, total: int, group: Any, out: Any, async_op: bool = False) -> Any:
+        """Gather the ranks' tensor_split parts of a tensor whose whole size along `dim` is `total`."""
+        n = dist.get_world_size(group)
+        bounds = [slice_bounds(total, n, r) for r in range(n)]
+        sizes = [stop - start for start, stop in bounds]
+        c = max(sizes)
+        xt = x.movedim(dim, 0)
+        rest = tuple(xt.shape[1:])
+        full_shape = _moved_shape(x.shape, dim, total)
+        res = self.buffer(out, full_shape, x.dtype)
+        if total % n == 0 and dim == 0 and x.is_contiguous():
+            work = _ALL_GATHER(res, x, group=group, async_op=async_op)
+            return self._done(work if async_op else None, lambda: res, async_op)
+        inp = self.buffer((out, "in"), (c, *rest), x.dtype)
+        inp[:xt.shape[0]].copy_(xt)
+        gathered = self.buffer((out, "gathered"), (c * n, *rest), x.dtype)
+        work = _ALL_GATHER(gathered, inp, group=group, async_op=async_op)
+
+        def finish() -> torch.Tensor:
+            rt = res.movedim(dim, 0)
+            for r, (start, stop) in enumerate(bounds):
+                rt[start:stop].copy_(gathered[r * c:r * c + stop - start])
+            return res
+
+        return self._done(work if async_op else None, finish, async_op)
+
+    def broadcast(self, x: torch.Tensor, root: int, group: Any, out: Any, async_op: bool = False) -> Any:
+        buf = self.buffer(out, x.shape, x.dtype)
+        buf.copy_(x)
+        src = dist.get_global_rank(group, root) if group is not None else root
+        work = dist.broadcast(buf, src=src, group=group, async_op=async_op)
+        return self._done(work if async_op else None, lambda: buf, async_op)
+
+    def reduce(self, x: torch.Tensor, op: str, root: int, group: Any, out: Any, async_op: bool = False) -> Any:
+        wire = self._wire(x)
+        buf = self.buffer((out, "wire"), wire.shape, wire.dtype)
+        buf.copy_(wire)
+        dst = dist.get_global_rank(group, root) if group is not None else root
+        work = dist.reduce(buf, dst=dst, op=_REDUCE[op], group=group, async_op=async_op)
+        is_root = dist.get_rank(group) == root
+
+        def finish() -> torch.Tensor:
+            res = self.buffer(out, x.shape, x.dtype)
+            if is_root:
+                res.copy_(buf / dist.get_world_size(group) if op == "avg" else buf)
+            else:
+                res.copy_(x)  # the other ranks keep their own input
+            return res
+
+        return self._done(work if async_op else None, finish, async_op)
+
+    def send_recv(self, x: torch.Tensor | None, peer: int, sending: bool, shape: Sequence[int], dtype: torch.dtype,
+                  out: Any, async_op: bool = False) -> Any:
+        """Group rank i of the sending stage sends to group rank i of the receiving stage."""
+        if sending:
+            work = dist.isend(x.contiguous(), dst=peer)
+            return self._done(work, lambda: None, async_op)
+        buf = self.buffer(out, shape, dtype)
+        work = dist.irecv(buf, src=peer)
+        return self._done(work, lambda: buf, async_op)
+
+    # -- overlap ------------------------------------------------------------------------------
+    def pipeline(self, chunks: int, parts: Sequence[Callable[[int, dict], None]]) -> list[dict]:
+        """Run parts[j] on chunk k at time k + j: at each time the newest chunk computes while the
+        collectives issued (asynchronously) for older chunks are in flight. A part waits only for
+        the results it reads, just before it runs."""
+        envs: list[dict] = [{} for _ in range(chunks)]
+        for t in range(chunks + len(parts) - 1):
+            for j in range(len(parts) - 1, -1, -1):
+                k = t - j
+                if 0 <= k < chunks:
+                    _resolve(envs[k])
+                    with self.span(getattr(parts[j], "__name__", f"part{j}"), j, "chunks", k):
+                        parts[j](k, envs[k])
+        for env in envs:
+            _resolve(env)
+        return envs
+
+
+def _resolve(env: dict) -> None:
+    for key, val in list(env.items()):
+        if isinstance(val, Pending):
+            env[key] = val.wait()
+
+
+def _moved_shape(shape: Sequence[int], dim: int, size: int) -> tuple[int, ...]:
+    return tuple(size if i == dim else s for i, s in enumerate(shape))

@@ -1,0 +1,59 @@
+"""Functions each rank runs inside a LocalWorld or under torchrun: check schedules, time them."""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Mapping, Sequence
+from typing import Any
+
+import torch
+import torch.distributed as dist
+
+from ...plan import lower
+from ...schedule.schedule import Schedule
+from ..inputs import RankInputs
+from ..reference import RankResult
+from .executable import Executable
+
+
+def _to(inputs: RankInputs, device: torch.device) -> dict[str, Any]:
+    return {k: v.to(device).clone() if isinstance(v, torch.Tensor) else v for k, v in inputs.items()}
+
+
+def run_schedules(rank: int, world_size: int, schedules: Sequence[Schedule], inputs: Sequence[RankInputs],
+                  sizes: Mapping[str, int], device: str = "cpu") -> list[RankResult]:
+    """Run each schedule once on this rank's inputs; results on the CPU, sliced state gathered whole."""
+    dev = torch.device(device)
+    out = []
+    for s in schedules:
+        plan = lower(s)
+        exe = Executable(plan, rank, world_size, sizes, dev)
+        res = exe.run(_to(inputs[rank], dev))
+        state = {}
+        for name, t in res.state.items():
+            state[name] = (exe.gather_state(name) if name in plan.sliced_state else t).detach().cpu().clone()
+        out.append(RankResult({n: t.detach().cpu().clone() for n, t in res.outputs.items()}, state))
+    return out
+
+
+def time_schedule(rank: int, world_size: int, schedule: Schedule, inputs: Sequence[RankInputs],
+                  sizes: Mapping[str, int], device: str = "cpu", iters: int = 20, warmup: int = 3,
+                  trace: bool = False) -> dict[str, Any]:
+    """Step times of one schedule on this rank (ms, after a barrier each), and trace events."""
+    dev = torch.device(device)
+    exe = Executable(lower(schedule), rank, world_size, sizes, dev)
+    given = _to(inputs[rank], dev)
+    times = []
+    for i in range(warmup + iters):
+        if world_size > 1:
+            dist.barrier()
+        if dev.type == "cuda":
+            torch.cuda.synchronize(dev)
+        exe.trace(trace and i == warmup + iters - 1)
+        t0 = time.perf_counter()
+        exe.run(given)
+        if dev.type == "cuda":
+            torch.cuda.synchronize(dev)
+        if i >= warmup:
+            times.append((time.perf_counter() - t0) * 1e3)
+    return {"times_ms": times, "events": list(exe.ctx.events)}

@@ -1,0 +1,35 @@
+"""`cocoweave.compile`: turn a program or schedule into something that runs."""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+
+import torch
+
+from .errors import CocoweaveError
+from .ir.graph import Program
+from .plan import lower
+from .schedule.schedule import Schedule
+
+
+def compile(target: Program | Schedule, backend: str = "torch", sizes: Mapping[str, int] | None = None,  # noqa: A001
+            device: str | torch.device | None = None, rank: int | None = None, world_size: int | None = None):
+    """An executable for this rank of an initialised torch.distributed world (backend "torch"), or
+    for every simulated rank at once (backend "reference": call it with a list of per-rank inputs)."""
+    schedule = target if isinstance(target, Schedule) else Schedule(target)
+    if backend == "reference":
+        from .backends import reference
+
+        return lambda inputs: reference.run(schedule, inputs, sizes)
+    if backend != "torch":
+        raise CocoweaveError(f"unknown backend {backend!r}; use 'torch' or 'reference'")
+    import torch.distributed as dist
+
+    from .backends.torch import Executable
+
+    if rank is None or world_size is None:
+        rank = dist.get_rank() if dist.is_initialized() else 0
+        world_size = dist.get_world_size() if dist.is_initialized() else 1
+    if device is None:
+        device = f"cuda:{torch.cuda.current_device()}" if torch.cuda.is_available() else "cpu"
+    return Executable(lower(schedule), rank, world_size, sizes, device)

@@ -1,0 +1,589 @@
+"""Process runtime: a local world of live worker ranks over torch.distributed, and torchrun entry points.
+
+    with LocalWorld(4) as world:                      # 4 spawned ranks, Gloo on 127.0.0.1, kept alive
+        sums = world.run(step, tensor)                # step(rank, world_size, tensor) on every rank
+
+A failing rank, a dead rank or a hang becomes a `BackendError` naming the ranks, within the run's
+timeout; a world whose ranks died or hung is torn down and marked broken until `restart()`.
+Functions sent to ranks must be module-level (ranks import them by module name, or from their file).
+"""
+
+from __future__ import annotations
+
+import functools
+import importlib
+import importlib.util
+import multiprocessing as mp
+import multiprocessing.util as mp_util
+import os
+import pickle
+import re
+import signal
+import socket
+import sys
+import threading
+import time
+import traceback
+from collections.abc import Callable
+from datetime import timedelta
+from multiprocessing.connection import Connection, wait
+from typing import Any, NoReturn
+
+import torch
+import torch.distributed as dist
+
+from .errors import BackendError
+
+_ENV_VARS = ("RANK", "WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT")
+_ERROR_GRACE_S = 2.0  # after a rank raises, how long the others may take to finish before teardown
+_EXIT_GRACE_S = 0.25  # after a rank exits, how long to gather other exits before tearing down
+_CLOSE_WAIT_S = 5.0
+_CPP_LOCATION = re.compile(r"^\[[^\]]*\.(?:cc|cpp|h|hpp):\d+\]\s*")
+_COMM_FAILURE = re.compile(r"gloo|nccl|pair closure|closed by peer|timed out waiting|connection reset", re.I)
+
+# Per-process state of a rank started by LocalWorld or init_from_env.
+_RANK: dict[str, Any] = {}
+_RANK_STATE: dict[str, Any] = {}
+
+
+# ---------------------------------------------------------------------------------------------------------
+# Helpers usable inside rank functions
+# ---------------------------------------------------------------------------------------------------------
+
+
+def rank_device() -> torch.device:
+    """The device of this rank (cuda:i or cpu); cpu outside a rank."""
+    return _RANK.get("device", torch.device("cpu"))
+
+
+def rank_state() -> dict[str, Any]:
+    """A dict private to this rank process that persists across `run` calls (caches, compiled steps)."""
+    return _RANK_STATE
+
+
+def _short(value: str, limit: int = 64) -> str:
+    return repr(value) if len(value) <= limit else repr(value[: limit - 3]) + "..."
+
+
+def agree(value: str, what: str, group: dist.ProcessGroup | None = None) -> str:
+    """All-gather `value` and raise BackendError on every rank if the ranks disagree; returns `value`.
+
+    Call it before any other collective (e.g. on a program fingerprint): mismatched ranks fail at start."""
+    if not dist.is_available() or not dist.is_initialized():
+        return value
+    size = dist.get_world_size(group)
+    values: list[Any] = [None] * size
+    dist.all_gather_object(values, str(value), group=group)
+    for j, other in enumerate(values):
+        if other != values[0]:
+            r0 = 0 if group is None else dist.get_global_rank(group, 0)
+            rj = j if group is None else dist.get_global_rank(group, j)
+            raise BackendError(f"ranks disagree on {what}: rank {r0} has {_short(values[0])}, "
+                               f"rank {rj} has {_short(other)}")
+    return value
+
+
+# ---------------------------------------------------------------------------------------------------------
+# torchrun entry points
+# ---------------------------------------------------------------------------------------------------------
+
+
+def in_torchrun() -> bool:
+    """Whether this process was started by torchrun (or has RANK, WORLD_SIZE, MASTER_ADDR, MASTER_PORT)."""
+    return "TORCHELASTIC_RUN_ID" in os.environ or all(k in os.environ for k in _ENV_VARS)
+
+
+def init_from_env(timeout_s: float = 60.0, backend: str | None = None) -> tuple[int, int, torch.device]:
+    """Initialise the default process group from torchrun's env vars; returns (rank, world_size, device).
+
+    Gloo on CPU; on CUDA, NCCL with one GPU per local rank, or Gloo with CUDA tensors if ranks share GPUs."""
+    missing = [k for k in _ENV_VARS if k not in os.environ]
+    if missing:
+        raise BackendError(f"init_from_env needs {', '.join(missing)} in the environment; "
+                           "start the program with torchrun")
+    try:
+        rank, world_size = int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"])
+        local_rank = int(os.environ.get("LOCAL_RANK", rank))
+        local_size = int(os.environ.get("LOCAL_WORLD_SIZE", world_size))
+    except ValueError as exc:
+        raise BackendError(f"torchrun environment variables must be integers: {exc}") from None
+    if torch.cuda.is_available():
+        n_gpus = torch.cuda.device_count()
+        device = torch.device("cuda", local_rank % n_gpus)
+        torch.cuda.set_device(device)
+        default = "nccl" if local_size <= n_gpus else "gloo"
+        chosen = backend or os.environ.get("COCOWEAVE_BACKEND") or default
+    else:
+        device = torch.device("cpu")
+        chosen = backend or os.environ.get("COCOWEAVE_BACKEND") or "gloo"
+        if chosen == "nccl":
+            raise BackendError("backend nccl needs CUDA, and no GPU is visible to this rank")
+    if dist.is_initialized():
+        return dist.get_rank(), dist.get_world_size(), device
+    try:
+        dist.init_process_group(chosen, init_method="env://", rank=rank, world_size=world_size,
+                                timeout=timedelta(seconds=timeout_s))
+    except Exception as exc:  # noqa: BLE001 - every init failure becomes one sentence
+        raise BackendError(f"rank {rank} could not join the process group at "
+                           f"{os.environ['MASTER_ADDR']}:{os.environ['MASTER_PORT']}: "
+                           f"{type(exc).__name__}: {_first_line(exc)}") from None
+    _RANK.update(rank=rank, world_size=world_size, device=device, backend=chosen)
+    return rank, world_size, device
+
+
+# ---------------------------------------------------------------------------------------------------------
+# Sending functions and values to ranks
+# ---------------------------------------------------------------------------------------------------------
+
+
+def _first_line(exc: BaseException) -> str:
+    """The first line of an exception's message, without the C++ source location Gloo and NCCL put first."""
+    text = str(exc).strip()
+    return _CPP_LOCATION.sub("", text.splitlines()[0]) if text else ""
+
+
+def _is_comm_failure(exc: BaseException) -> bool:
+    """Whether `exc` comes from the process group itself (after which Gloo and NCCL groups are unusable)."""
+    if isinstance(exc, getattr(dist, "DistError", ())):
+        return True
+    return isinstance(exc, RuntimeError) and bool(_COMM_FAILURE.search(str(exc)))
+
+
+def _fn_name(fn: Callable[..., Any]) -> str:
+    if isinstance(fn, functools.partial):
+        return _fn_name(fn.func)
+    return getattr(fn, "__qualname__", None) or getattr(fn, "__name__", None) or type(fn).__name__
+
+
+def _fn_spec(fn: Callable[..., Any]) -> tuple[Any, ...]:
+    """How a rank finds `fn`: by module, qualified name and file (plain functions), else pickled by value."""
+    if not callable(fn):
+        raise BackendError(f"world.run needs a callable, got {type(fn).__name__}")
+    if isinstance(fn, functools.partial):
+        return ("partial", _fn_spec(fn.func), fn.args, fn.keywords)
+    qualname = getattr(fn, "__qualname__", "")
+    if hasattr(fn, "__code__") and hasattr(fn, "__module__"):
+        if "<" in qualname:  # <lambda>, <locals>
+            raise BackendError(f"`{qualname}` must be a module-level function so that ranks can import it")
+        module = sys.modules.get(fn.__module__)
+        return ("ref", fn.__module__, qualname, getattr(module, "__file__", None))
+    return ("value", fn)
+
+
+def _import(module_name: str, path: str | None) -> Any:
+    module = sys.modules.get(module_name)
+    if module is not None:
+        return module
+    try:
+        module = importlib.import_module(module_name)
+        found = getattr(module, "__file__", None) or path
+        if not path or os.path.realpath(found) == os.path.realpath(path):
+            return module
+    except ImportError:
+        if not path:
+            raise
+    # A module imported under a name this process cannot import (pytest's importlib mode, loaded files).
+    file_spec = importlib.util.spec_from_file_location(module_name, path)  # type: ignore[arg-type]
+    if file_spec is None or file_spec.loader is None:
+        raise ImportError(f"cannot load {path}")
+    module = importlib.util.module_from_spec(file_spec)
+    sys.modules[module_name] = module
+    try:
+        file_spec.loader.exec_module(module)
+    except BaseException:
+        del sys.modules[module_name]
+        raise
+    return module
+
+
+def _resolve(spec: tuple[Any, ...]) -> Callable[..., Any]:
+    """The function a `_fn_spec` names, imported in this rank."""
+    if spec[0] == "value":
+        return spec[1]
+    if spec[0] == "partial":
+        return functools.partial(_resolve(spec[1]), *spec[2], **spec[3])
+    _, module_name, qualname, path = spec
+    try:
+        obj: Any = _import(module_name, path)
+        for part in qualname.split("."):
+            obj = getattr(obj, part)
+    except Exception as exc:  # noqa: BLE001
+        raise BackendError(f"cannot find `{qualname}` in module {module_name} ({type(exc).__name__}: "
+                           f"{_first_line(exc)}); functions sent to ranks must be module-level in a file"
+                           ) from None
+    return obj
+
+
+def _describe(exc: BaseException, context: str = "") -> dict[str, Any]:
+    """A picklable description of an exception raised in a rank (the exception itself as bytes, if it can)."""
+    try:
+        original: bytes | None = pickle.dumps(exc, protocol=pickle.HIGHEST_PROTOCOL)
+    except Exception:  # noqa: BLE001 - unpicklable exceptions travel as text only
+        original = None
+    summary = f"{type(exc).__name__}: {_first_line(exc) or type(exc).__name__}"
+    return {"summary": f"{context}: {summary}" if context else summary, "comm": _is_comm_failure(exc),
+            "traceback": "".join(traceback.format_exception(exc)), "exception": original}
+
+
+def _undescribe(pickled: bytes | None) -> BaseException | None:
+    """The exception a rank raised, where this process can unpickle it."""
+    try:
+        return pickle.loads(pickled) if pickled is not None else None
+    except Exception:  # noqa: BLE001 - e.g. its class lives in a module only the rank can import
+        return None
+
+
+# ---------------------------------------------------------------------------------------------------------
+# The worker process
+# ---------------------------------------------------------------------------------------------------------
+
+
+def _loopback_ifname() -> str | None:
+    try:
+        names = [name for _, name in socket.if_nameindex()]
+    except OSError:
+        return None
+    return next((n for n in ("lo", "lo0") if n in names), None)
+
+
+def _send(conn: Connection, msg: Any) -> None:
+    conn.send_bytes(pickle.dumps(msg, protocol=pickle.HIGHEST_PROTOCOL))
+
+
+def _worker_main(rank: int, world_size: int, port: int, backend: str, device: str, timeout_s: float,
+                 start_timeout_s: float, threads: int, conn: Connection) -> None:
+    """Body of one rank process: join the group, then run what the parent sends until told to stop."""
+    signal.signal(signal.SIGINT, signal.SIG_IGN)  # the parent owns Ctrl-C and tears the world down
+    try:
+        torch.set_num_threads(threads)
+        dev = torch.device(device)
+        if dev.type == "cuda":
+            dev = torch.device("cuda", rank % torch.cuda.device_count())
+            torch.cuda.set_device(dev)
+        if backend == "gloo" and "GLOO_SOCKET_IFNAME" not in os.environ:
+            ifname = _loopback_ifname()
+            if ifname:
+                os.environ["GLOO_SOCKET_IFNAME"] = ifname
+        store = dist.TCPStore("127.0.0.1", port, is_master=False, timeout=timedelta(seconds=start_timeout_s))
+        # Wait until every rank has started (imports are slow): the group's timeout then covers only work.
+        if store.add("started", 1) == world_size:
+            store.set("all_started", "1")
+        store.wait(["all_started"], timedelta(seconds=start_timeout_s))
+        dist.init_process_group(backend, store=dist.PrefixStore("pg", store), rank=rank,
+                                world_size=world_size, timeout=timedelta(seconds=timeout_s))
+        _RANK.update(rank=rank, world_size=world_size, device=dev, backend=backend)
+    except BaseException as exc:  # noqa: BLE001
+        _send(conn, ("start_error", 0, _describe(exc)))
+        return
+    _send(conn, ("ready", 0, os.getpid()))
+    while True:
+        try:
+            kind, seq, payload = pickle.loads(conn.recv_bytes())
+        except (EOFError, OSError):  # the parent is gone
+            break
+        if kind == "close":
+            break
+        try:
+            spec, args, kwargs = pickle.loads(payload)
+            result = _resolve(spec)(rank, world_size, *args, **kwargs)
+        except BaseException as exc:  # noqa: BLE001 - everything a rank raises goes back to the caller
+            reply = pickle.dumps(("error", seq, _describe(exc)), protocol=pickle.HIGHEST_PROTOCOL)
+        else:
+            try:
+                reply = pickle.dumps(("ok", seq, result), protocol=pickle.HIGHEST_PROTOCOL)
+            except Exception as exc:  # noqa: BLE001
+                reply = pickle.dumps(("error", seq, _describe(exc, "its result cannot be pickled")),
+                                     protocol=pickle.HIGHEST_PROTOCOL)
+        try:
+            conn.send_bytes(reply)
+        except (EOFError, OSError):
+            break
+    code = 0
+    try:
+        if dist.is_initialized():
+            dist.destroy_process_group()
+    except BaseException:  # noqa: BLE001
+        code = 1
+    conn.close()
+    sys.stdout.flush()
+    sys.stderr.flush()
+    os._exit(code)  # skip interpreter teardown (seconds with torch loaded); nothing is left to clean up
+
+
+# ---------------------------------------------------------------------------------------------------------
+# The parent side
+# ---------------------------------------------------------------------------------------------------------
+
+
+def _ranks(ranks: list[int]) -> str:
+    return f"rank {ranks[0]}" if len(ranks) == 1 else "ranks " + ", ".join(map(str, ranks))
+
+
+def _default_threads(world_size: int) -> int:
+    try:
+        cores = len(os.sched_getaffinity(0))
+    except AttributeError:
+        cores = os.cpu_count() or 1
+    return max(1, cores // world_size)
+
+
+def _kill(procs: list[Any]) -> None:
+    for p in procs:
+        if p.is_alive():
+            p.kill()
+    for p in procs:
+        p.join(timeout=_CLOSE_WAIT_S)
+
+
+def _raise(message: str, **attrs: Any) -> NoReturn:
+    err = BackendError(message)
+    for key, value in attrs.items():
+        setattr(err, key, value)
+    raise err
+
+
+class LocalWorld:
+    """`world_size` live rank processes on this machine in one process group; `run` sends them work."""
+
+    def __init__(self, world_size: int, backend: str = "gloo", device: str = "cpu", timeout_s: float = 60.0,
+                 threads_per_rank: int | None = None, start_timeout_s: float | None = None) -> None:
+        if world_size < 1:
+            raise BackendError(f"a local world needs at least one rank, got world_size={world_size}")
+        if timeout_s <= 0:
+            raise BackendError(f"timeout_s must be positive, got {timeout_s}")
+        dev = torch.device(device)
+        if backend == "auto":
+            backend = "nccl" if dev.type == "cuda" and world_size <= torch.cuda.device_count() else "gloo"
+        if backend not in ("gloo", "nccl"):
+            raise BackendError(f"backend must be gloo, nccl or auto, got {backend!r}")
+        if dev.type not in ("cpu", "cuda"):
+            raise BackendError(f"device must be cpu or cuda, got {device!r}")
+        if dev.type == "cuda" and not torch.cuda.is_available():
+            raise BackendError("device cuda was asked for, and no GPU is visible")
+        if backend == "nccl":
+            if dev.type != "cuda":
+                raise BackendError("backend nccl needs device='cuda'")
+            if world_size > torch.cuda.device_count():
+                raise BackendError(f"backend nccl needs one GPU per rank: {world_size} ranks, "
+                                   f"{torch.cuda.device_count()} GPUs; use backend='gloo' to share GPUs")
+        self.world_size = world_size
+        self.backend = backend
+        self.device = dev.type
+        self.timeout_s = float(timeout_s)
+        self.start_timeout_s = float(start_timeout_s or max(120.0, timeout_s))
+        self.threads_per_rank = threads_per_rank or _default_threads(world_size)
+        self.broken: str | None = None  # why the world cannot run anything, if it cannot
+        self._lock = threading.Lock()
+        self._procs: list[Any] = []
+        self._conns: list[Connection] = []
+        self._store: Any = None
+        self._seq = 0
+        self._finalizer: mp_util.Finalize | None = None
+        self.pids: list[int] = []
+        self._start()
+
+    # -- lifecycle -------------------------------------------------------------------------------------------
+
+    def _start(self) -> None:
+        ctx = mp.get_context("spawn")
+        self._store = dist.TCPStore("127.0.0.1", 0, is_master=True, wait_for_workers=False,
+                                    timeout=timedelta(seconds=self.start_timeout_s))
+        procs, conns = [], []
+        for rank in range(self.world_size):
+            parent_end, child_end = ctx.Pipe(duplex=True)
+            p = ctx.Process(target=_worker_main, name=f"cocoweave-rank-{rank}", daemon=False,
+                            args=(rank, self.world_size, self._store.port, self.backend, self.device,
+                                  self.timeout_s, self.start_timeout_s, self.threads_per_rank, child_end))
+            p.start()
+            child_end.close()
+            procs.append(p)
+            conns.append(parent_end)
+        self._procs, self._conns = procs, conns
+        # Runs at exit before multiprocessing joins its children (which would wait forever on idle ranks).
+        self._finalizer = mp_util.Finalize(self, _kill, args=(procs,), exitpriority=10)
+        self.broken = None
+        self.pids = self._collect(0, "the start", self.start_timeout_s, starting=True)
+
+    def restart(self) -> None:
+        """Tear the world down (killing ranks if needed) and start fresh ranks with the same settings."""
+        with self._lock:
+            self._shutdown(graceful=self.broken is None)
+            self._start()
+
+    def close(self) -> None:
+        """Stop every rank: destroy its process group and join it; ranks that do not stop are killed."""
+        with self._lock:
+            self._shutdown(graceful=self.broken is None)
+            self.broken = "it was closed"
+
+    def _shutdown(self, graceful: bool) -> None:
+        if graceful:
+            for conn, p in zip(self._conns, self._procs):
+                try:
+                    if p.is_alive():
+                        _send(conn, ("close", 0, None))
+                except OSError:
+                    pass
+            deadline = time.monotonic() + _CLOSE_WAIT_S
+            for p in self._procs:
+                p.join(timeout=max(0.0, deadline - time.monotonic()))
+        _kill(self._procs)
+        for conn in self._conns:
+            conn.close()
+        for p in self._procs:
+            p.close()
+        if self._finalizer is not None:
+            self._finalizer.cancel()
+        self._procs, self._conns, self._store = [], [], None
+
+    def _break(self, reason: str) -> None:
+        """Mark the world broken and kill every rank (survivors may be blocked in collectives)."""
+        self.broken = reason
+        self._shutdown(graceful=False)
+
+    def __enter__(self) -> LocalWorld:
+        return self
+
+    def __exit__(self, *exc_info: object) -> None:
+        self.close()
+
+    def __repr__(self) -> str:
+        state = f"broken: {self.broken}" if self.broken else "live"
+        return f"LocalWorld({self.world_size}, backend={self.backend!r}, device={self.device!r}, {state})"
+
+    # -- running ---------------------------------------------------------------------------------------------
+
+    def run(self, fn: Callable[..., Any], *args: Any, **kwargs: Any) -> list[Any]:
+        """Call `fn(rank, world_size, *args, **kwargs)` on every rank; returns the per-rank results."""
+        return self.call(fn, args, kwargs)
+
+    def call(self, fn: Callable[..., Any], args: tuple[Any, ...] = (), kwargs: dict[str, Any] | None = None,
+             timeout_s: float | None = None) -> list[Any]:
+        """`run` with an explicit argument tuple, keyword dict and timeout (default: the world's)."""
+        name = _fn_name(fn)
+        with self._lock:
+            if self.broken:
+                raise BackendError(f"cannot run `{name}`: the local world is unusable because {self.broken}; "
+                                   "call restart() or make a new LocalWorld")
+            try:
+                payload = pickle.dumps((_fn_spec(fn), tuple(args), dict(kwargs or {})),
+                                       protocol=pickle.HIGHEST_PROTOCOL)
+            except BackendError:
+                raise
+            except Exception as exc:  # noqa: BLE001
+                raise BackendError(f"the arguments of `{name}` cannot be sent to ranks: "
+                                   f"{type(exc).__name__}: {_first_line(exc)}") from None
+            self._seq += 1
+            seq = self._seq
+            try:
+                message = pickle.dumps(("run", seq, payload), protocol=pickle.HIGHEST_PROTOCOL)
+                for conn in self._conns:
+                    try:
+                        conn.send_bytes(message)
+                    except OSError:  # a dead rank: _collect reports it
+                        pass
+                replies = self._collect(seq, f"`{name}`", timeout_s or self.timeout_s)
+            except BackendError:
+                raise
+            except BaseException:  # Ctrl-C, a broken pipe: the ranks' state is unknown
+                self._break(f"a run of `{name}` was interrupted")
+                raise
+            return replies
+
+    def _collect(self, seq: int, label: str, timeout_s: float, starting: bool = False) -> list[Any]:
+        """One reply per rank (`label`: "`fn`" or "the start"), or a BackendError within `timeout_s`."""
+        during = "the start of the local world" if starting else f"run of {label}"
+        n = self.world_size
+        results: dict[int, Any] = {}
+        errors: dict[int, dict[str, Any]] = {}
+        exits: dict[int, int | None] = {}
+        start = time.monotonic()
+        deadline = start + timeout_s
+        limit = deadline
+        owner: dict[Any, int] = {c: r for r, c in enumerate(self._conns)}
+        owner.update({p.sentinel: r for r, p in enumerate(self._procs)})
+        pending = set(range(n))
+        while pending:
+            now = time.monotonic()
+            if now >= limit:
+                break
+            waitables = [self._conns[r] for r in pending] + [self._procs[r].sentinel for r in pending]
+            for obj in wait(waitables, timeout=limit - now):
+                r = owner[obj]
+                if r not in pending:
+                    continue
+                conn = self._conns[r]
+                try:
+                    if obj is not conn and not conn.poll():
+                        raise EOFError
+                    kind, got_seq, value = pickle.loads(conn.recv_bytes())
+                except (EOFError, OSError):  # the process ended without replying
+                    self._procs[r].join(timeout=1.0)
+                    exits[r] = self._procs[r].exitcode
+                    pending.discard(r)
+                    limit = min(limit, time.monotonic() + _EXIT_GRACE_S)  # gather ranks that died together
+                    continue
+                except Exception as exc:  # noqa: BLE001 - a result this process cannot unpickle
+                    errors[r] = {"summary": f"its result cannot be unpickled here: {type(exc).__name__}: "
+                                            f"{_first_line(exc)}", "traceback": traceback.format_exc(),
+                                 "exception": None, "comm": False}
+                    pending.discard(r)
+                    continue
+                if got_seq != seq:
+                    continue
+                pending.discard(r)
+                if kind in ("ok", "ready"):
+                    results[r] = value
+                else:
+                    errors[r] = value
+                    if not exits:
+                        limit = min(limit, time.monotonic() + _ERROR_GRACE_S)
+        if exits:
+            self._fail_exits(exits, during)
+        if errors:
+            self._fail_errors(errors, sorted(pending), during, starting)
+        if pending:
+            late = sorted(pending)
+            self._break(f"{_ranks(late)} did not finish {during}")
+            what = "did not start" if starting else f"did not finish {label}"
+            _raise(f"{_ranks(late)} {what} within {timeout_s:g} s", ranks=late)
+        return [results[r] for r in range(n)]
+
+    def _fail_exits(self, exits: dict[int, int | None], during: str) -> NoReturn:
+        dead = sorted(exits)
+        codes = [exits[r] for r in dead]
+        if None in codes:
+            how = "stopped answering"
+        else:
+            how = f"exited with code {codes[0]}" if len(set(codes)) == 1 else \
+                "exited with codes " + ", ".join(map(str, codes))
+        self._break(f"{_ranks(dead)} {how}")
+        _raise(f"{_ranks(dead)} {how} during {during}", ranks=dead, exit_codes=exits)
+
+    def _fail_errors(self, errors: dict[int, dict[str, Any]], pending: list[int], during: str,
+                     starting: bool) -> NoReturn:
+        failed = sorted(errors)
+        first = errors[failed[0]]
+        same = all(e["summary"] == first["summary"] for e in errors.values())
+        msg = f"{_ranks(failed if same else failed[:1])} {'failed to start' if starting else 'failed'}: " \
+              f"{first['summary']}"
+        if not same:
+            msg += f" ({_ranks(failed[1:])} failed too)"
+        if pending:
+            msg += f"; {_ranks(pending)} did not finish and the world was shut down"
+        elif any(e["comm"] for e in errors.values()):
+            msg += "; the process group is unusable after this and the world was shut down"
+        if pending or starting or any(e["comm"] for e in errors.values()):
+            self._break(f"{_ranks(failed)} failed during {during}")
+        _raise(msg, ranks=failed, remote_traceback=first["traceback"],
+               remote_exception=_undescribe(first["exception"]),
+               remote_tracebacks={r: e["traceback"] for r, e in sorted(errors.items())})
+
+
+def spawn_and_run(world_size: int, fn: Callable[..., Any], args: tuple[Any, ...] = (),
+                  kwargs: dict[str, Any] | None = None, *, backend: str = "gloo", device: str = "cpu",
+                  timeout_s: float = 60.0, threads_per_rank: int | None = None) -> list[Any]:
+    """Start a LocalWorld, call `fn(rank, world_size, *args, **kwargs)` on every rank once, close it."""
+    with LocalWorld(world_size, backend=backend, device=device, timeout_s=timeout_s,
+                    threads_per_rank=threads_per_rank) as world:
+        return world.call(fn, args, kwargs)

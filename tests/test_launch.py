@@ -1,0 +1,345 @@
+"""The process runtime: live local worlds, failures as BackendErrors within the timeout, agree, torchrun init,
+and the trace recorder. Rank functions are module-level so that ranks can import them."""
+
+from __future__ import annotations
+
+import functools
+import json
+import os
+import socket
+import subprocess
+import sys
+import textwrap
+import time
+
+import pytest
+import torch
+import torch.distributed as dist
+
+from cocoweave import launch
+from cocoweave.errors import BackendError
+from cocoweave.launch import (
+    LocalWorld,
+    agree,
+    in_torchrun,
+    init_from_env,
+    rank_device,
+    rank_state,
+    spawn_and_run,
+)
+from cocoweave.trace import Tracer, merge_and_write
+
+# -- rank functions ----------------------------------------------------------------------------------------
+
+
+def _all_reduce(rank: int, world_size: int) -> torch.Tensor:
+    t = torch.full((3,), float(rank + 1))
+    dist.all_reduce(t)
+    return t
+
+
+def _echo(rank: int, world_size: int, x: torch.Tensor,
+          *, scale: float = 1.0) -> tuple[int, int, torch.Tensor]:
+    return rank, world_size, x * scale + rank
+
+
+def _count_calls(rank: int, world_size: int) -> int:
+    state = rank_state()
+    state["calls"] = state.get("calls", 0) + 1
+    return state["calls"]
+
+
+def _settings(rank: int, world_size: int) -> tuple[int, str, bool]:
+    return torch.get_num_threads(), str(rank_device()), in_torchrun()
+
+
+def _raise_on_2(rank: int, world_size: int) -> int:
+    if rank == 2:
+        raise ValueError(f"bad input on rank {rank}")
+    return rank
+
+
+def _raise_then_collective(rank: int, world_size: int) -> torch.Tensor:
+    if rank == 1:
+        raise KeyError("missing")
+    return _all_reduce(rank, world_size)
+
+
+def _exit_on_1(rank: int, world_size: int) -> torch.Tensor:
+    if rank == 1:
+        os._exit(3)
+    return _all_reduce(rank, world_size)
+
+
+def _sleep_on_1(rank: int, world_size: int, seconds: float) -> int:
+    if rank == 1:
+        time.sleep(seconds)
+    return rank
+
+
+def _agree(rank: int, world_size: int, odd_rank: int | None) -> str:
+    value = agree("fp-odd" if rank == odd_rank else "fp-1234", "program fingerprint")
+    _all_reduce(rank, world_size)
+    return value
+
+
+def _traced(rank: int, world_size: int) -> list[dict]:
+    tracer = Tracer(rank)
+    for chunk in range(2):
+        with tracer.span("matmul", chunk=chunk):
+            torch.ones(16, 16) @ torch.ones(16, 16)
+        with tracer.span("all_reduce", stream="comm", chunk=chunk):
+            _all_reduce(rank, world_size)
+    return tracer.events()
+
+
+# -- shared worlds -----------------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("n", [1, 2, 3, 4])
+def test_all_reduce_sums_over_ranks(local_world, n):
+    results = local_world(n).run(_all_reduce)
+    assert len(results) == n
+    for t in results:
+        assert torch.equal(t, torch.full((3,), n * (n + 1) / 2))
+
+
+def test_run_passes_args_kwargs_and_tensors(world4):
+    x = torch.arange(5.0)
+    results = world4.run(_echo, x, scale=2.0)
+    assert [r[:2] for r in results] == [(r, 4) for r in range(4)]
+    for rank, (_, _, y) in enumerate(results):
+        assert torch.equal(y, x * 2 + rank)
+
+
+def test_ranks_use_their_thread_share_and_cpu(world4):
+    threads = max(1, len(os.sched_getaffinity(0)) // 4)
+    assert world4.threads_per_rank == threads
+    assert world4.run(_settings) == [(threads, "cpu", False)] * 4
+
+
+def test_partial_functions_carry_their_arguments(world4):
+    results = world4.run(functools.partial(_echo, scale=0.0), torch.zeros(1))
+    assert [float(r[2]) for r in results] == [0.0, 1.0, 2.0, 3.0]
+
+
+def test_ranks_stay_alive_between_runs(world4):
+    first = world4.run(_count_calls)
+    second = world4.run(_count_calls)
+    assert [b - a for a, b in zip(first, second)] == [1, 1, 1, 1]
+
+
+def test_rank_that_raises_is_named_and_world_survives(world4):
+    with pytest.raises(BackendError, match=r"^rank 2 failed: ValueError: bad input on rank 2$") as info:
+        world4.run(_raise_on_2)
+    assert info.value.ranks == [2]
+    assert "Traceback" in info.value.remote_traceback and "_raise_on_2" in info.value.remote_traceback
+    assert isinstance(info.value.remote_exception, ValueError)
+    assert world4.broken is None
+    assert torch.equal(world4.run(_all_reduce)[0], torch.full((3,), 10.0))
+
+
+def test_functions_must_be_module_level(world4):
+    with pytest.raises(BackendError, match="module-level"):
+        world4.run(lambda rank, world_size: rank)
+    assert world4.broken is None
+
+
+def _unpicklable_result(rank: int, world_size: int) -> object:
+    return lambda: rank
+
+
+def test_unpicklable_result_is_an_error_naming_the_ranks(world4):
+    with pytest.raises(BackendError, match=r"^ranks 0, 1, 2, 3 failed: its result cannot be pickled: "):
+        world4.run(_unpicklable_result)
+    assert world4.broken is None
+
+
+def test_agree_detects_a_mismatch_on_every_rank(world4):
+    assert world4.run(_agree, None) == ["fp-1234"] * 4
+    with pytest.raises(BackendError) as info:
+        world4.run(_agree, 2)
+    assert str(info.value) == ("ranks 0, 1, 2, 3 failed: BackendError: ranks disagree on program "
+                               "fingerprint: rank 0 has 'fp-1234', rank 2 has 'fp-odd'")
+    assert world4.broken is None  # every rank raised before any other collective: the world is consistent
+    assert torch.equal(world4.run(_all_reduce)[3], torch.full((3,), 10.0))
+
+
+def test_trace_of_a_world_has_one_track_per_rank_and_stream(world4, tmp_path):
+    per_rank = world4.run(_traced)
+    path = tmp_path / "trace.json"
+    merge_and_write(per_rank, path)
+    trace = json.loads(path.read_text())
+    spans = [e for e in trace["traceEvents"] if e["ph"] == "X"]
+    assert {e["pid"] for e in spans} == {0, 1, 2, 3}
+    assert len(spans) == 4 * 4 and all(e["dur"] >= 0 and e["ts"] >= 0 for e in spans)
+    names = {e["pid"]: e["args"]["name"] for e in trace["traceEvents"] if e["name"] == "process_name"}
+    assert names == {r: f"rank {r}" for r in range(4)}
+    threads = {(e["pid"], e["tid"], e["args"]["name"])
+               for e in trace["traceEvents"] if e["name"] == "thread_name"}
+    assert len(threads) == 8 and {t[2] for t in threads} == {"compute", "comm"}
+    assert {e["args"]["chunk"] for e in spans} == {0, 1}
+
+
+# -- worlds that tests break -------------------------------------------------------------------------------
+
+
+@pytest.fixture(scope="module")
+def fragile():
+    """A world of 2 ranks with a 3 s timeout that tests may break (each test restarts it if needed)."""
+    world = LocalWorld(2, timeout_s=3)
+    yield world
+    world.close()
+
+
+def _ensure_live(world: LocalWorld) -> None:
+    if world.broken:
+        world.restart()
+
+
+def test_a_sleep_within_the_timeout_is_fine(fragile):
+    _ensure_live(fragile)
+    assert fragile.call(_sleep_on_1, (0.2,), timeout_s=2.0) == [0, 1]
+
+
+def test_dead_rank_is_named_quickly_and_restart_works(fragile):
+    _ensure_live(fragile)
+    t0 = time.monotonic()
+    with pytest.raises(BackendError, match=r"^rank 1 exited with code 3 during run of `_exit_on_1`$") as info:
+        fragile.run(_exit_on_1)
+    assert time.monotonic() - t0 < 2.0
+    assert info.value.ranks == [1] and info.value.exit_codes == {1: 3}
+    assert fragile.broken
+    t0 = time.monotonic()
+    with pytest.raises(BackendError, match="unusable because rank 1 exited with code 3; call restart"):
+        fragile.run(_all_reduce)
+    assert time.monotonic() - t0 < 0.1
+    fragile.restart()
+    assert fragile.broken is None
+    assert [t.tolist() for t in fragile.run(_all_reduce)] == [[3.0] * 3] * 2
+
+
+def test_hung_rank_is_named_within_the_timeout(fragile):
+    _ensure_live(fragile)
+    t0 = time.monotonic()
+    with pytest.raises(BackendError, match=r"^rank 1 did not finish `_sleep_on_1` within 3 s$"):
+        fragile.run(_sleep_on_1, 60.0)
+    elapsed = time.monotonic() - t0
+    assert 3.0 <= elapsed < 4.5
+    assert fragile.broken
+    with pytest.raises(BackendError, match="unusable"):
+        fragile.run(_all_reduce)
+
+
+def test_raise_before_a_collective_tears_down_the_stuck_ranks(fragile):
+    _ensure_live(fragile)
+    t0 = time.monotonic()
+    with pytest.raises(BackendError, match=r"^rank 1 failed: KeyError: 'missing'; rank 0 did not finish"):
+        fragile.run(_raise_then_collective)
+    assert time.monotonic() - t0 < 3.0
+    assert fragile.broken
+
+
+def test_communication_failures_break_the_world():
+    # Messages Gloo gave after a peer died and after a collective timed out (the pair is closed for good).
+    for message in ["[/x/gloo/transport/tcp/pair.cc:553] Connection closed by peer [127.0.0.1]:1234. GLHF",
+                    "[/x/gloo/transport/tcp/unbound_buffer.cc:78] Timed out waiting 2000ms for recv",
+                    "Application timeout caused pair closure"]:
+        assert launch._is_comm_failure(RuntimeError(message))
+    assert not launch._is_comm_failure(RuntimeError("shape mismatch"))
+    assert launch._first_line(RuntimeError("[/x/pair.cc:553] Connection closed by peer")) == \
+        "Connection closed by peer"
+
+
+def test_spawn_and_run_one_shot():
+    results = spawn_and_run(1, _echo, (torch.ones(2),), {"scale": 3.0})
+    assert results[0][0] == 0 and torch.equal(results[0][2], torch.full((2,), 3.0))
+
+
+def test_closed_world_refuses_work_and_can_restart():
+    with LocalWorld(1) as world:
+        assert world.run(_echo, torch.zeros(1))[0][0] == 0
+    with pytest.raises(BackendError, match="unusable because it was closed"):
+        world.run(_all_reduce)
+    world.restart()
+    assert world.run(_all_reduce)[0].tolist() == [1.0] * 3
+    world.close()
+
+
+def test_bad_arguments_are_rejected():
+    with pytest.raises(BackendError, match="at least one rank"):
+        LocalWorld(0)
+    with pytest.raises(BackendError, match="backend must be"):
+        LocalWorld(2, backend="mpi")
+    if not torch.cuda.is_available():
+        with pytest.raises(BackendError, match="no GPU"):
+            LocalWorld(2, device="cuda")
+
+
+# -- torchrun-style start ----------------------------------------------------------------------------------
+
+_SCRIPT = textwrap.dedent("""
+    import torch, torch.distributed as dist
+    from cocoweave.launch import agree, in_torchrun, init_from_env
+    assert in_torchrun()
+    rank, world_size, device = init_from_env(timeout_s=30)
+    agree("fp", "program fingerprint")
+    t = torch.full((2,), float(rank + 1))
+    dist.all_reduce(t)
+    print(f"RESULT {rank} {world_size} {device} {t.tolist()}", flush=True)
+    dist.destroy_process_group()
+""")
+
+
+def test_init_from_env_under_torchrun_style_env(tmp_path):
+    script = tmp_path / "rank.py"
+    script.write_text(_SCRIPT)
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    procs = []
+    for rank in range(2):
+        env = {**os.environ, "RANK": str(rank), "LOCAL_RANK": str(rank), "WORLD_SIZE": "2",
+               "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(port), "OMP_NUM_THREADS": "1"}
+        procs.append(subprocess.Popen([sys.executable, str(script)], env=env, stdout=subprocess.PIPE,
+                                      stderr=subprocess.STDOUT, text=True))
+    try:
+        outputs = [p.communicate(timeout=60)[0] for p in procs]
+    finally:
+        for p in procs:
+            p.kill()
+    for rank, (p, out) in enumerate(zip(procs, outputs)):
+        assert p.returncode == 0, out
+        assert f"RESULT {rank} 2 cpu [3.0, 3.0]" in out
+
+
+def test_init_from_env_names_missing_variables(monkeypatch):
+    for key in ("RANK", "WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT", "TORCHELASTIC_RUN_ID"):
+        monkeypatch.delenv(key, raising=False)
+    assert not in_torchrun()
+    with pytest.raises(BackendError, match="needs RANK, WORLD_SIZE, MASTER_ADDR, MASTER_PORT.*torchrun"):
+        init_from_env()
+
+
+# -- the trace recorder on its own -------------------------------------------------------------------------
+
+
+def test_trace_json_is_valid_with_one_track_per_rank(tmp_path):
+    tracers = [Tracer(rank) for rank in range(3)]
+    for tracer in tracers:
+        with tracer.span("kernel", chunk=1, bytes=64):
+            pass
+        tracer.add("send", time.perf_counter_ns(), time.perf_counter_ns() + 1000, stream="p2p")
+    off = Tracer(enabled=False)
+    with off.span("nothing"):
+        pass
+    assert off.events() == []
+    path = tmp_path / "t.json"
+    merge_and_write([t.events() for t in tracers], path)
+    trace = json.loads(path.read_text())
+    spans = [e for e in trace["traceEvents"] if e["ph"] == "X"]
+    assert sorted({e["pid"] for e in spans}) == [0, 1, 2]
+    assert {e["pid"] for e in trace["traceEvents"] if e.get("name") == "process_name"} == {0, 1, 2}
+    kernel = next(e for e in spans if e["name"] == "kernel")
+    assert kernel["args"] == {"bytes": 64, "chunk": 1} and kernel["cat"] == "compute"
+    assert min(e["ts"] for e in spans) == 0
