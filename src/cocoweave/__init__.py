@@ -49,6 +49,19 @@ from .ir.ops import (
 
 __version__ = "0.1.0"
 
+
+def __getattr__(name: str):
+    """`cw.compile` and `cw.Schedule`, imported on first use (they pull in the backends)."""
+    if name == "compile":
+        from .compile import compile
+
+        return compile
+    if name == "Schedule":
+        from .schedule.schedule import Schedule
+
+        return Schedule
+    raise AttributeError(f"module 'cocoweave' has no attribute {name!r}")
+
 __all__ = [
     "WORLD", "Group", "Local", "Program", "Replicated", "Sliced", "Value", "errors",
     "abs", "add", "all_gather", "all_reduce", "broadcast", "cast", "div", "dropout", "eq", "exp", "ge", "gt",

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import asdict, dataclass
+from typing import Any
 
 from .backends import reference
 from .backends.inputs import make_inputs
@@ -17,6 +18,7 @@ from .schedule.schedule import Schedule
 from .testing import compare_results
 
 Runner = Callable[[Schedule, list, Mapping[str, int]], list]
+BatchRunner = Callable[[Sequence[Schedule], list, Mapping[str, int]], list[list]]  # results per schedule
 
 
 @dataclass
@@ -48,19 +50,40 @@ def reference_runner(schedule: Schedule, inputs: list, sizes: Mapping[str, int])
     return reference.run(schedule, inputs, sizes, whole_state=True)
 
 
+def torch_runner(world: Any, device: str = "cpu") -> BatchRunner:
+    """Runs every schedule on the live ranks of `world` (a cocoweave.launch.LocalWorld) in one call;
+    a failing rank raises BackendError (the ranks' collectives cannot go on after one rank fails)."""
+
+    def run(schedules: Sequence[Schedule], inputs: list, sizes: Mapping[str, int]) -> list[list]:
+        from .backends.torch.worker import run_schedules
+
+        per_rank = world.run(run_schedules, list(schedules), inputs, dict(sizes), device)
+        return [[r[i] for r in per_rank] for i in range(len(schedules))]
+
+    return run
+
+
 def check_schedules(program: Program, schedules: Sequence[Schedule], world_size: int,
                     sizes: Mapping[str, int] | None = None, seed: int = 0,
-                    runner: Runner = reference_runner) -> list[CheckRow]:
+                    runner: Runner = reference_runner, batch: BatchRunner | None = None) -> list[CheckRow]:
     """Compare every schedule with the unscheduled program (reference backend) on one set of random
-    inputs at `world_size` ranks. A schedule that fails to run gives a row with the error."""
+    inputs at `world_size` ranks. A schedule that fails to run gives a row with the error. `batch`
+    (e.g. torch_runner) runs all schedules at once instead of `runner` one by one."""
     sizes = dict(sizes or {})
     inputs = make_inputs(program, world_size, sizes, seed=seed)
     expected = reference.run(program, inputs, sizes, whole_state=True)
+    if batch is not None:
+        results = batch(schedules, inputs, sizes)
+        return [_row(program, s, world_size, res, expected) for s, res in zip(schedules, results)]
     rows = []
     for s in schedules:
         try:
-            d = compare_results(program, runner(s, inputs, sizes), expected)
-            rows.append(CheckRow(s.name, world_size, d.max_abs, d.max_rel, d.ok))
+            rows.append(_row(program, s, world_size, runner(s, inputs, sizes), expected))
         except CocoweaveError as e:
             rows.append(CheckRow(s.name, world_size, float("nan"), float("nan"), False, str(e)))
     return rows
+
+
+def _row(program: Program, s: Schedule, world_size: int, got: list, expected: list) -> CheckRow:
+    d = compare_results(program, got, expected)
+    return CheckRow(s.name, world_size, d.max_abs, d.max_rel, d.ok)

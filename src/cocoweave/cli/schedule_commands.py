@@ -8,7 +8,7 @@ from typing import Annotated
 import typer
 from rich.table import Table
 
-from ..check import check_schedules, world_applicable
+from ..check import CheckRow, check_schedules, torch_runner, world_applicable
 from ..errors import LoadError
 from ..loader import load_program, parse_sizes, symbolic_sizes
 from ..schedule.enumerate import enumerate_schedules
@@ -16,7 +16,7 @@ from ..schedule.schedule import Schedule
 from .common import EXIT_MISMATCH, console, fail, user_errors
 from .program_commands import SizeOpt, SpecArg
 
-BACKENDS = ("reference",)
+BACKENDS = ("reference", "torch")
 
 
 def parse_world_sizes(text: str) -> list[int]:
@@ -71,7 +71,11 @@ def check(
     spec: SpecArg,
     size: SizeOpt = None,
     world_size: Annotated[str, typer.Option("--world-size", "-n", help="Ranks: 4, 1-8 or 1,2,4.")] = "4",
-    backend: Annotated[str, typer.Option(help="Backend to check: reference.")] = "reference",
+    backend: Annotated[str, typer.Option(help="Backend to check: reference (simulated ranks) or torch (spawned "
+                                              "ranks over torch.distributed).")] = "reference",
+    device: Annotated[str, typer.Option(help="torch backend: cpu or cuda.")] = "cpu",
+    timeout: Annotated[float, typer.Option(min=0.1, help="torch backend: seconds a rank may wait for the "
+                                                         "others before the check fails.")] = 60.0,
     schedule: Annotated[str | None, typer.Option(help="Check only this schedule.")] = None,
     seed: Annotated[int, typer.Option(help="Seed of the random inputs.")] = 0,
     as_json: Annotated[bool, typer.Option("--json", help="Print JSON.")] = False,
@@ -88,7 +92,10 @@ def check(
         raise LoadError(world_applicable(program, worlds[0]))
     rows, skipped = [], {w: world_applicable(program, w) for w in worlds if w not in runnable}
     for w in runnable:
-        rows += check_schedules(program, chosen, w, symbolic_sizes(program, sizes), seed)
+        if backend == "torch":
+            rows += _check_torch(program, chosen, w, symbolic_sizes(program, sizes), seed, device, timeout)
+        else:
+            rows += check_schedules(program, chosen, w, symbolic_sizes(program, sizes), seed)
     bad = [r for r in rows if not r.ok]
     if as_json:
         print(json.dumps({"program": program.name, "backend": backend, "rows": [r.as_dict() for r in rows],
@@ -105,3 +112,14 @@ def check(
             console.print(f"world size {w} skipped: {why}", style="yellow")
     if bad:
         raise fail(f"{len(bad)} of {len(rows)} checks differ from the unscheduled program", EXIT_MISMATCH)
+
+
+def _check_torch(program, schedules: list[Schedule], world_size: int, sizes: dict[str, int], seed: int,
+                 device: str, timeout: float) -> list[CheckRow]:
+    """Every schedule on `world_size` spawned ranks (one LocalWorld, one call)."""
+    from ..launch import LocalWorld
+
+    if device not in ("cpu", "cuda"):
+        raise LoadError(f"--device must be cpu or cuda, got {device!r}")
+    with LocalWorld(world_size, backend="auto", device=device, timeout_s=timeout) as world:
+        return check_schedules(program, schedules, world_size, sizes, seed, batch=torch_runner(world, device))

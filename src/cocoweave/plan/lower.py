@@ -15,14 +15,15 @@ def _plan_stage(program: Program, s: Stage) -> PlanStage:
     if s.kind == "matmul":
         return MatMul(vals)
     if s.kind == "collective":
-        return Collective(vals)
+        return Collective(vals, algorithm=s.algorithm)
     if s.kind == "p2p":
         return P2P(vals)
     if s.kind == "fused":
         parts = [_plan_stage(program, p) for p in s.parts]
         kernels = [p for p in parts if isinstance(p, Kernel)]
         return FusedCollective(vals, reduce_scatter=parts[0].values[0], kernel=kernels[0] if kernels else None,
-                               all_gathers=[p.values[0] for p in parts if isinstance(p, Collective)][1:])
+                               all_gathers=[p.values[0] for p in parts if isinstance(p, Collective)][1:],
+                               algorithm=s.algorithm)
     if s.kind == "overlap":
         return Chunked(vals, stages=[_plan_stage(program, p) for p in s.parts], chunks=s.chunks, dim=s.chunk_dim)
     raise ValueError(f"unknown stage kind {s.kind!r}")

@@ -66,8 +66,9 @@ class Collective(PlanStage):
 
     @property
     def label(self) -> str:
-        return {"all_reduce": "AR", "reduce_scatter": "RS", "all_gather": "AG", "broadcast": "BC",
-                "reduce": "R"}[self.values[0].op]
+        token = {"all_reduce": "AR", "reduce_scatter": "RS", "all_gather": "AG", "broadcast": "BC",
+                 "reduce": "R"}[self.values[0].op]
+        return token + ("" if self.algorithm == "library" else f"@{self.algorithm}")
 
 
 @dataclass
@@ -95,7 +96,7 @@ class FusedCollective(PlanStage):
 
     @property
     def label(self) -> str:
-        return "fuse(RS-C-AG)"
+        return "fuse(RS-C-AG)" + ("" if self.algorithm == "library" else f"@{self.algorithm}")
 
 
 @dataclass

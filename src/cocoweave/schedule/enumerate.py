@@ -6,6 +6,8 @@
 3. Groupings on each rewrite: fuse every computation stage into one kernel (`C`); fuse
    ReduceScatter + computation + AllGather; overlap matmul -> collective (-> epilogue) chains and
    collective -> computation -> send chains with 2, 4 or 8 chunks.
+4. Algorithms: the program as written with its AllReduces on the ring (`AR@ring`), and every fused
+   ReduceScatter + computation + AllGather on CoCoNet's fused ring (`fuse(RS-C-AG)@ring`).
 """
 
 from __future__ import annotations
@@ -136,7 +138,24 @@ def enumerate_schedules(program: Program) -> list[Schedule]:
                 for n in CHUNKS:
                     refs = [c.anchor for c in chain]
                     add(_try(lambda base=base, refs=refs, n=n: _overlapped(program, base, refs, n)))
+        if not steps:
+            add(_on_ring(program, bases[0], "collective"))
+        if bases[1] is not None:
+            add(_on_ring(program, bases[1], "fused"))
     return list(found.values())
+
+
+def _on_ring(program: Program, base: Schedule, kind: str) -> Schedule | None:
+    """`base` with every stage of `kind` that can run on the ring moved onto it; None if none can."""
+    s, changed = Schedule.replay(program, base.steps), False
+    for stage in [x for x in s.stages if x.kind == kind]:
+        changed |= _try(lambda stage=stage: _ring_step(s, stage)) is not None
+    return s if changed else None
+
+
+def _ring_step(s: Schedule, stage: Stage) -> Schedule:
+    s.algorithm(stage, "ring")
+    return s
 
 
 def _overlapped(program: Program, base: Schedule, refs: list[str], chunks: int) -> Schedule:

@@ -48,8 +48,9 @@ class Schedule:
         self._stages = st.base_stages(program)
 
     def _before_grouping(self, verb: str) -> None:
-        if any(s["step"] in ("fuse", "overlap") for s in self.steps):
-            raise ScheduleError(f"{verb} must come before fuse and overlap: it changes the stages they group")
+        if any(s["step"] in ("fuse", "overlap", "algorithm") for s in self.steps):
+            raise ScheduleError(f"{verb} must come before fuse and overlap and algorithm choices: it changes the "
+                                "stages they group")
 
     def split(self, all_reduce: Ref, dim: int = 0) -> tuple[Stage, Stage]:
         """AllReduce -> ReduceScatter + AllGather. Returns the two new stages."""
@@ -95,6 +96,15 @@ class Schedule:
         self._stages = st.overlap(self.program, self._stages, refs, chunks)
         self.steps.append({"step": "overlap", "refs": list(refs), "chunks": chunks})
         return self.stage(refs[0])
+
+    def algorithm(self, stage: Ref, name: str) -> Stage:
+        """Run a collective (AR, RS, AG) or fused RS-C-AG stage on collective algorithm `name`:
+        "library" (torch.distributed's call) or "ring" (point-to-point ring; a fused stage computes
+        each piece as soon as it is reduced). Results do not change, only how they travel."""
+        ref = _name(stage)
+        self._stages = st.set_algorithm(self.program, self._stages, ref, name)
+        self.steps.append({"step": "algorithm", "ref": ref, "algorithm": name})
+        return self.stage(ref)
 
     # -- queries ------------------------------------------------------------------------------
     @property
@@ -159,6 +169,8 @@ class Schedule:
                 s.fuse(*step["refs"])
             elif kind == "overlap":
                 s.overlap(*step["refs"], chunks=step["chunks"])
+            elif kind == "algorithm":
+                s.algorithm(step["ref"], step["algorithm"])
             else:
                 raise ScheduleError(f"unknown schedule step {kind!r}")
         return s
@@ -178,4 +190,6 @@ def _format_step(s: dict[str, Any]) -> str:
         return f"as_slice({s['name']})"
     if s["step"] == "fuse":
         return f"fuse({', '.join(s['refs'])})"
+    if s["step"] == "algorithm":
+        return f"algorithm({s['ref']}, {s['algorithm']!r})"
     return f"overlap({', '.join(s['refs'])}, chunks={s['chunks']})"

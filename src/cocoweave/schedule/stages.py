@@ -17,6 +17,9 @@ COMPUTE_OPS = ops.ELEMENTWISE + ops.REDUCTIONS + ("layer_norm", "slice")
 COMM_TOKENS = {"all_reduce": "AR", "reduce_scatter": "RS", "all_gather": "AG", "broadcast": "BC",
                "reduce": "R", "send": "P2P", "matmul": "MM"}
 CHUNKABLE_COMM = ("all_reduce", "reduce_scatter", "all_gather", "send")
+ALGORITHMS = ("library", "ring")  # torch.distributed's call; a ring over point-to-point messages
+RING_COLLECTIVES = ("all_reduce", "reduce_scatter", "all_gather")
+RING_OPS = ("sum", "avg", "max", "min")
 
 
 @dataclass(frozen=True)
@@ -30,6 +33,7 @@ class Stage:
     parts: tuple[Stage, ...] = ()
     chunks: int = 1
     chunk_dim: int = -1
+    algorithm: str = "library"  # collective and fused stages: how the communication runs (ALGORITHMS)
 
     @property
     def anchor(self) -> str:
@@ -37,14 +41,16 @@ class Stage:
         return self.values[0]
 
     def label(self, program: Program) -> str:
-        """Short name: C (fused computation), c (eager ops), MM, AR, RS, AG, P2P, fuse(...), ol(...)."""
+        """Short name: C (fused computation), c (eager ops), MM, AR, RS, AG, P2P, fuse(...), ol(...);
+        a collective or fused stage on a non-default algorithm ends in @algorithm (AR@ring)."""
+        at = "" if self.algorithm == "library" else f"@{self.algorithm}"
         if self.kind == "compute":
             return "C" if self.fused else "c"
         if self.kind in ("matmul", "collective", "p2p"):
-            return COMM_TOKENS[value(program, self.anchor).op]
+            return COMM_TOKENS[value(program, self.anchor).op] + at
         inner = join_labels(program, self.parts)
         if self.kind == "fused":
-            return f"fuse({inner})"
+            return f"fuse({inner}){at}"
         return f"ol({','.join(p.label(program) for p in self.parts)},{self.chunks})"
 
 
@@ -135,6 +141,7 @@ def fuse(program: Program, stages: list[Stage], refs: tuple[str | Stage, ...]) -
     all_gather into one fused collective stage."""
     idx = _consecutive(stages, refs, "fuse")
     group = [stages[i] for i in idx]
+    _library_only(program, group, "fuse")
     if all(s.kind == "compute" for s in group):
         merged = Stage("compute", tuple(n for s in group for n in s.values), fused=True)
     else:
@@ -169,6 +176,7 @@ def overlap(program: Program, stages: list[Stage], refs: tuple[str | Stage, ...]
         raise ScheduleError(f"overlap needs 2 to 64 chunks, got {chunks!r}")
     idx = _consecutive(stages, refs, "overlap")
     group = [stages[i] for i in idx]
+    _library_only(program, group, "overlap")
     names = "-".join(s.label(program) for s in group)
     if len(group) < 2:
         raise ScheduleError(f"cannot overlap {names}: overlap needs a chain of at least two stages")
@@ -179,6 +187,45 @@ def overlap(program: Program, stages: list[Stage], refs: tuple[str | Stage, ...]
     dim = chunk_dim(program, group, members, names)
     return stages[:idx[0]] + [Stage("overlap", tuple(members_in_order(group)), parts=tuple(group),
                                     chunks=chunks, chunk_dim=dim)] + stages[idx[-1] + 1:]
+
+
+def _library_only(program: Program, group: list[Stage], verb: str) -> None:
+    for s in group:
+        if s.algorithm != "library":
+            raise ScheduleError(f"cannot {verb} `{s.anchor}`: it already runs on the {s.algorithm} algorithm; "
+                                f"{verb} first, then choose the algorithm of the resulting stage")
+
+
+def set_algorithm(program: Program, stages: list[Stage], ref: str | Stage, algorithm: str) -> list[Stage]:
+    """Run one collective stage (AR, RS, AG) or fused RS-C-AG stage on `algorithm`. The ring needs a
+    sum/avg/max/min reduction, and a fused ring applies its computation piece by piece along the
+    scattered dimension, so every computed value must be elementwise and sliced along that dimension."""
+    if algorithm not in ALGORITHMS:
+        raise ScheduleError(f"unknown collective algorithm {algorithm!r}; choose one of {', '.join(ALGORITHMS)}")
+    i = locate(stages, ref)
+    s = stages[i]
+    lab = s.label(program)
+    if s.kind not in ("collective", "fused"):
+        raise ScheduleError(f"cannot choose an algorithm for stage {lab} (`{s.anchor}`): only collective stages "
+                            "(AR, RS, AG) and fused RS-C-AG stages have one")
+    head = value(program, s.anchor)
+    if head.op not in RING_COLLECTIVES and algorithm != "library":
+        raise ScheduleError(f"cannot run {lab} (`{s.anchor}`) as a {algorithm}: only {', '.join(RING_COLLECTIVES)} "
+                            "have one")
+    op = head.attrs.get("op")
+    if op is not None and op not in RING_OPS and algorithm != "library":
+        raise ScheduleError(f"cannot run {lab} (`{s.anchor}`) as a {algorithm}: it reduces with {op!r}, and a ring "
+                            f"reduces with one of {', '.join(RING_OPS)}")
+    if s.kind == "fused" and algorithm != "library":
+        dim = head.attrs["dim"]
+        for n in (n for p in s.parts if p.kind == "compute" for n in p.values):
+            v = value(program, n)
+            piecewise = v.op in ops.ELEMENTWISE + ("slice",) and v.ndim == head.ndim
+            if not piecewise or not v.layout.is_sliced or v.layout.dim != dim:
+                raise ScheduleError(f"cannot run {lab} as a {algorithm}: `{v.name} = {v.op}(...)` is not an "
+                                    f"elementwise value sliced along dimension {dim}, so it cannot be computed "
+                                    "piece by piece as the ring reduces")
+    return stages[:i] + [replace(s, algorithm=algorithm)] + stages[i + 1:]
 
 
 def members_in_order(group: list[Stage]) -> list[str]:

@@ -57,6 +57,7 @@ class Emitter:
     chain_ids: set[int] = field(default_factory=set)  # values computed inside the chunked chain
     live_out: set[int] = field(default_factory=set)
     used: set[str] = field(default_factory=set)
+    algorithm: str = "library"  # the collective algorithm of the stage being emitted
 
     # -- naming -------------------------------------------------------------------------------
     def var(self, v: Value) -> str:
@@ -172,6 +173,10 @@ class Emitter:
             full = bind_shape(v.args[0].shape, self.view.sizes)
             gr, gs = self.view.group_rank(v)
             s, t = slice_bounds(full[v.attrs["dim"]], gs, gr)
+            if self.chunk is not None and v.attrs["dim"] == self.chunk[0] - (self.chunk[1] - v.ndim):
+                # a piece of this rank's part (fused ring): offset within the part, from the whole tensor
+                se = self.chunk[2]
+                return f"{self.ref(v.args[0])}.narrow({v.attrs['dim']}, {s} + {se}[0], {se}[1])"
             return f"{a[0]}.narrow({v.attrs['dim']}, {s}, {t - s})"
         else:
             raise NotImplementedError(f"no code generation for {op}")
@@ -183,6 +188,13 @@ class Emitter:
         g = f'ctx.group("{v.args[0].group.name}")'
         key = f'("{v.name}", k)' if self.chunk is not None else f'"{v.name}"'  # a buffer per chunk in flight
         tail = f", out={key}" + (", async_op=True" if async_op else "")
+        if self.algorithm == "ring":  # point-to-point rings (ring.py), synchronous
+            if v.op == "all_reduce":
+                return f"ctx.ring_all_reduce({x}, {a['op']!r}, {g}{tail})"
+            if v.op == "reduce_scatter":
+                return f"ctx.ring_reduce_scatter({x}, {a['op']!r}, {a['dim']}, {g}{tail})"
+            if v.op == "all_gather":
+                return f"ctx.ring_all_gather({x}, {a['dim']}, {self.view.local_shape(v)[a['dim']]}, {g}{tail})"
         if v.op == "all_reduce":
             return f"ctx.all_reduce({x}, {a['op']!r}, {g}{tail})"
         if v.op == "reduce_scatter":
@@ -243,16 +255,22 @@ def generate(plan: Plan, rank: int, world_size: int, sizes: Mapping[str, int],
         em.emit(f"# stage {i}: {stage.label}  [{', '.join(v.name for v in stage.values)}]")
         if isinstance(stage, Chunked):
             _emit_chunked(em, stage, i)
+        elif isinstance(stage, FusedCollective) and stage.algorithm == "ring":
+            _emit_fused_ring(em, stage, i)
         elif i in fused:
             k = fused[i]
             em.emit(f'with ctx.span("{stage.label}", {i}):')
-            em.emit(f"# one generated Triton kernel (ctx.fused({i}).source); it reads whole Replicated operands", 2)
+            em.emit(f"# one generated Triton kernel, {getattr(k, 'name', 'kernel')} (ctx.fused({i}).source)", 2)
+            if getattr(getattr(k, "spec", None), "in_place", None):
+                em.emit("# it writes new state over the state tensors: their copies at the end are no-ops", 2)
             outs = ", ".join(em.var(v) for v in k.outputs) + ("," if len(k.outputs) == 1 else "")
             em.emit(f"{outs} = ctx.fused({i})({', '.join(em.ref(a) for a in k.inputs)})", 2)
         else:
             em.emit(f'with ctx.span("{stage.label}", {i}):')
+            em.algorithm = getattr(stage, "algorithm", "library")
             for v in stage.values:
                 _emit_value(em, v, indent=2)
+            em.algorithm = "library"
     em.emit("")
     em.emit("# results: state is written in place, outputs are returned")
     for name, v in plan.state.items():
@@ -304,14 +322,41 @@ def _emit_chunked(em: Emitter, stage: Chunked, index: int) -> None:
         if len(em.lines) == body:
             em.emit("pass  # this rank takes no part", 2)
     names = ", ".join(f"part{index}_{j}" for j in range(len(parts)))
+    comm = [isinstance(part, (Collective, P2P)) for part in parts]
     em.emit(f'with ctx.span("{stage.label}", {index}):')
-    em.emit(f"envs = ctx.pipeline({stage.chunks}, [{names}])", 2)
+    em.emit(f"envs = ctx.pipeline({stage.chunks}, [{names}], comm={comm}, labels={[p.label for p in parts]})", 2)
     for v in stage.values:
-        if em.view.in_group(v):
+        if em.view.in_group(v) and id(v) in em.live_out:  # only what later stages or the results read
             j = dim - (nd - v.ndim)
             em.emit(f'{em.var(v)} = rt.concat([e["{em.var(v)}"] for e in envs], {j})', 2)
     em.chunk = None
     em.chain_ids = set()
+
+
+def _emit_fused_ring(em: Emitter, stage: FusedCollective, index: int) -> None:
+    """CoCoNet's fused ring: a function computes one reduced piece of this rank's part (at `piece` =
+    (offset, length) inside the part); ctx.fused_ring calls it as each piece finishes its ring
+    reduce-scatter and all-gathers its results. Values read after the stage are kept whole (this
+    rank's part), assembled from the pieces."""
+    rs, ags = stage.reduce_scatter, stage.all_gathers
+    inside = [rs] + (stage.kernel.values if stage.kernel is not None else [])
+    kept = [v for v in inside if id(v) in em.live_out]
+    x, g = em.ref(rs.args[0]), f'ctx.group("{rs.args[0].group.name}")'
+    em.chain_ids = {id(v) for v in inside}
+    em.chunk = (rs.attrs["dim"], rs.ndim, "piece")
+    em.emit(f'with ctx.span("{stage.label}", {index}):')
+    em.emit(f"def ring{index}({em.var(rs)}, piece):  # piece: (offset, length) inside this rank's part", 2)
+    for v in inside[1:]:
+        _emit_value(em, v, indent=3)
+    em.emit(f"return [{', '.join(em.var(a.args[0]) for a in ags)}], [{', '.join(em.var(v) for v in kept)}]", 3)
+    em.chunk, em.chain_ids = None, set()
+
+    def spec(v: Value) -> str:
+        return f'("{v.name}", {em.view.local_shape(v)}, torch.{v.dtype})'
+
+    em.emit(f"[{', '.join(em.var(a) for a in ags)}], [{', '.join(em.var(v) for v in kept)}] = ctx.fused_ring(", 2)
+    em.emit(f"{x}, {rs.attrs['dim']}, {rs.attrs['op']!r}, {g}, ring{index},", 3)
+    em.emit(f"gathered=[{', '.join(spec(a) for a in ags)}], kept=[{', '.join(spec(v) for v in kept)}])", 3)
 
 
 def _live_outs(plan: Plan) -> set[int]:

@@ -18,6 +18,7 @@ from ...errors import BackendError, InputError
 from ...ir.graph import Program
 from ...ir.layout import slice_bounds
 from ...ir.types import bind_shape
+from ...launch import agree
 from ...plan.plan import Plan
 from ..inputs import RankInputs, bound_sizes, check_rank_inputs, local_shape
 from ..local_ops import RankContext as LocalContext
@@ -84,6 +85,9 @@ class Executable:
         if world_size > 1 and not dist.is_initialized():
             raise BackendError(f"rank {rank}: torch.distributed is not initialised; start ranks with "
                                "`cocoweave run --backend torch` or torchrun, or call cocoweave.launch.init_from_env()")
+        if world_size > 1:  # before any other collective: ranks running different plans fail here, at once
+            agree(f"{plan.fingerprint} {json.dumps(self.sizes, sort_keys=True)}",
+                  "the plan to run (fingerprint and sizes)")
         self.ctx = RankContext(rank, world_size, process_groups(self.program, world_size) if world_size > 1 else
                                {g.name: None for g in self.program.groups}, self.device, self._dropout_indices(),
                                backend)
@@ -97,11 +101,21 @@ class Executable:
             raise BackendError(f"kernels must be 'auto', 'triton' or 'torch', got {kernels!r}")
         if kernels == "torch" or (kernels == "auto" and self.device.type != "cuda"):
             return {}
+        if self.device.type != "cuda" and os.environ.get("TRITON_INTERPRET") != "1":
+            raise BackendError(f"rank {self.rank}: kernels='triton' on {self.device.type} needs TRITON_INTERPRET=1 "
+                               "set before triton is imported; use kernels='torch' or a CUDA device")
         try:
             from ...kernels.codegen import build_fused_kernels
-        except ImportError:  # Triton is not installed: torch ops compute every stage
+        except ImportError:  # Triton is not installed: torch ops compute every stage, unless Triton was asked for
+            if kernels == "triton":
+                raise BackendError(f"rank {self.rank}: kernels='triton' needs the triton package; "
+                                   "install cocoweave[triton] or use kernels='torch'") from None
             return {}
         return build_fused_kernels(self.plan, self.rank, self.world_size, self.sizes, self.device)
+
+    def kernel_sources(self) -> dict[int, str]:
+        """Source of each generated Triton kernel, by stage index (empty when every stage runs torch ops)."""
+        return {i: k.source for i, k in sorted(self.ctx.kernels.items())}
 
     def _dropout_indices(self) -> dict[str, torch.Tensor]:
         out = {}

@@ -17,9 +17,10 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
-from ... import rng
+from ... import faults, rng
 from ...ir.layout import slice_bounds
 from ..local_ops import reduce_local
+from . import ring
 
 _REDUCE = {"sum": dist.ReduceOp.SUM, "avg": dist.ReduceOp.SUM, "max": dist.ReduceOp.MAX, "min": dist.ReduceOp.MIN}
 # torch 2.13 renamed the tensor collectives; older releases (the GPU machine's 2.11) have the old names
@@ -108,6 +109,8 @@ class RankContext:
 
     @contextmanager
     def span(self, label: str, stage: int, stream: str = "compute", chunk: int | None = None):
+        if faults.ACTIVE and chunk is None:  # fault injection / stage progress (cocoweave.faults)
+            faults.enter(self.rank, stage, label)
         if not self.tracing:
             yield
             return
@@ -117,7 +120,8 @@ class RankContext:
         finally:
             if self.device.type == "cuda":
                 torch.cuda.synchronize(self.device)
-            self.events.append((f"{stage}:{label}", stream, t0, time.perf_counter_ns(), chunk))
+            name = label if chunk is not None else f"{stage}:{label}"  # chunk parts: the part's label
+            self.events.append((name, stream, t0, time.perf_counter_ns(), chunk))
 
     # -- collectives --------------------------------------------------------------------------
     def _wire(self, x: torch.Tensor) -> torch.Tensor:
@@ -150,16 +154,11 @@ class RankContext:
         return self._done(work if async_op else None, finish, async_op)
 
     def _adasum(self, x: torch.Tensor, group: Any, out: Any) -> torch.Tensor:
-        """Adasum by gathering every rank's tensor and combining in the reference's tree order
-        (correct on any world size; bandwidth like an all_gather, not a ring)."""
-        from ..reference import adasum_tree
+        """Adasum by vector-halving, distance-doubling over P2P (backends/torch/adasum.py): bandwidth
+        like a ring all-reduce, combining in exactly the reference's order on any group size."""
+        from .adasum import adasum_all_reduce
 
-        n = dist.get_world_size(group)
-        parts = [torch.empty_like(x) for _ in range(n)]
-        dist.all_gather(parts, x.contiguous(), group=group)
-        res = self.buffer(out, x.shape, x.dtype)
-        res.copy_(adasum_tree(parts))
-        return res
+        return adasum_all_reduce(x, group, self.buffer(out, x.shape, x.dtype))
 
     def reduce_scatter(self, x: torch.Tensor, op: str, dim: int, group: Any, out: Any,
                        async_op: bool = False) -> Any:
@@ -249,22 +248,112 @@ class RankContext:
         work = dist.irecv(buf, src=peer)
         return self._done(work, lambda: buf, async_op)
 
+    # -- ring algorithms (ring.py): synchronous, point-to-point ---------------------------------
+    def ring_all_reduce(self, x: torch.Tensor, op: str, group: Any, out: Any) -> torch.Tensor:
+        """A ring reduce-scatter then a ring all-gather of the flattened tensor (balanced parts)."""
+        res = self.buffer(out, x.shape, x.dtype)
+        flat = x.reshape(-1)
+        start, stop = slice_bounds(flat.numel(), dist.get_world_size(group), dist.get_rank(group))
+        part = self.buffer((out, "part"), (stop - start,), x.dtype)
+        ring.ring_reduce_scatter(flat, 0, op, group, part)
+        ring.ring_all_gather(part, 0, group, res.view(-1))
+        return res
+
+    def ring_reduce_scatter(self, x: torch.Tensor, op: str, dim: int, group: Any, out: Any) -> torch.Tensor:
+        start, stop = slice_bounds(x.shape[dim], dist.get_world_size(group), dist.get_rank(group))
+        res = self.buffer(out, _moved_shape(x.shape, dim, stop - start), x.dtype)
+        ring.ring_reduce_scatter(x, dim, op, group, res)
+        return res
+
+    def ring_all_gather(self, x: torch.Tensor, dim: int, total: int, group: Any, out: Any) -> torch.Tensor:
+        res = self.buffer(out, _moved_shape(x.shape, dim, total), x.dtype)
+        ring.ring_all_gather(x, dim, group, res)
+        return res
+
+    def fused_ring(self, x: torch.Tensor, dim: int, op: str, group: Any,
+                   compute: Callable[[torch.Tensor, tuple[int, int]], tuple[list, list]],
+                   gathered: Sequence[tuple[Any, Sequence[int], torch.dtype]],
+                   kept: Sequence[tuple[Any, Sequence[int], torch.dtype]],
+                   subchunks: int = 2) -> tuple[list[torch.Tensor], list[torch.Tensor]]:
+        """CoCoNet's fused RS-C-AG (ring.fused_ring). `compute(piece, (offset, length))` returns the
+        piece of every gathered output and of every kept value (this rank's part, assembled here)."""
+        outs = [self.buffer(key, shape, dtype) for key, shape, dtype in gathered]
+        keep = [self.buffer(key, shape, dtype) for key, shape, dtype in kept]
+
+        def piece(reduced: torch.Tensor, offset: int, length: int) -> list[torch.Tensor]:
+            results, parts = compute(reduced, (offset, length))
+            for buf, part in zip(keep, parts):
+                buf.narrow(dim, offset, length).copy_(part)
+            return [r.expand(*_moved_shape(o.shape, dim, length)) for r, o in zip(results, outs)]
+
+        ring.fused_ring(x, dim, op, group, piece, outs, subchunks)
+        return outs, keep
+
     # -- overlap ------------------------------------------------------------------------------
-    def pipeline(self, chunks: int, parts: Sequence[Callable[[int, dict], None]]) -> list[dict]:
+    def pipeline(self, chunks: int, parts: Sequence[Callable[[int, dict], None]],
+                 comm: Sequence[bool] | None = None, labels: Sequence[str] | None = None) -> list[dict]:
         """Run parts[j] on chunk k at time k + j: at each time the newest chunk computes while the
         collectives issued (asynchronously) for older chunks are in flight. A part waits only for
-        the results it reads, just before it runs."""
+        the results it reads, just before it runs. `comm[j]` marks parts that issue communication.
+
+        On CUDA a communication part is issued on a side stream (after it waits for the compute
+        stream, which made its operand) and records an event there; the compute stream waits on
+        that event only when a later part reads the result, so chunk k's collective overlaps chunk
+        k+1's matmul. At the end the compute stream waits for the side stream: tensors the side
+        stream read may then be freed and reused safely. (Written for GPUs, not run on one yet.)"""
+        comm = list(comm) if comm is not None else [False] * len(parts)
+        labels = list(labels) if labels is not None else [getattr(f, "__name__", f"part{j}") for j, f in
+                                                          enumerate(parts)]
+        side = self._side_stream() if self.device.type == "cuda" else None
         envs: list[dict] = [{} for _ in range(chunks)]
+        inflight: list[list[tuple[str, int]]] = [[] for _ in range(chunks)]  # comm spans: (label, issued at)
         for t in range(chunks + len(parts) - 1):
             for j in range(len(parts) - 1, -1, -1):
                 k = t - j
-                if 0 <= k < chunks:
-                    _resolve(envs[k])
-                    with self.span(getattr(parts[j], "__name__", f"part{j}"), j, "chunks", k):
+                if not 0 <= k < chunks:
+                    continue
+                self._resolve(envs[k], inflight[k], k)
+                if comm[j]:
+                    inflight[k].append((labels[j], time.perf_counter_ns()))
+                    if side is None:
                         parts[j](k, envs[k])
-        for env in envs:
-            _resolve(env)
+                        continue
+                    side.wait_stream(torch.cuda.current_stream(self.device))
+                    with torch.cuda.stream(side):
+                        parts[j](k, envs[k])
+                        done = torch.cuda.Event()
+                        done.record(side)
+                    envs[k][_EVENT] = done
+                else:
+                    with self.span(labels[j], j, "compute", k):
+                        parts[j](k, envs[k])
+        for k, env in enumerate(envs):
+            self._resolve(env, inflight[k], k)
+        if side is not None:
+            torch.cuda.current_stream(self.device).wait_stream(side)
         return envs
+
+    def _side_stream(self) -> Any:
+        if getattr(self, "_comm_stream", None) is None:
+            self._comm_stream = torch.cuda.Stream(self.device)
+        return self._comm_stream
+
+    def _resolve(self, env: dict, inflight: list[tuple[str, int]], chunk: int) -> None:
+        """Complete the chunk's pending collectives (on CUDA, after the compute stream waits for the
+        side stream's event); with tracing, each becomes a span on the `comm` track from issue to end."""
+        event = env.pop(_EVENT, None)
+        if event is not None:
+            torch.cuda.current_stream(self.device).wait_event(event)
+        _resolve(env)
+        if inflight and self.tracing:
+            if self.device.type == "cuda":
+                torch.cuda.synchronize(self.device)
+            end = time.perf_counter_ns()
+            self.events += [(label, "comm", start, end, chunk) for label, start in inflight]
+        inflight.clear()
+
+
+_EVENT = "__cuda_event__"  # env key of the event recorded after a chunk's communication was issued
 
 
 def _resolve(env: dict) -> None:

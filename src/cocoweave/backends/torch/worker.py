@@ -21,13 +21,14 @@ def _to(inputs: RankInputs, device: torch.device) -> dict[str, Any]:
 
 
 def run_schedules(rank: int, world_size: int, schedules: Sequence[Schedule], inputs: Sequence[RankInputs],
-                  sizes: Mapping[str, int], device: str = "cpu") -> list[RankResult]:
-    """Run each schedule once on this rank's inputs; results on the CPU, sliced state gathered whole."""
+                  sizes: Mapping[str, int], device: str = "cpu", kernels: str = "auto") -> list[RankResult]:
+    """Run each schedule once on this rank's inputs; results on the CPU, sliced state gathered whole.
+    `kernels` picks how fused stages compute (Executable's "auto", "triton" or "torch")."""
     dev = torch.device(device)
     out = []
     for s in schedules:
         plan = lower(s)
-        exe = Executable(plan, rank, world_size, sizes, dev)
+        exe = Executable(plan, rank, world_size, sizes, dev, kernels=kernels)
         res = exe.run(_to(inputs[rank], dev))
         state = {}
         for name, t in res.state.items():
@@ -57,3 +58,21 @@ def time_schedule(rank: int, world_size: int, schedule: Schedule, inputs: Sequen
         if i >= warmup:
             times.append((time.perf_counter() - t0) * 1e3)
     return {"times_ms": times, "events": list(exe.ctx.events)}
+
+
+def trace_events(rank: int, spans: Sequence[tuple[str, str, int, int, int | None]]) -> list[dict[str, Any]]:
+    """RankContext spans (name, stream, start ns, end ns, chunk) as cocoweave.trace events."""
+    return [{"name": name, "rank": rank, "stream": stream, "start_ns": t0, "dur_ns": t1 - t0, "chunk": chunk,
+             "args": {}} for name, stream, t0, t1, chunk in spans]
+
+
+def run_and_time(rank: int, world_size: int, schedule: Schedule, inputs: Sequence[RankInputs],
+                 sizes: Mapping[str, int], device: str = "cpu", iters: int = 0,
+                 trace: bool = False) -> dict[str, Any]:
+    """What `cocoweave run --backend torch` does on each rank: one step on the inputs (results on the
+    CPU, sliced state whole), then `iters` timed steps (one more, traced, with `trace`)."""
+    result = run_schedules(rank, world_size, [schedule], inputs, sizes, device)[0]
+    timed: dict[str, Any] = {"times_ms": [], "events": []}
+    if iters or trace:
+        timed = time_schedule(rank, world_size, schedule, inputs, sizes, device, iters=max(iters, 1), trace=trace)
+    return {"result": result, "times_ms": timed["times_ms"], "events": trace_events(rank, timed["events"])}
