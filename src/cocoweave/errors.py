@@ -33,3 +33,15 @@ class StoreError(CocoweaveError):
 
 class PlanningError(CocoweaveError):
     """A configuration request cannot be satisfied (no configuration meets the deadline or budget)."""
+
+
+class ParallelConfigError(CocoweaveError, ValueError):
+    """A parallel layer or model was configured in a way its process group cannot split (sizes, heads, stages)."""
+
+
+class OptimizerError(CocoweaveError, ValueError):
+    """A cocoweave.optim optimizer was given a hyperparameter, parameter or state dict it cannot use."""
+
+
+class CheckpointError(CocoweaveError):
+    """A checkpoint is missing, incomplete (a save was interrupted) or does not match what loads it."""

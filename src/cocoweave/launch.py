@@ -32,6 +32,7 @@ from typing import Any, NoReturn
 import torch
 import torch.distributed as dist
 
+from . import faults
 from .errors import BackendError
 
 _ENV_VARS = ("RANK", "WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT")
@@ -121,14 +122,29 @@ def init_from_env(timeout_s: float = 60.0, backend: str | None = None) -> tuple[
     if dist.is_initialized():
         return dist.get_rank(), dist.get_world_size(), device
     try:
-        dist.init_process_group(chosen, init_method="env://", rank=rank, world_size=world_size,
-                                timeout=timedelta(seconds=timeout_s))
+        store = _attempt_store(world_size, timeout_s)
+        dist.init_process_group(chosen, init_method=None if store else "env://", store=store, rank=rank,
+                                world_size=world_size, timeout=timedelta(seconds=timeout_s))
     except Exception as exc:  # noqa: BLE001 - every init failure becomes one sentence
         raise BackendError(f"rank {rank} could not join the process group at "
                            f"{os.environ['MASTER_ADDR']}:{os.environ['MASTER_PORT']}: "
                            f"{type(exc).__name__}: {_first_line(exc)}") from None
     _RANK.update(rank=rank, world_size=world_size, device=device, backend=chosen)
     return rank, world_size, device
+
+
+def _attempt_store(world_size: int, timeout_s: float) -> dist.Store | None:
+    """Under torchrun's agent store, a store private to this restart attempt (None otherwise: env://).
+
+    torchrun's agent TCPStore outlives a restart (torch 2.13, c10d rendezvous): keys the killed workers
+    wrote are still there for the restarted ones, which then may read stale process-group keys (restarts
+    that failed to connect or hung were seen without this prefix); the prefix keeps attempts apart."""
+    if os.environ.get("TORCHELASTIC_USE_AGENT_STORE") != "True":
+        return None
+    attempt = os.environ.get("TORCHELASTIC_RESTART_COUNT", "0")
+    store = dist.TCPStore(os.environ["MASTER_ADDR"], int(os.environ["MASTER_PORT"]), world_size, is_master=False,
+                          timeout=timedelta(seconds=timeout_s))
+    return dist.PrefixStore(f"cocoweave/attempt-{attempt}", store)
 
 
 # ---------------------------------------------------------------------------------------------------------
@@ -251,7 +267,7 @@ def _send(conn: Connection, msg: Any) -> None:
 
 
 def _worker_main(rank: int, world_size: int, port: int, backend: str, device: str, timeout_s: float,
-                 start_timeout_s: float, threads: int, conn: Connection) -> None:
+                 start_timeout_s: float, threads: int, conn: Connection, progress: Any = None) -> None:
     """Body of one rank process: join the group, then run what the parent sends until told to stop."""
     signal.signal(signal.SIGINT, signal.SIG_IGN)  # the parent owns Ctrl-C and tears the world down
     try:
@@ -272,6 +288,7 @@ def _worker_main(rank: int, world_size: int, port: int, backend: str, device: st
         dist.init_process_group(backend, store=dist.PrefixStore("pg", store), rank=rank,
                                 world_size=world_size, timeout=timedelta(seconds=timeout_s))
         _RANK.update(rank=rank, world_size=world_size, device=dev, backend=backend)
+        faults.track(progress)  # the stage this rank is in, for the parent's error messages
     except BaseException as exc:  # noqa: BLE001
         _send(conn, ("start_error", 0, _describe(exc)))
         return
@@ -284,10 +301,13 @@ def _worker_main(rank: int, world_size: int, port: int, backend: str, device: st
         if kind == "close":
             break
         try:
+            faults.reset_stage()
             spec, args, kwargs = pickle.loads(payload)
             result = _resolve(spec)(rank, world_size, *args, **kwargs)
         except BaseException as exc:  # noqa: BLE001 - everything a rank raises goes back to the caller
-            reply = pickle.dumps(("error", seq, _describe(exc)), protocol=pickle.HIGHEST_PROTOCOL)
+            stage = faults.current_stage()
+            reply = pickle.dumps(("error", seq, _describe(exc, f"at {faults.where(*stage)}" if stage else "")),
+                                 protocol=pickle.HIGHEST_PROTOCOL)
         else:
             try:
                 reply = pickle.dumps(("ok", seq, result), protocol=pickle.HIGHEST_PROTOCOL)
@@ -376,6 +396,7 @@ class LocalWorld:
         self._lock = threading.Lock()
         self._procs: list[Any] = []
         self._conns: list[Connection] = []
+        self._progress: list[Any] = []
         self._store: Any = None
         self._seq = 0
         self._finalizer: mp_util.Finalize | None = None
@@ -389,11 +410,13 @@ class LocalWorld:
         self._store = dist.TCPStore("127.0.0.1", 0, is_master=True, wait_for_workers=False,
                                     timeout=timedelta(seconds=self.start_timeout_s))
         procs, conns = [], []
+        self._progress = [ctx.RawValue(faults.Progress) for _ in range(self.world_size)]
         for rank in range(self.world_size):
             parent_end, child_end = ctx.Pipe(duplex=True)
             p = ctx.Process(target=_worker_main, name=f"cocoweave-rank-{rank}", daemon=False,
                             args=(rank, self.world_size, self._store.port, self.backend, self.device,
-                                  self.timeout_s, self.start_timeout_s, self.threads_per_rank, child_end))
+                                  self.timeout_s, self.start_timeout_s, self.threads_per_rank, child_end,
+                                  self._progress[rank]))
             p.start()
             child_end.close()
             procs.append(p)
@@ -544,10 +567,17 @@ class LocalWorld:
             self._fail_errors(errors, sorted(pending), during, starting)
         if pending:
             late = sorted(pending)
+            at = self._stages(late)
             self._break(f"{_ranks(late)} did not finish {during}")
             what = "did not start" if starting else f"did not finish {label}"
-            _raise(f"{_ranks(late)} {what} within {timeout_s:g} s", ranks=late)
+            _raise(f"{_ranks(late)} {what} within {timeout_s:g} s{at}", ranks=late)
         return [results[r] for r in range(n)]
+
+    def _stages(self, ranks: list[int]) -> str:
+        """' (rank 1 at stage 2 (RS), ...)': where the given ranks were in a generated step, if anywhere."""
+        found = [(r, self._progress[r].describe()) for r in ranks if r < len(self._progress)]
+        parts = [f"rank {r} at {at}" for r, at in found if at]
+        return f" ({', '.join(parts)})" if parts else ""
 
     def _fail_exits(self, exits: dict[int, int | None], during: str) -> NoReturn:
         dead = sorted(exits)
@@ -557,8 +587,9 @@ class LocalWorld:
         else:
             how = f"exited with code {codes[0]}" if len(set(codes)) == 1 else \
                 "exited with codes " + ", ".join(map(str, codes))
+        at = self._stages(dead)
         self._break(f"{_ranks(dead)} {how}")
-        _raise(f"{_ranks(dead)} {how} during {during}", ranks=dead, exit_codes=exits)
+        _raise(f"{_ranks(dead)} {how} during {during}{at}", ranks=dead, exit_codes=exits)
 
     def _fail_errors(self, errors: dict[int, dict[str, Any]], pending: list[int], during: str,
                      starting: bool) -> NoReturn:
@@ -570,7 +601,7 @@ class LocalWorld:
         if not same:
             msg += f" ({_ranks(failed[1:])} failed too)"
         if pending:
-            msg += f"; {_ranks(pending)} did not finish and the world was shut down"
+            msg += f"; {_ranks(pending)} did not finish{self._stages(pending)} and the world was shut down"
         elif any(e["comm"] for e in errors.values()):
             msg += "; the process group is unusable after this and the world was shut down"
         if pending or starting or any(e["comm"] for e in errors.values()):

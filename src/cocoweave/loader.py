@@ -62,21 +62,27 @@ def load_module(path: str) -> ModuleType:
     """Import a program file as a fresh module."""
     if not os.path.isfile(path):
         raise LoadError(f"{path}: no such program file")
-    with open(path, encoding="utf-8") as f:
-        source = f.read()
     try:
-        compile(source, path, "exec")
-    except SyntaxError as e:
-        raise LoadError(f"{path}:{e.lineno}: syntax error: {e.msg}") from None
+        with open(path, encoding="utf-8") as f:
+            source = f.read()
+    except UnicodeDecodeError as e:
+        raise LoadError(f"{path}: not a UTF-8 text file (byte {e.start} cannot be decoded)") from None
+    except OSError as e:
+        raise LoadError(f"{path}: cannot be read: {e.strerror}") from None
+    try:
+        code = compile(source, path, "exec")
+    except (SyntaxError, ValueError) as e:  # ValueError: null bytes, on some Python versions
+        line = f":{e.lineno}" if getattr(e, "lineno", None) else ""
+        raise LoadError(f"{path}{line}: syntax error: {getattr(e, 'msg', None) or e}") from None
     name = f"cocoweave_user_{abs(hash(os.path.abspath(path)))}"
     spec = importlib.util.spec_from_file_location(name, path)
     module = importlib.util.module_from_spec(spec)
     sys.modules[name] = module
     try:
-        spec.loader.exec_module(module)
+        exec(code, module.__dict__)  # noqa: S102 - the user's program file; no .pyc is written next to it
     except ProgramError:
         raise
-    except Exception as e:  # the user's file failed while importing: say where
+    except (Exception, SystemExit) as e:  # the user's file failed while importing: say where
         raise LoadError(_describe(e, path)) from None
     return module
 
@@ -99,7 +105,7 @@ def load_program(spec: str, sizes: Mapping[str, int] | None = None) -> Program:
         program = func(**{n: s for n, s in sizes.items() if n in params})
     except ProgramError:
         raise
-    except Exception as e:
+    except (Exception, SystemExit) as e:  # SystemExit: the function called exit()
         raise LoadError(_describe(e, path)) from None
     if not isinstance(program, Program):
         raise LoadError(f"{path}: `{func_name}` returned {type(program).__name__}, not a cocoweave Program")

@@ -3,6 +3,8 @@ per-rank values back into logical tensors."""
 
 from __future__ import annotations
 
+import math
+import os
 from collections.abc import Mapping, Sequence
 from typing import Any
 
@@ -14,6 +16,8 @@ from ..ir.layout import slice_bounds
 from ..ir.types import DTYPES, bind_shape
 
 RankInputs = dict[str, Any]
+# Whether check_rank_inputs rejects NaN/Inf inputs by default (one pass over every input; off by default).
+CHECK_FINITE = os.environ.get("COCOWEAVE_CHECK_FINITE", "") not in ("", "0")
 
 
 def bound_sizes(program: Program, sizes: Mapping[str, int] | None) -> dict[str, int]:
@@ -87,17 +91,21 @@ def check_inputs(program: Program, inputs: Sequence[RankInputs], sizes: Mapping[
     world_size = len(inputs)
     if world_size < 1:
         raise InputError(f"program `{program.name}`: inputs for at least one rank are needed")
-    devices = set()
+    devices: set = set()
     for r, given in enumerate(inputs):
-        devices |= check_rank_inputs(program, r, world_size, given, sizes)
-    if len(devices) > 1:
-        raise InputError(f"program `{program.name}`: inputs are on several devices: {sorted(map(str, devices))}")
+        mine = check_rank_inputs(program, r, world_size, given, sizes)
+        if devices and mine and mine != devices:
+            raise InputError(f"rank {r}: inputs are on {next(iter(mine))}, those of the ranks before it on "
+                             f"{next(iter(devices))}; put every input on one device")
+        devices |= mine
 
 
 def check_rank_inputs(program: Program, r: int, world_size: int, given: RankInputs,
-                      sizes: Mapping[str, int]) -> set:
-    """Rank r's inputs are exactly the program's, with its local shapes and dtypes; returns their devices."""
+                      sizes: Mapping[str, int], check_finite: bool | None = None) -> set:
+    """Rank r's inputs are exactly the program's, with its local shapes and dtypes; returns their devices.
+    With `check_finite` (default: $COCOWEAVE_CHECK_FINITE=1) floating inputs must hold no NaN or Inf."""
     devices = set()
+    first = ""
     expected = {v.name for v in program.scalar_inputs}
     for v in program.tensor_inputs:
         if r in v.group.ranks(world_size):
@@ -121,11 +129,23 @@ def check_rank_inputs(program: Program, r: int, world_size: int, given: RankInpu
                              f"(its {v.layout!r} part of {list(bind_shape(v.shape, sizes))})")
         if t.dtype != DTYPES[v.dtype]:
             raise InputError(f"rank {r}: input `{v.name}` is {t.dtype}, expected {DTYPES[v.dtype]}")
+        if (CHECK_FINITE if check_finite is None else check_finite) and t.is_floating_point():
+            bad = int((~torch.isfinite(t)).sum())
+            if bad:
+                raise InputError(f"rank {r}: input `{v.name}` has {bad} NaN or Inf value{'s' if bad > 1 else ''} "
+                                 f"(of {t.numel()}); inputs are checked because finite checks are on")
+        if devices and t.device not in devices:
+            raise InputError(f"rank {r}: input `{v.name}` is on {t.device}, input `{first}` on "
+                             f"{next(iter(devices))}; put every input on one device")
+        first = first or v.name
         devices.add(t.device)
     for v in program.scalar_inputs:
         s = given[v.name]
         if isinstance(s, torch.Tensor) and s.numel() != 1 or not isinstance(s, int | float | torch.Tensor):
             raise InputError(f"rank {r}: scalar `{v.name}` must be a number, got {s!r}")
+        if (CHECK_FINITE if check_finite is None else check_finite) and not math.isfinite(float(s)):
+            raise InputError(f"rank {r}: scalar `{v.name}` is {float(s)}; inputs are checked because finite "
+                             "checks are on")
     return devices
 
 

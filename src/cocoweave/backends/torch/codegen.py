@@ -146,7 +146,8 @@ class Emitter:
         elif op == "neg":
             e = f"(-{a[0]})"
         elif op in ("sqrt", "rsqrt", "exp", "abs"):
-            x = a[0] if v.args[0].dtype in ("float16", "bfloat16", "float32", "float64") else f"{a[0]}.float()"
+            floating = v.args[0].dtype in ("float16", "bfloat16", "float32", "float64")
+            x = a[0] if floating or op == "abs" else f"{a[0]}.float()"  # abs keeps integer dtypes
             e = f"torch.{op}({x})"
         elif op == "cast":
             return f"{a[0]}{to}"
