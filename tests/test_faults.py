@@ -128,7 +128,7 @@ def test_rank_that_hangs_is_named_within_the_timeout(world):
     assert "did not finish" in msg and world.broken
 
 
-def test_cli_run_on_the_torch_backend_names_the_failed_rank_and_stage_and_exits_2(monkeypatch):
+def test_cli_run_on_the_torch_backend_names_the_failed_rank_and_stage_and_exits_4(monkeypatch):
     from typer.testing import CliRunner
 
     from cocoweave.cli import app
@@ -137,6 +137,6 @@ def test_cli_run_on_the_torch_backend_names_the_failed_rank_and_stage_and_exits_
     monkeypatch.setenv(faults.ENV_VAR, "rank=1,stage=1,action=exit")  # read by the spawned ranks
     r = CliRunner().invoke(app, ["run", f"{examples_dir() / 'adam.py'}:adam", "-s", "N=10", "--backend", "torch",
                                  "-n", "2", "--timeout", str(TIMEOUT_S)])
-    assert r.exit_code == 2, r.output
+    assert r.exit_code == 4, r.output  # a rank failed: not bad input (2), not a mismatch (1)
     assert "error: rank 1 exited with code 13 during run of" in r.stderr and "(rank 1 at stage 1 (c))" in r.stderr
     assert "Traceback" not in r.output

@@ -1,4 +1,5 @@
-"""What every command shares: turning cocoweave errors into one sentence and exit code 2."""
+"""What every command shares: turning cocoweave errors into one sentence and an exit code that says
+what kind of failure it was (bad input, a mismatch, a rank that failed, a bug of ours)."""
 
 from __future__ import annotations
 
@@ -18,6 +19,7 @@ err_console = Console(stderr=True)
 EXIT_USAGE = 2  # bad input: the user can fix it
 EXIT_MISMATCH = 1  # a check found a difference
 EXIT_INTERNAL = 3  # a bug in cocoweave
+EXIT_RANK_FAILED = 4  # a rank crashed, hung or raised while running (launch.BackendError naming the ranks)
 
 
 def fail(message: str, code: int = EXIT_USAGE) -> typer.Exit:
@@ -27,14 +29,15 @@ def fail(message: str, code: int = EXIT_USAGE) -> typer.Exit:
 
 
 def user_errors(fn: Callable[..., Any]) -> Callable[..., Any]:
-    """Run a command; a CocoweaveError becomes one line on stderr and exit code 2, never a traceback."""
+    """Run a command; a CocoweaveError becomes one line on stderr and exit code 2 (4 when ranks failed),
+    never a traceback."""
 
     @functools.wraps(fn)
     def wrapper(*args: Any, **kwargs: Any) -> Any:
         try:
             return fn(*args, **kwargs)
         except CocoweaveError as e:
-            raise fail(str(e)) from None
+            raise fail(str(e), EXIT_RANK_FAILED if getattr(e, "ranks", None) else EXIT_USAGE) from None
         except (typer.Exit, typer.Abort, KeyboardInterrupt):
             raise
         except Exception as e:  # a bug of ours: one line, the traceback only on request

@@ -243,6 +243,9 @@ def chunk_dim(program: Program, group: list[Stage], members: set[str], names: st
             raise ScheduleError(f"cannot overlap {names}: `{v.name} = {v.op}(...)` reduces across the chunks")
         if v.op in ops.COLLECTIVES and v.op not in CHUNKABLE_COMM:
             raise ScheduleError(f"cannot overlap {names}: a {v.op} cannot be chunked")
+        if v.op == "all_reduce" and v.attrs["op"] == "adasum":
+            raise ScheduleError(f"cannot overlap {names}: adasum all_reduce `{v.name}` combines whole tensors "
+                                "(its coefficients need every element), so it cannot be chunked")
     for v in vals:
         if v.ndim != nd:
             raise ScheduleError(f"cannot overlap {names}: `{v.name}` has {v.ndim} dimensions, the chain has {nd}")
