@@ -1,0 +1,24 @@
+"""Drop-in tensor- and pipeline-parallel PyTorch modules built on cocoweave's collectives and dropout hash.
+
+Every module takes a `group` (a torch.distributed ProcessGroup, or None for the world) and computes what a
+single-process model with the same full weights and the same dropout seed computes, forward and backward.
+"""
+
+from .functional import (
+    bias_dropout_residual,
+    copy_to_parallel,
+    gather_from_parallel,
+    mix_seed,
+    reduce_from_parallel,
+    scatter_to_parallel,
+)
+from .groups import new_group, parallel_groups
+from .layers import ColumnParallelLinear, RowParallelLinear, full_linear_weights
+from .pipeline import PipelineBoundary
+from .transformer import ReferenceBlock, TransformerBlock, block_seeds
+
+__all__ = [
+    "ColumnParallelLinear", "PipelineBoundary", "ReferenceBlock", "RowParallelLinear", "TransformerBlock",
+    "bias_dropout_residual", "block_seeds", "copy_to_parallel", "full_linear_weights", "gather_from_parallel",
+    "mix_seed", "new_group", "parallel_groups", "reduce_from_parallel", "scatter_to_parallel",
+]

@@ -1,0 +1,195 @@
+"""Autograd functions of tensor parallelism (Megatron's f and g, gather and scatter) and the fused
+bias + dropout + residual epilogue whose dropout mask is cocoweave's counter-based hash.
+
+    f = copy_to_parallel:    forward identity,   backward all_reduce(sum)   (before a column-parallel matmul)
+    g = reduce_from_parallel: forward all_reduce, backward identity          (after a row-parallel matmul)
+
+The epilogue's mask depends only on (seed, logical element index): forward and backward recompute it
+from those two numbers (nothing is stored), and a single-process model given the same seed and the same
+logical indices draws the same mask.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+import torch.distributed as dist
+
+from .. import rng
+from ..ir.layout import slice_bounds
+
+Group = dist.ProcessGroup | None
+
+
+def group_size(group: Group) -> int:
+    """Ranks in `group` (the world if None); 1 when torch.distributed is not initialised."""
+    if not dist.is_available() or not dist.is_initialized():
+        return 1
+    return dist.get_world_size(group)
+
+
+def group_rank(group: Group) -> int:
+    """This process's rank within `group` (0 when torch.distributed is not initialised)."""
+    if not dist.is_available() or not dist.is_initialized():
+        return 0
+    return dist.get_rank(group)
+
+
+def part(t: torch.Tensor, dim: int, parts: int, index: int) -> torch.Tensor:
+    """Part `index` of `t` split in `parts` along `dim` (torch.tensor_split sizes, like the DSL's Sliced)."""
+    start, stop = slice_bounds(t.shape[dim], parts, index)
+    return t.narrow(dim, start, stop - start)
+
+
+def _all_reduce(x: torch.Tensor, group: Group) -> torch.Tensor:
+    if group_size(group) > 1:
+        x = x.contiguous()
+        dist.all_reduce(x, group=group)
+    return x
+
+
+def all_gather_cat(x: torch.Tensor, dim: int, group: Group) -> torch.Tensor:
+    """Concatenate every rank's `x` (equal shapes) along `dim`."""
+    n = group_size(group)
+    if n == 1:
+        return x
+    x = x.contiguous()
+    parts = [torch.empty_like(x) for _ in range(n)]
+    dist.all_gather(parts, x, group=group)
+    return torch.cat(parts, dim=dim)
+
+
+class _CopyToParallel(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx: Any, x: torch.Tensor, group: Group) -> torch.Tensor:
+        ctx.group = group
+        return x.view_as(x)
+
+    @staticmethod
+    def backward(ctx: Any, grad: torch.Tensor) -> tuple[torch.Tensor, None]:
+        return _all_reduce(grad.clone(), ctx.group), None
+
+
+class _ReduceFromParallel(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx: Any, x: torch.Tensor, group: Group) -> torch.Tensor:
+        return _all_reduce(x.clone(), group)
+
+    @staticmethod
+    def backward(ctx: Any, grad: torch.Tensor) -> tuple[torch.Tensor, None]:
+        return grad, None
+
+
+class _GatherFromParallel(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx: Any, x: torch.Tensor, dim: int, group: Group) -> torch.Tensor:
+        ctx.dim, ctx.group = dim, group
+        return all_gather_cat(x, dim, group)
+
+    @staticmethod
+    def backward(ctx: Any, grad: torch.Tensor) -> tuple[torch.Tensor, None, None]:
+        return part(grad, ctx.dim, group_size(ctx.group), group_rank(ctx.group)).contiguous(), None, None
+
+
+class _ScatterToParallel(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx: Any, x: torch.Tensor, dim: int, group: Group) -> torch.Tensor:
+        ctx.dim, ctx.group = dim, group
+        return part(x, dim, group_size(group), group_rank(group)).contiguous()
+
+    @staticmethod
+    def backward(ctx: Any, grad: torch.Tensor) -> tuple[torch.Tensor, None, None]:
+        return all_gather_cat(grad, ctx.dim, ctx.group), None, None
+
+
+def copy_to_parallel(x: torch.Tensor, group: Group = None) -> torch.Tensor:
+    """Megatron's f: identity forward; the backward sums the gradient over `group`."""
+    return _CopyToParallel.apply(x, group)
+
+
+def reduce_from_parallel(x: torch.Tensor, group: Group = None) -> torch.Tensor:
+    """Megatron's g: all_reduce(sum) of partial results forward; identity backward."""
+    return _ReduceFromParallel.apply(x, group)
+
+
+def gather_from_parallel(x: torch.Tensor, dim: int = -1, group: Group = None) -> torch.Tensor:
+    """All-gather equal slices along `dim` forward; the backward keeps this rank's slice of the gradient."""
+    return _GatherFromParallel.apply(x, dim % x.dim(), group)
+
+
+def scatter_to_parallel(x: torch.Tensor, dim: int = -1, group: Group = None) -> torch.Tensor:
+    """Keep this rank's slice along `dim` forward; the backward all-gathers the gradient."""
+    return _ScatterToParallel.apply(x, dim % x.dim(), group)
+
+
+# ---------------------------------------------------------------------------------------------------------
+# The fused epilogue: out = dropout(y + bias, p, seed) + residual
+# ---------------------------------------------------------------------------------------------------------
+
+
+def _keep(shape: torch.Size, device: torch.device, p: float, seed: int, offset: int) -> torch.Tensor:
+    index = torch.arange(offset, offset + shape.numel(), dtype=torch.int64, device=device).reshape(shape)
+    return rng.keep_mask(index, p, seed)
+
+
+def epilogue_forward(y: torch.Tensor, bias: torch.Tensor | None, residual: torch.Tensor | None, p: float,
+                     seed: int, offset: int, kernel: bool | None = None) -> torch.Tensor:
+    """dropout(y + bias) + residual without autograd: the Triton kernel (`kernel`, default: on CUDA when there
+    is a residual, dropout and a row-aligned offset: one read of y and residual, one write), else torch ops."""
+    L = y.shape[-1] if y.dim() else 1
+    if kernel is None:
+        kernel = y.is_cuda and residual is not None and p > 0 and offset % L == 0
+    if kernel and residual is not None:
+        from ..kernels.epilogue import bias_dropout_residual as triton_epilogue
+
+        y2 = y.contiguous().reshape(-1, L)
+        first = offset // L  # the logical row where y starts
+        out = triton_epilogue(y2, None if bias is None else bias.contiguous(), residual.contiguous().reshape(-1, L),
+                              p, seed, dim=0, offset=first, full_size=first + y2.shape[0])
+        return out.view(y.shape)
+    out = y if bias is None else y + bias
+    if p > 0:
+        out = torch.where(_keep(out.shape, out.device, p, seed, offset), out * (1.0 / (1.0 - p)),
+                          torch.zeros((), dtype=out.dtype, device=out.device))
+    return out if residual is None else out + residual
+
+
+class _BiasDropoutResidual(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx: Any, y: torch.Tensor, bias: torch.Tensor | None, residual: torch.Tensor | None, p: float,
+                seed: int, offset: int) -> torch.Tensor:
+        ctx.p, ctx.seed, ctx.offset = p, seed, offset
+        ctx.has_bias, ctx.has_residual = bias is not None, residual is not None
+        return epilogue_forward(y, bias, residual, p, seed, offset)
+
+    @staticmethod
+    def backward(ctx: Any, grad: torch.Tensor) -> tuple[Any, ...]:
+        gy = epilogue_grad(grad, ctx.p, ctx.seed, ctx.offset)
+        gb = gy.reshape(-1, gy.shape[-1]).sum(0) if ctx.has_bias else None
+        return gy, gb, grad if ctx.has_residual else None, None, None, None
+
+
+def epilogue_grad(grad: torch.Tensor, p: float, seed: int, offset: int = 0) -> torch.Tensor:
+    """Gradient of the epilogue's input given its output's: the same mask, recomputed, times 1/(1-p)."""
+    if p == 0:
+        return grad
+    keep = _keep(grad.shape, grad.device, p, seed, offset)
+    return torch.where(keep, grad * (1.0 / (1.0 - p)), torch.zeros((), dtype=grad.dtype, device=grad.device))
+
+
+def mix_seed(*parts: int) -> int:
+    """One 32-bit dropout seed from several integers (a base seed, a step, a layer), by chained triple32."""
+    h = 0
+    for x in parts:
+        h = rng.triple32_int(h ^ (int(x) & rng.MASK32))
+    return h
+
+
+def bias_dropout_residual(y: torch.Tensor, bias: torch.Tensor | None = None, residual: torch.Tensor | None = None,
+                          p: float = 0.0, seed: int = 0, offset: int = 0, training: bool = True) -> torch.Tensor:
+    """dropout(y + bias, p, seed) + residual in one step; element i of y has logical index offset + i
+    (row-major), so a shard of a larger logical tensor draws that tensor's mask. No dropout unless training."""
+    if not 0.0 <= p < 1.0:
+        raise ValueError(f"dropout probability must be in [0, 1), got {p}")
+    return _BiasDropoutResidual.apply(y, bias, residual, p if training else 0.0, int(seed), int(offset))

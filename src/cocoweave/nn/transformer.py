@@ -1,0 +1,117 @@
+"""A tensor-parallel pre-LayerNorm transformer block (attention heads and MLP columns split across a group)
+and the single-process block with the same parameters and the same dropout masks.
+
+    x = x + dropout(proj(attention(ln1(x))))        proj: RowParallelLinear with the fused epilogue
+    x = x + dropout(fc2(gelu(fc1(ln2(x)))))         fc1: ColumnParallelLinear, fc2: RowParallelLinear
+
+The fused q/k/v weight has its output features ordered (head, {q, k, v}, head_dim), so a contiguous slice
+holds whole heads with their own q, k and v (Megatron's layout); each rank attends over its heads only.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from .. import rng
+from ..errors import ParallelConfigError
+from .functional import Group, group_rank, group_size, mix_seed
+from .layers import ColumnParallelLinear, RowParallelLinear
+
+
+def _check_heads(d_model: int, n_heads: int, tp: int) -> int:
+    if d_model % n_heads:
+        raise ParallelConfigError(f"d_model {d_model} is not divisible by n_heads {n_heads}")
+    if n_heads % tp:
+        raise ParallelConfigError(f"{n_heads} attention heads cannot be split evenly over {tp} tensor-parallel ranks")
+    return d_model // n_heads
+
+
+def _attend(qkv: torch.Tensor, heads: int, head_dim: int, causal: bool) -> torch.Tensor:
+    """Attention of (B, T, heads * 3 * head_dim) fused projections ordered (head, qkv, dim) -> (B, T, heads*dim)."""
+    B, T = qkv.shape[:2]
+    q, k, v = qkv.view(B, T, heads, 3, head_dim).permute(3, 0, 2, 1, 4).unbind(0)
+    a = F.scaled_dot_product_attention(q, k, v, is_causal=causal)
+    return a.transpose(1, 2).reshape(B, T, heads * head_dim)
+
+
+def block_seeds(seed: int, step: int) -> tuple[int, int]:
+    """Dropout seeds of a block's two epilogues (attention, MLP) at training step `step`."""
+    return mix_seed(seed, step, 0), mix_seed(seed, step, 1)
+
+
+class ReferenceBlock(nn.Module):
+    """The block in one process with full-size torch.nn layers; dropout uses cocoweave's counter-based
+    mask at logical indices `index_offset + i`, like the parallel block."""
+
+    def __init__(self, d_model: int, n_heads: int, d_ff: int | None = None, dropout: float = 0.0, *,
+                 causal: bool = True, seed: int = 0) -> None:
+        super().__init__()
+        self.head_dim = _check_heads(d_model, n_heads, 1)
+        self.n_heads, self.p, self.causal, self.seed = n_heads, dropout, causal, seed
+        d_ff = d_ff or 4 * d_model
+        self.ln1, self.ln2 = nn.LayerNorm(d_model), nn.LayerNorm(d_model)
+        self.qkv, self.proj = nn.Linear(d_model, 3 * d_model), nn.Linear(d_model, d_model)
+        self.fc1, self.fc2 = nn.Linear(d_model, d_ff), nn.Linear(d_ff, d_model)
+
+    def _dropout(self, y: torch.Tensor, seed: int, offset: int) -> torch.Tensor:
+        if not self.training or self.p == 0:
+            return y
+        index = torch.arange(offset, offset + y.numel(), device=y.device).reshape(y.shape)
+        return rng.dropout(y, index, self.p, seed)
+
+    def forward(self, x: torch.Tensor, *, step: int = 0, index_offset: int = 0) -> torch.Tensor:
+        s_attn, s_mlp = block_seeds(self.seed, step)
+        a = _attend(self.qkv(self.ln1(x)), self.n_heads, self.head_dim, self.causal)
+        x = self._dropout(self.proj(a), s_attn, index_offset) + x
+        h = F.gelu(self.fc1(self.ln2(x)))
+        return self._dropout(self.fc2(h), s_mlp, index_offset) + x
+
+
+class TransformerBlock(nn.Module):
+    """The block with attention heads and MLP hidden units split across `group` (tensor parallelism):
+    two all-reduces forward (after attention and after the MLP, fused with bias, dropout and residual)
+    and two backward. Input and output are replicated over the group."""
+
+    def __init__(self, d_model: int, n_heads: int, d_ff: int | None = None, dropout: float = 0.0, *,
+                 group: Group = None, causal: bool = True, overlap_chunks: int = 1, seed: int = 0,
+                 device: Any = None, dtype: torch.dtype | None = None) -> None:
+        super().__init__()
+        tp = group_size(group)
+        self.head_dim = _check_heads(d_model, n_heads, tp)
+        self.local_heads, self.causal, self.seed, self.group = n_heads // tp, causal, seed, group
+        d_ff = d_ff or 4 * d_model
+        kw: dict[str, Any] = {"group": group, "device": device, "dtype": dtype}
+        self.ln1 = nn.LayerNorm(d_model, device=device, dtype=dtype)
+        self.ln2 = nn.LayerNorm(d_model, device=device, dtype=dtype)
+        self.qkv = ColumnParallelLinear(d_model, 3 * d_model, seed=seed, **kw)
+        self.proj = RowParallelLinear(d_model, d_model, dropout=dropout, overlap_chunks=overlap_chunks,
+                                      seed=seed + 1, **kw)
+        self.fc1 = ColumnParallelLinear(d_model, d_ff, seed=seed + 2, **kw)
+        self.fc2 = RowParallelLinear(d_ff, d_model, dropout=dropout, overlap_chunks=overlap_chunks,
+                                     seed=seed + 3, **kw)
+
+    @torch.no_grad()
+    def load_reference(self, ref: ReferenceBlock) -> TransformerBlock:
+        """Take this rank's part of a single-process block's parameters (and its dropout seed); returns self."""
+        self.ln1.load_state_dict(ref.ln1.state_dict())
+        self.ln2.load_state_dict(ref.ln2.state_dict())
+        for name in ("qkv", "proj", "fc1", "fc2"):
+            full = getattr(ref, name)
+            getattr(self, name).load_full(full.weight, full.bias)
+        self.seed = ref.seed
+        return self
+
+    def forward(self, x: torch.Tensor, *, step: int = 0, index_offset: int = 0) -> torch.Tensor:
+        s_attn, s_mlp = block_seeds(self.seed, step)
+        a = _attend(self.qkv(self.ln1(x)), self.local_heads, self.head_dim, self.causal)
+        x = self.proj(a, residual=x, dropout_seed=s_attn, index_offset=index_offset)
+        h = F.gelu(self.fc1(self.ln2(x)))
+        return self.fc2(h, residual=x, dropout_seed=s_mlp, index_offset=index_offset)
+
+    def extra_repr(self) -> str:
+        return f"heads={self.local_heads} of {self.local_heads * group_size(self.group)} on rank " \
+               f"{group_rank(self.group)}"
