@@ -8,8 +8,10 @@ import typer
 
 from .. import __version__
 from .demo import demo
+from .perf_commands import perf_app, plan_command
 from .program_commands import run, show
 from .schedule_commands import check, schedules
+from .tune_commands import measure, tune
 
 app = typer.Typer(help="cocoweave: write a distributed workload once; rewrite, check, run and tune it.",
                   no_args_is_help=True, add_completion=False, pretty_exceptions_enable=False)
@@ -32,6 +34,10 @@ app.command()(run)
 app.command()(schedules)
 app.command()(check)
 app.command()(demo)
+app.command("plan")(plan_command)
+app.command()(measure)
+app.command()(tune)
+app.add_typer(perf_app, name="perf")
 
 
 def main() -> None:

@@ -1,0 +1,325 @@
+"""Analytic cost model: a schedule's step time from its Plan.
+
+Each collective costs alpha + beta x bytes moved per rank (by operation and algorithm), each computation
+op costs a launch overhead + bytes / bandwidth (a roofline on memory traffic), a matmul an overhead +
+flops / rate; a chunked (overlapped) chain runs as a pipeline: every part's per-chunk time, plus
+(chunks - 1) x the slowest part, plus a per-chunk overhead. The constants come from `perf calibrate`
+(`Calibration`); `fit_alpha_beta` fits them from microbenchmarks.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import os
+from collections.abc import Mapping, Sequence
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+
+from ..errors import CocoweaveError
+from ..ir.graph import Value
+from ..ir.layout import slice_bounds
+from ..ir.types import DTYPES, bind_shape
+from ..plan.plan import P2P, Chunked, Collective, FusedCollective, Kernel, MatMul, Plan, PlanStage
+
+COLLECTIVE_OPS = ("all_reduce", "reduce_scatter", "all_gather", "broadcast", "reduce")
+COMM_OPS = (*COLLECTIVE_OPS, "send")
+FREE_OPS = ("update",)  # aliases: the write happens in the end-of-step state copy
+CALIBRATION_ENV = "COCOWEAVE_CALIBRATION_DIR"
+
+
+@dataclass(frozen=True)
+class AlphaBeta:
+    """time_ms = alpha_ms + beta_ms_per_mb x megabytes (1 MB = 1e6 bytes)."""
+
+    alpha_ms: float
+    beta_ms_per_mb: float
+
+    def __call__(self, nbytes: float) -> float:
+        return self.alpha_ms + self.beta_ms_per_mb * nbytes / 1e6
+
+
+@dataclass
+class Calibration:
+    """Fitted constants of the analytic model for one (backend, device, world size)."""
+
+    backend: str
+    device: str
+    world_size: int
+    collectives: dict[str, AlphaBeta]  # "all_reduce/library", "reduce_scatter/ring", "p2p/library", ...
+    kernels: dict[str, AlphaBeta]  # dtype -> launch + ms per MB of memory traffic
+    matmuls: dict[str, AlphaBeta]  # dtype -> overhead + ms per 1e6 flop (the "MB" unit counts flops here)
+    chunk_overhead_ms: float = 0.05
+    fused_kernels: bool = False  # whether fused stages run as one generated kernel (Triton on CUDA)
+    meta: dict[str, Any] = field(default_factory=dict)
+
+    def collective(self, op: str, algorithm: str) -> AlphaBeta:
+        """The fitted line of `op` with `algorithm`, falling back to the library algorithm, then all_reduce's."""
+        for key in (f"{op}/{algorithm}", f"{op}/library", f"all_reduce/{algorithm}", "all_reduce/library"):
+            if key in self.collectives:
+                return self.collectives[key]
+        return AlphaBeta(0.0, 0.0)
+
+    def kernel(self, dtype: str) -> AlphaBeta:
+        """The memory-traffic line of computation in `dtype` (float32's if that dtype was not calibrated)."""
+        return self.kernels.get(dtype) or self.kernels.get("float32") or AlphaBeta(0.01, 0.0)
+
+    def matmul(self, dtype: str) -> AlphaBeta:
+        """The flops line of matmuls in `dtype` (float32's if that dtype was not calibrated)."""
+        return self.matmuls.get(dtype) or self.matmuls.get("float32") or AlphaBeta(0.01, 0.0)
+
+    def to_json(self) -> dict[str, Any]:
+        """A JSON-ready dict (`from_json` reads it back)."""
+        return asdict(self)
+
+    @classmethod
+    def from_json(cls, doc: Mapping[str, Any], where: str = "calibration") -> Calibration:
+        """Read `to_json`'s dict; CocoweaveError naming `where` if it is not one."""
+        try:
+            lines = {k: {n: AlphaBeta(**v) for n, v in doc[k].items()} for k in ("collectives", "kernels", "matmuls")}
+            return cls(backend=str(doc["backend"]), device=str(doc["device"]), world_size=int(doc["world_size"]),
+                       chunk_overhead_ms=float(doc.get("chunk_overhead_ms", 0.05)),
+                       fused_kernels=bool(doc.get("fused_kernels", False)), meta=dict(doc.get("meta", {})), **lines)
+        except (KeyError, TypeError, ValueError, AttributeError) as exc:
+            raise CocoweaveError(f"{where} is not a valid calibration file: {type(exc).__name__}: {exc}") from None
+
+
+def calibration_dir() -> Path:
+    """$COCOWEAVE_CALIBRATION_DIR if set, else .cocoweave/ under the current directory."""
+    env = os.environ.get(CALIBRATION_ENV)
+    return Path(env) if env else Path.cwd() / ".cocoweave"
+
+
+def calibration_path(backend: str, device: str, world_size: int, folder: Path | None = None) -> Path:
+    """Where the calibration of (backend, device type, world size) lives."""
+    return (folder or calibration_dir()) / f"calibration-{backend}-{device}-w{world_size}.json"
+
+
+def save_calibration(cal: Calibration, path: Path) -> Path:
+    """Write `cal` as JSON atomically (temporary file + rename)."""
+    path.parent.mkdir(parents=True, exist_ok=True)
+    tmp = path.with_name(f".tmp-{os.getpid()}-{path.name}")
+    try:
+        tmp.write_text(json.dumps(cal.to_json(), indent=2, sort_keys=True) + "\n")
+        os.replace(tmp, path)
+    except OSError as exc:
+        tmp.unlink(missing_ok=True)
+        raise CocoweaveError(f"cannot write the calibration {path}: {exc.strerror or exc}.") from None
+    return path
+
+
+def load_calibration(backend: str, device: str, world_size: int, folder: Path | None = None) -> Calibration | None:
+    """The stored calibration for (backend, device, world size), or None if there is none."""
+    path = calibration_path(backend, device, world_size, folder)
+    if not path.is_file():
+        return None
+    try:
+        doc = json.loads(path.read_text())
+    except (OSError, json.JSONDecodeError) as exc:
+        raise CocoweaveError(f"calibration file {path} is unreadable: {exc}") from None
+    return Calibration.from_json(doc, str(path))
+
+
+# ----------------------------------------------------------------------------------------------------------
+# Fitting
+# ----------------------------------------------------------------------------------------------------------
+
+
+def fit_alpha_beta(x: Sequence[float], t_ms: Sequence[float]) -> AlphaBeta:
+    """Non-negative alpha, beta minimising the relative error of alpha + beta x x / 1e6 against `t_ms`."""
+    from scipy.optimize import nnls
+
+    xs, ts = np.asarray(x, dtype=float), np.asarray(t_ms, dtype=float)
+    if xs.shape != ts.shape or xs.size < 2 or not np.all(ts > 0):
+        raise CocoweaveError(f"fitting alpha and beta needs >= 2 positive timings of equal count, got {ts.size}.")
+    a = np.stack([np.ones_like(xs), xs / 1e6], axis=1) / ts[:, None]
+    (alpha, beta), _ = nnls(a, np.ones_like(ts))
+    return AlphaBeta(float(alpha), float(beta))
+
+
+# ----------------------------------------------------------------------------------------------------------
+# Terms of a plan
+# ----------------------------------------------------------------------------------------------------------
+
+
+def _itemsize(dtype: str) -> int:
+    return DTYPES[dtype].itemsize
+
+
+def local_bytes(v: Value, sizes: Mapping[str, int], world_size: int) -> int:
+    """Bytes of the largest per-rank part of `v` (the whole tensor unless it is sliced)."""
+    if v.is_scalar:
+        return 0
+    shape = list(bind_shape(v.shape, sizes))
+    if v.layout.is_sliced and v.group is not None:
+        start, stop = slice_bounds(shape[v.layout.dim], v.group.size(world_size), 0)
+        shape[v.layout.dim] = stop - start
+    return math.prod(shape) * _itemsize(v.dtype)
+
+
+@dataclass
+class Term:
+    """One priced piece of a stage: a collective, a computation op, a matmul."""
+
+    kind: str  # "comm", "kernel", "matmul"
+    key: str  # "all_reduce/library", dtype
+    amount: float  # bytes moved, bytes of memory traffic, or flops
+    count: int = 1  # launches (ops) this term stands for
+
+
+def _comm_term(v: Value, algorithm: str, sizes: Mapping[str, int], world_size: int, backend_wire: str) -> Term:
+    src = v.args[0]
+    if v.op == "send":
+        return Term("comm", "p2p/library", local_bytes(src, sizes, world_size))
+    p = v.group.size(world_size) if v.group is not None else world_size
+    whole = local_bytes(src if v.op != "all_gather" else v, sizes, world_size)
+    if backend_wire == "gloo" and v.dtype in ("float16", "bfloat16"):
+        whole *= 2  # Gloo reduces half types in float32
+    moved = {"all_reduce": 2 * (p - 1) / p, "reduce_scatter": (p - 1) / p, "all_gather": (p - 1) / p}.get(v.op, 1.0)
+    return Term("comm", f"{v.op}/{algorithm}", whole * moved if p > 1 else 0.0, 1 if p > 1 else 0)
+
+
+def _kernel_terms(values: Sequence[Value], sizes: Mapping[str, int], world_size: int, fused: bool,
+                  outside_users: set[int]) -> list[Term]:
+    ops = [v for v in values if v.op not in FREE_OPS and not v.is_scalar]
+    if not ops:
+        return []
+    dtype = ops[-1].dtype
+    if fused:
+        inside = {id(v) for v in values}
+        reads = {id(a): a for v in ops for a in v.args if id(a) not in inside and not a.is_scalar}
+        writes = [v for v in ops if id(v) in outside_users]
+        traffic = sum(local_bytes(a, sizes, world_size) for a in reads.values())
+        traffic += sum(local_bytes(v, sizes, world_size) for v in writes or ops[-1:])
+        return [Term("kernel", dtype, traffic, 1)]
+    traffic = sum(local_bytes(v, sizes, world_size) + sum(local_bytes(a, sizes, world_size) for a in v.args)
+                  for v in ops)
+    return [Term("kernel", dtype, traffic, len(ops))]
+
+
+def _matmul_term(v: Value, sizes: Mapping[str, int], world_size: int) -> Term:
+    out = local_bytes(v, sizes, world_size) // _itemsize(v.dtype)
+    a = v.args[0]
+    k_dim = list(bind_shape(a.shape, sizes))[-1]
+    if a.layout.is_sliced and a.layout.dim in (-1, a.ndim - 1) and a.group is not None:
+        start, stop = slice_bounds(k_dim, a.group.size(world_size), 0)
+        k_dim = stop - start
+    return Term("matmul", v.dtype, 2.0 * out * k_dim)
+
+
+class PlanCoster:
+    """Prices the stages of one plan for one world size under a calibration."""
+
+    def __init__(self, plan: Plan, sizes: Mapping[str, int], world_size: int, cal: Calibration) -> None:
+        self.plan, self.sizes, self.world_size, self.cal = plan, dict(sizes), world_size, cal
+        self.wire = "gloo" if cal.device == "cpu" or cal.meta.get("wire") == "gloo" else "nccl"
+        users = plan.program.users()
+        self.outside: set[int] = set()
+        stage_of = {id(v): i for i, s in enumerate(plan.walk()) for v in s.values}
+        for v, us in users.items():
+            if any(stage_of.get(id(u)) != stage_of.get(id(v)) for u in us):
+                self.outside.add(id(v))
+        for v in plan.state.values():
+            self.outside.add(id(v))
+        for _, v in plan.outputs:
+            self.outside.add(id(v))
+
+    def terms(self, stage: PlanStage, fused_override: bool | None = None) -> list[Term]:
+        """The priced pieces of a (non-chunked) stage."""
+        sz, w = self.sizes, self.world_size
+        if isinstance(stage, FusedCollective):
+            out = [_comm_term(stage.reduce_scatter, stage.algorithm, sz, w, self.wire)]
+            if stage.kernel is not None:
+                out += self.terms(stage.kernel)
+            out += [_comm_term(ag, stage.algorithm, sz, w, self.wire) for ag in stage.all_gathers]
+            return out
+        if isinstance(stage, Collective):
+            return [_comm_term(v, stage.algorithm, sz, w, self.wire) for v in stage.values if v.op in COMM_OPS]
+        if isinstance(stage, P2P):
+            return [_comm_term(v, "library", sz, w, self.wire) for v in stage.values if v.op == "send"]
+        if isinstance(stage, MatMul):
+            return [_matmul_term(v, sz, w) for v in stage.values if v.op == "matmul"]
+        if isinstance(stage, Kernel):
+            fused = (stage.fused and self.cal.fused_kernels) if fused_override is None else fused_override
+            return _kernel_terms(stage.values, sz, w, fused, self.outside)
+        return []
+
+    def price(self, term: Term, chunks: int = 1) -> float:
+        """Milliseconds of one term, run as one of `chunks` equal chunks."""
+        if term.count == 0:
+            return 0.0
+        if term.kind == "comm":
+            line = self.cal.collective(*term.key.split("/"))
+        elif term.kind == "kernel":
+            line = self.cal.kernel(term.key)
+        else:
+            line = self.cal.matmul(term.key)
+        return term.count * line.alpha_ms + line.beta_ms_per_mb * term.amount / chunks / 1e6
+
+    def stage_ms(self, stage: PlanStage) -> float:
+        """Predicted milliseconds of one top-level stage."""
+        if isinstance(stage, Chunked):
+            parts: list[list[Term]] = []
+            for s in stage.stages:
+                if isinstance(s, FusedCollective):  # runs as its parts inside a chunk loop
+                    parts.append([_comm_term(s.reduce_scatter, "library", self.sizes, self.world_size, self.wire)])
+                    if s.kernel is not None:
+                        parts.append(self.terms(s.kernel))
+                    parts += [[_comm_term(ag, "library", self.sizes, self.world_size, self.wire)]
+                              for ag in s.all_gathers]
+                else:
+                    parts.append(self.terms(s))
+            k = max(stage.chunks, 1)
+            per_chunk = [sum(self.price(t, k) for t in part) for part in parts]
+            return sum(per_chunk) + (k - 1) * max(per_chunk, default=0.0) + k * self.cal.chunk_overhead_ms
+        return sum(self.price(t) for t in self.terms(stage))
+
+
+@dataclass
+class Prediction:
+    """An analytic step-time prediction with its per-stage breakdown and the features the learned
+    correction uses."""
+
+    total_ms: float
+    stage_ms: dict[str, float]
+    features: dict[str, float]
+
+
+FEATURES = ("analytic_ms", "comm_ms", "kernel_ms", "matmul_ms", "state_ms", "overlap_saved_ms", "n_stages",
+            "n_comm", "n_kernel_ops", "chunks", "world_size", "comm_mb", "traffic_mb", "gflop")
+
+
+def predict_plan(plan: Plan, sizes: Mapping[str, int], world_size: int, cal: Calibration) -> Prediction:
+    """Predicted step time of `plan` on `world_size` ranks (the slowest rank: sliced parts at their largest)."""
+    coster = PlanCoster(plan, sizes, world_size, cal)
+    stage_ms: dict[str, float] = {}
+    totals = dict.fromkeys(("comm_ms", "kernel_ms", "matmul_ms"), 0.0)
+    amounts = {"comm": 0.0, "kernel": 0.0, "matmul": 0.0}
+    counts = {"comm": 0, "kernel": 0, "matmul": 0}
+    serial, chunks = 0.0, 0
+    for i, stage in enumerate(plan.stages):
+        ms = coster.stage_ms(stage)
+        stage_ms[f"{i}:{stage.label}"] = ms
+        inner = stage.stages if isinstance(stage, Chunked) else [stage]
+        for s in inner:
+            for t in coster.terms(s):
+                totals[f"{t.kind}_ms"] += coster.price(t)
+                amounts[t.kind] += t.amount
+                counts[t.kind] += t.count
+        if isinstance(stage, Chunked):
+            chunks = max(chunks, stage.chunks)
+            serial += sum(coster.price(t) for s in inner for t in coster.terms(s))
+        else:
+            serial += ms
+    state_bytes = sum(2 * local_bytes(v, sizes, world_size) for v in plan.state.values())
+    state_ms = coster.price(Term("kernel", "float32", state_bytes, len(plan.state))) if plan.state else 0.0
+    total = sum(stage_ms.values()) + state_ms
+    features = {"analytic_ms": total, **totals, "state_ms": state_ms,
+                "overlap_saved_ms": max(serial + state_ms - total, 0.0), "n_stages": float(len(plan.stages)),
+                "n_comm": float(counts["comm"]), "n_kernel_ops": float(counts["kernel"]), "chunks": float(chunks),
+                "world_size": float(world_size), "comm_mb": amounts["comm"] / 1e6,
+                "traffic_mb": amounts["kernel"] / 1e6, "gflop": amounts["matmul"] / 1e9}
+    return Prediction(total, stage_ms, features)

@@ -1,0 +1,120 @@
+"""The tuner's cache: the chosen schedule per (program fingerprint, sizes, world size, backend, device).
+
+One JSON file (`.cocoweave/tune-cache.json`, or $COCOWEAVE_TUNE_CACHE). Every write takes a lock
+file, re-reads the file, changes one entry, writes a temporary file, fsyncs it and renames it into
+place, so readers never see half-written state and concurrent tuners never lose each other's entries.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import fcntl
+import json
+import os
+import warnings
+from collections.abc import Iterator, Mapping
+from datetime import UTC, datetime
+from pathlib import Path
+from typing import Any
+
+from ..errors import CocoweaveError, ScheduleError
+from ..ir.graph import Program
+from ..schedule.schedule import Schedule
+
+CACHE_ENV = "COCOWEAVE_TUNE_CACHE"
+VERSION = 1
+
+
+def default_cache_path() -> Path:
+    """$COCOWEAVE_TUNE_CACHE if set, else .cocoweave/tune-cache.json under the current directory."""
+    env = os.environ.get(CACHE_ENV)
+    return Path(env) if env else Path.cwd() / ".cocoweave" / "tune-cache.json"
+
+
+def cache_key(program: Program, sizes: Mapping[str, int], world_size: int, backend: str, device: str) -> str:
+    """The key of one tuning problem; `device` is a device type ("cpu", "cuda")."""
+    sized = json.dumps({k: int(v) for k, v in sizes.items() if k in program.size_names()}, sort_keys=True)
+    return f"{program.fingerprint()}|{sized}|w{world_size}|{backend}|{device.split(':')[0]}"
+
+
+class TuneCache:
+    """Chosen schedules by `cache_key`, persisted atomically as JSON."""
+
+    def __init__(self, path: str | os.PathLike | None = None) -> None:
+        self.path = Path(path) if path is not None else default_cache_path()
+
+    def _read(self) -> dict[str, Any]:
+        if not self.path.is_file():
+            return {}
+        try:
+            doc = json.loads(self.path.read_text())
+        except (OSError, json.JSONDecodeError) as exc:
+            raise CocoweaveError(f"the tuning cache {self.path} is unreadable ({exc}); "
+                                 "delete it to start over.") from None
+        if not isinstance(doc, dict) or not isinstance(doc.get("entries"), dict):
+            raise CocoweaveError(f"the tuning cache {self.path} has no 'entries' object; delete it to start over.")
+        return doc["entries"]
+
+    def entries(self) -> dict[str, Any]:
+        """Every cached entry by key."""
+        return self._read()
+
+    def get(self, key: str) -> dict[str, Any] | None:
+        """The entry for `key`, or None."""
+        return self._read().get(key)
+
+    @contextlib.contextmanager
+    def _locked(self) -> Iterator[None]:
+        self.path.parent.mkdir(parents=True, exist_ok=True)
+        with open(self.path.with_name(self.path.name + ".lock"), "w") as lock:
+            fcntl.flock(lock, fcntl.LOCK_EX)
+            try:
+                yield
+            finally:
+                fcntl.flock(lock, fcntl.LOCK_UN)
+
+    def put(self, key: str, entry: Mapping[str, Any]) -> None:
+        """Store `entry` under `key` (replacing an older one) atomically."""
+        try:
+            with self._locked():
+                entries = self._read()
+                entries[key] = dict(entry) | {"time": datetime.now(UTC).isoformat()}
+                text = json.dumps({"version": VERSION, "entries": entries}, indent=2, sort_keys=True) + "\n"
+                tmp = self.path.with_name(f".tmp-{os.getpid()}-{self.path.name}")
+                try:
+                    with open(tmp, "w") as fh:
+                        fh.write(text)
+                        fh.flush()
+                        os.fsync(fh.fileno())
+                    os.replace(tmp, self.path)
+                finally:
+                    tmp.unlink(missing_ok=True)
+        except OSError as exc:
+            raise CocoweaveError(f"cannot write the tuning cache {self.path}: {exc.strerror or exc}.") from None
+
+
+def cached_schedule(program: Program, sizes: Mapping[str, int], world_size: int, backend: str, device: str,
+                    cache: TuneCache | None = None) -> Schedule | None:
+    """The cached choice for this problem replayed on `program`, or None if nothing usable is cached."""
+    cache = cache or TuneCache()
+    entry = cache.get(cache_key(program, sizes, world_size, backend, device))
+    if entry is None:
+        return None
+    try:
+        return Schedule.replay(program, entry["steps"])
+    except (ScheduleError, KeyError, TypeError) as exc:
+        warnings.warn(f"the cached schedule {entry.get('schedule')!r} for {program.name} no longer applies "
+                      f"({exc}); ignoring it", stacklevel=2)
+        return None
+
+
+def auto_schedule(program: Program, sizes: Mapping[str, int], world_size: int, backend: str, device: str,
+                  cache: TuneCache | None = None) -> Schedule:
+    """schedule="auto": the tuner's cached choice, else the program as written with a warning saying so."""
+    found = cached_schedule(program, sizes, world_size, backend, device, cache)
+    if found is not None:
+        return found
+    warnings.warn(f"schedule='auto': no tuned schedule of {program.name} for world size {world_size} on "
+                  f"{backend}/{device.split(':')[0]} in {(cache or TuneCache()).path}; running it as written "
+                  f"(run `cocoweave tune` to choose one)", stacklevel=3)
+    return Schedule(program)

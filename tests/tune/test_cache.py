@@ -1,0 +1,62 @@
+"""The tuning cache: JSON round trips, atomic replacement, clear errors, and compile(schedule="auto")."""
+
+from __future__ import annotations
+
+import json
+import warnings
+
+import pytest
+
+from cocoweave.compile import compile as cw_compile
+from cocoweave.errors import CocoweaveError
+from cocoweave.loader import load_example
+from cocoweave.schedule.enumerate import enumerate_schedules
+from cocoweave.tune import TuneCache, auto_schedule, cache_key
+
+
+def test_entries_round_trip_and_writes_leave_no_temporary_files(tmp_path):
+    cache = TuneCache(tmp_path / "sub" / "cache.json")
+    assert cache.get("k") is None and cache.entries() == {}
+    cache.put("a", {"schedule": "AR-C", "steps": [{"op": "fuse"}]})
+    cache.put("b", {"schedule": "RS-C"})
+    cache.put("a", {"schedule": "AR-c", "steps": []})
+    again = TuneCache(tmp_path / "sub" / "cache.json")
+    assert set(again.entries()) == {"a", "b"} and again.get("a")["schedule"] == "AR-c"
+    assert "time" in again.get("b")
+    assert sorted(p.name for p in (tmp_path / "sub").iterdir()) == ["cache.json", "cache.json.lock"]
+
+
+@pytest.mark.parametrize("text", ["{not json", json.dumps([1, 2]), json.dumps({"entries": 3})])
+def test_a_damaged_cache_is_one_sentence(tmp_path, text):
+    path = tmp_path / "cache.json"
+    path.write_text(text)
+    with pytest.raises(CocoweaveError, match="tuning cache .* delete it to start over"):
+        TuneCache(path).get("x")
+
+
+def test_keys_separate_sizes_world_sizes_backends_and_devices():
+    p = load_example("adam.py:adam", N=64)
+    bigger = load_example("adam.py:adam", N=128)
+    keys = {cache_key(p, {}, 4, "torch", "cpu"), cache_key(p, {}, 2, "torch", "cpu"),
+            cache_key(p, {}, 4, "torch", "cuda:1"), cache_key(bigger, {}, 4, "torch", "cpu")}
+    assert len(keys) == 4
+    assert cache_key(p, {}, 4, "torch", "cuda:0") == cache_key(p, {}, 4, "torch", "cuda:1")
+
+
+def test_compile_auto_uses_the_cached_choice_and_warns_without_one(tmp_path, monkeypatch):
+    monkeypatch.setenv("COCOWEAVE_TUNE_CACHE", str(tmp_path / "cache.json"))
+    program = load_example("adam.py:adam", N=64)
+    with pytest.warns(UserWarning, match="no tuned schedule of adam for world size 1"):
+        exe = cw_compile(program, "torch", {}, device="cpu", rank=0, world_size=1, schedule="auto")
+    assert exe.plan.fingerprint == cw_compile(program, "torch", {}, device="cpu", rank=0, world_size=1).plan.fingerprint
+    chosen = enumerate_schedules(program)[1]
+    TuneCache().put(cache_key(program, {}, 1, "torch", "cpu"), {"schedule": chosen.name, "steps": chosen.steps})
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        exe = cw_compile(program, "torch", {}, device="cpu", rank=0, world_size=1, schedule="auto")
+        assert auto_schedule(program, {}, 1, "torch", "cpu").fingerprint() == chosen.fingerprint()
+    from cocoweave.plan import lower
+
+    assert exe.plan.fingerprint == lower(chosen).fingerprint
+    with pytest.raises(CocoweaveError, match="schedule must be None or 'auto'"):
+        cw_compile(program, "torch", {}, device="cpu", rank=0, world_size=1, schedule="fastest")
