@@ -53,7 +53,7 @@ __version__ = "0.1.0"
 def __getattr__(name: str):
     """`cw.compile` and `cw.Schedule`, imported on first use (they pull in the backends)."""
     if name == "compile":
-        from .compile import compile
+        from .compiler import compile
 
         return compile
     if name == "Schedule":

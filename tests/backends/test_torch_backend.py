@@ -155,3 +155,21 @@ def test_compile_runs_inside_an_existing_torch_distributed_program(local_world):
         assert res["same_buffers"] and "ctx.fused_ring(" in res["source"]
         torch.testing.assert_close(res["first"]["out"], want[r].outputs["out"])
         torch.testing.assert_close(res["second"]["out"], res["first"]["out"])
+
+
+@pytest.mark.parametrize("spec, sizes", EXAMPLES[:3], ids=[e[0].split(".")[0] for e in EXAMPLES[:3]])
+def test_one_rank_runs_every_schedule_without_a_process_group(spec, sizes):
+    """cw.compile at world size 1 in a plain process (no init_process_group): collectives are identities."""
+    import torch.distributed as dist
+
+    assert not dist.is_initialized()
+    program = load_example(spec, **sizes)
+    inputs = make_inputs(program, 1, sizes, seed=5)
+    expected = reference.run(program, inputs, sizes, whole_state=True)
+    for s in enumerate_schedules(program):
+        exe = cw.compile(s, backend="torch", sizes=sizes, device="cpu", rank=0, world_size=1)
+        given = {k: v.clone() if isinstance(v, torch.Tensor) else v for k, v in inputs[0].items()}
+        res = exe.run(given)
+        state = {n: (exe.kept[n] if n in exe.plan.sliced_state else t) for n, t in res.state.items()}
+        got = [reference.RankResult(dict(res.outputs), state)]
+        assert compare_results(program, got, expected).ok, s.name

@@ -7,7 +7,7 @@ import warnings
 
 import pytest
 
-from cocoweave.compile import compile as cw_compile
+from cocoweave.compiler import compile as cw_compile
 from cocoweave.errors import CocoweaveError
 from cocoweave.loader import load_example
 from cocoweave.schedule.enumerate import enumerate_schedules

@@ -17,7 +17,7 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
-from ..compile import compile as compile_schedule
+from ..compiler import compile as compile_schedule
 from ..errors import OptimizerError
 from ..ir.graph import Program
 from ..schedule.enumerate import enumerate_schedules

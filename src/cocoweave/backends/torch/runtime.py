@@ -132,7 +132,18 @@ class RankContext:
         p = Pending(work, finish)
         return p if async_op else p.wait()
 
+    def _alone(self, x: torch.Tensor, out: Any, async_op: bool) -> Any | None:
+        """A world of one rank without torch.distributed: every collective gives this rank's own tensor
+        (the identity; avg and adasum of one tensor are the tensor). None when the group has peers."""
+        if dist.is_initialized():
+            return None
+        res = self.buffer(out, x.shape, x.dtype)
+        res.copy_(x)
+        return self._done(None, lambda: res, async_op)
+
     def all_reduce(self, x: torch.Tensor, op: str, group: Any, out: Any, async_op: bool = False) -> Any:
+        if (alone := self._alone(x, out, async_op)) is not None:
+            return alone
         n = dist.get_world_size(group)
         if op == "adasum":
             return self._adasum(x, group, out)
@@ -162,6 +173,8 @@ class RankContext:
 
     def reduce_scatter(self, x: torch.Tensor, op: str, dim: int, group: Any, out: Any,
                        async_op: bool = False) -> Any:
+        if (alone := self._alone(x, out, async_op)) is not None:
+            return alone
         n, me = dist.get_world_size(group), dist.get_rank(group)
         size = x.shape[dim]
         bounds = [slice_bounds(size, n, r) for r in range(n)]
@@ -189,6 +202,8 @@ class RankContext:
 
     def all_gather(self, x: torch.Tensor, dim: int, total: int, group: Any, out: Any, async_op: bool = False) -> Any:
         """Gather the ranks' tensor_split parts of a tensor whose whole size along `dim` is `total`."""
+        if (alone := self._alone(x, out, async_op)) is not None:
+            return alone
         n = dist.get_world_size(group)
         bounds = [slice_bounds(total, n, r) for r in range(n)]
         sizes = [stop - start for start, stop in bounds]
@@ -214,6 +229,8 @@ class RankContext:
         return self._done(work if async_op else None, finish, async_op)
 
     def broadcast(self, x: torch.Tensor, root: int, group: Any, out: Any, async_op: bool = False) -> Any:
+        if (alone := self._alone(x, out, async_op)) is not None:
+            return alone
         buf = self.buffer(out, x.shape, x.dtype)
         buf.copy_(x)
         src = dist.get_global_rank(group, root) if group is not None else root
@@ -221,6 +238,8 @@ class RankContext:
         return self._done(work if async_op else None, lambda: buf, async_op)
 
     def reduce(self, x: torch.Tensor, op: str, root: int, group: Any, out: Any, async_op: bool = False) -> Any:
+        if (alone := self._alone(x, out, async_op)) is not None:
+            return alone
         wire = self._wire(x)
         buf = self.buffer((out, "wire"), wire.shape, wire.dtype)
         buf.copy_(wire)
@@ -251,6 +270,8 @@ class RankContext:
     # -- ring algorithms (ring.py): synchronous, point-to-point ---------------------------------
     def ring_all_reduce(self, x: torch.Tensor, op: str, group: Any, out: Any) -> torch.Tensor:
         """A ring reduce-scatter then a ring all-gather of the flattened tensor (balanced parts)."""
+        if (alone := self._alone(x, out, False)) is not None:
+            return alone
         res = self.buffer(out, x.shape, x.dtype)
         flat = x.reshape(-1)
         start, stop = slice_bounds(flat.numel(), dist.get_world_size(group), dist.get_rank(group))
@@ -260,12 +281,16 @@ class RankContext:
         return res
 
     def ring_reduce_scatter(self, x: torch.Tensor, op: str, dim: int, group: Any, out: Any) -> torch.Tensor:
+        if (alone := self._alone(x, out, False)) is not None:
+            return alone
         start, stop = slice_bounds(x.shape[dim], dist.get_world_size(group), dist.get_rank(group))
         res = self.buffer(out, _moved_shape(x.shape, dim, stop - start), x.dtype)
         ring.ring_reduce_scatter(x, dim, op, group, res)
         return res
 
     def ring_all_gather(self, x: torch.Tensor, dim: int, total: int, group: Any, out: Any) -> torch.Tensor:
+        if (alone := self._alone(x, out, False)) is not None:
+            return alone
         res = self.buffer(out, _moved_shape(x.shape, dim, total), x.dtype)
         ring.ring_all_gather(x, dim, group, res)
         return res
@@ -286,6 +311,10 @@ class RankContext:
                 buf.narrow(dim, offset, length).copy_(part)
             return [r.expand(*_moved_shape(o.shape, dim, length)) for r, o in zip(results, outs)]
 
+        if not dist.is_initialized():  # one rank alone: its tensor is the reduced whole, a single piece
+            for o, r in zip(outs, piece(x, 0, x.shape[dim])):
+                o.copy_(r)
+            return outs, keep
         ring.fused_ring(x, dim, op, group, piece, outs, subchunks)
         return outs, keep
 

@@ -1,4 +1,4 @@
-"""`cocoweave.compile`: turn a program or schedule into something that runs."""
+"""`cocoweave.compiler`: turn a program or schedule into something that runs (`cw.compile`)."""
 
 from __future__ import annotations
 
