@@ -156,11 +156,16 @@ class Emitter:
         elif op == "dropout":
             seed = v.attrs["seed"] if v.attrs["seed"] is not None else f"int({a[1]})"
             rank = self.view.group_rank(v)[0] if v.args[0].layout.is_local else 0
-            idx = f'ctx.index("{v.name}")'
+            key, p = f"rt.dropout_key({seed}, {rank})", v.attrs["p"]
+            # a constant seed gives the same mask every step: the executable hashes it once (ctx.keep)
+            bits = f'ctx.keep("{v.name}", {p!r}, {key})' if v.attrs["seed"] is not None else f'ctx.index("{v.name}")'
             if self.chunk is not None:
                 dim, nd, se = self.chunk
-                idx = f"{idx}.narrow({dim - (nd - v.ndim)}, *{se})"
-            e = f"rt.dropout({a[0]}, {idx}, {v.attrs['p']!r}, rt.dropout_key({seed}, {rank}))"
+                bits = f"{bits}.narrow({dim - (nd - v.ndim)}, *{se})"
+            if v.attrs["seed"] is not None:
+                e = f"rt.apply_dropout({a[0]}, {bits}, {p!r})"
+            else:
+                e = f"rt.dropout({a[0]}, {bits}, {p!r}, {key})"
         elif op in ("sum", "max", "min", "norm"):
             e = f"rt.reduce({op!r}, {a[0]}, {tuple(v.attrs['dims'])!r}, {v.attrs['keepdim']})"
         elif op == "matmul":

@@ -33,12 +33,21 @@ def dropout_key(seed: int, rank: int) -> int:
     return rng.dropout_key(int(seed), rank)
 
 
-def dropout(x: torch.Tensor, index: torch.Tensor, p: float, key: int) -> torch.Tensor:
-    """Counter-based dropout (cocoweave.rng) on precomputed logical indices."""
+def keep_mask(index: torch.Tensor, p: float, key: int) -> torch.Tensor:
+    """Which elements dropout keeps: the counter-based hash (cocoweave.rng) of their logical indices."""
+    return rng.triple32((index & rng.MASK32) ^ key) >= rng.keep_threshold(p)
+
+
+def apply_dropout(x: torch.Tensor, keep: torch.Tensor, p: float) -> torch.Tensor:
+    """Zero the dropped elements of x and scale the kept ones by 1 / (1 - p)."""
     if p == 0.0:
         return x
-    keep = rng.triple32((index & rng.MASK32) ^ key) >= rng.keep_threshold(p)
     return torch.where(keep, x * (1.0 / (1.0 - p)), torch.zeros((), dtype=x.dtype, device=x.device))
+
+
+def dropout(x: torch.Tensor, index: torch.Tensor, p: float, key: int) -> torch.Tensor:
+    """Counter-based dropout on precomputed logical indices (a seed known only at run time)."""
+    return x if p == 0.0 else apply_dropout(x, keep_mask(index, p, key), p)
 
 
 def reduce(op: str, x: torch.Tensor, dims: tuple[int, ...], keepdim: bool) -> torch.Tensor:
@@ -85,6 +94,7 @@ class RankContext:
         self.rank, self.world_size, self.device = rank, world_size, device
         self.groups, self.indices, self.backend = groups, indices, backend
         self.buffers: dict[Any, torch.Tensor] = {}
+        self._masks: dict[tuple[str, int], torch.Tensor] = {}  # dropout masks of constant seeds
         self.events: list[tuple[str, str, int, int, int | None]] = []
         self.tracing = False
         self.kernels: dict[int, Any] = {}  # stage index -> generated Triton kernel (kernels.codegen)
@@ -98,6 +108,14 @@ class RankContext:
 
     def index(self, name: str) -> torch.Tensor:
         return self.indices[name]
+
+    def keep(self, name: str, p: float, key: int) -> torch.Tensor:
+        """The keep mask of dropout `name` for a seed that is a program constant: the same every step (it
+        depends only on the seed, the logical index and the rank), so it is hashed once and kept."""
+        mask = self._masks.get((name, key))
+        if mask is None:
+            mask = self._masks[(name, key)] = keep_mask(self.indices[name], p, key)
+        return mask
 
     def buffer(self, key: Any, shape: Sequence[int], dtype: torch.dtype) -> torch.Tensor:
         """A tensor owned by this executable, allocated on first use and reused by later steps."""
