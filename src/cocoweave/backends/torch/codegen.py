@@ -21,6 +21,7 @@ from ..inputs import local_shape
 
 RESERVED = {"ctx", "I", "torch", "rt", "math", "step", "OUT"}
 HALF = ("float16", "bfloat16")
+INPLACE = {"add": "add_", "sub": "sub_", "mul": "mul_", "div": "div_"}  # ops whose results are fresh tensors
 PY_BINARY = {"add": "+", "sub": "-", "mul": "*", "div": "/", "pow": "**",
              "lt": "<", "le": "<=", "gt": ">", "ge": ">=", "eq": "==", "ne": "!="}
 
@@ -57,6 +58,7 @@ class Emitter:
     chain_ids: set[int] = field(default_factory=set)  # values computed inside the chunked chain
     live_out: set[int] = field(default_factory=set)
     used: set[str] = field(default_factory=set)
+    scratch: dict[int, int] = field(default_factory=dict)  # temporary of this stage -> its last reader (in place)
     algorithm: str = "library"  # the collective algorithm of the stage being emitted
 
     # -- naming -------------------------------------------------------------------------------
@@ -134,8 +136,25 @@ class Emitter:
     def _inside(self, a: Value) -> bool:
         return id(a) in self.chain_ids
 
+    def in_place(self, v: Value) -> str | None:
+        """`v` written over a temporary of its stage that nothing reads after it (`a.add_(b)`): saves a
+        full-size allocation per operation on CPU, where each one costs page faults. Only float32/64
+        arithmetic of equal shapes, on temporaries that are fresh tensors (never views or inputs)."""
+        if v.op not in INPLACE or v.dtype not in ("float32", "float64") or self.chunk is not None:
+            return None
+        tensors = [a for a in v.args if not a.is_scalar]
+        if any(a.dtype != v.dtype for a in tensors):
+            return None
+        for j, a in enumerate(v.args[:2] if v.op in ("add", "mul") else v.args[:1]):
+            if self.scratch.get(id(a)) == id(v) and self.view.local_shape(a) == self.view.local_shape(v):
+                other = self.operand_expr(v, v.args[1 - j], up=False)
+                return f"{self.var(a)}.{INPLACE[v.op]}({other})"
+        return None
+
     def compute(self, v: Value) -> str:
         """A tensor computation as a torch expression (half precision: float32 math, one rounding)."""
+        if (e := self.in_place(v)) is not None:
+            return e
         op, half = v.op, v.dtype in HALF or any(x.dtype in HALF for x in v.args if not x.is_scalar)
         a = [self.operand_expr(v, x, up=half and op not in ("cast", "slice", "matmul")) for x in v.args]
         to = f".to(torch.{v.dtype})"
@@ -274,9 +293,10 @@ def generate(plan: Plan, rank: int, world_size: int, sizes: Mapping[str, int],
         else:
             em.emit(f'with ctx.span("{stage.label}", {i}):')
             em.algorithm = getattr(stage, "algorithm", "library")
+            em.scratch = _scratch(em, stage)
             for v in stage.values:
                 _emit_value(em, v, indent=2)
-            em.algorithm = "library"
+            em.algorithm, em.scratch = "library", {}
     em.emit("")
     em.emit("# results: state is written in place, outputs are returned")
     for name, v in plan.state.items():
@@ -363,6 +383,21 @@ def _emit_fused_ring(em: Emitter, stage: FusedCollective, index: int) -> None:
     em.emit(f"[{', '.join(em.var(a) for a in ags)}], [{', '.join(em.var(v) for v in kept)}] = ctx.fused_ring(", 2)
     em.emit(f"{x}, {rs.attrs['dim']}, {rs.attrs['op']!r}, {g}, ring{index},", 3)
     em.emit(f"gathered=[{', '.join(spec(a) for a in ags)}], kept=[{', '.join(spec(v) for v in kept)}])", 3)
+
+
+def _scratch(em: Emitter, stage: PlanStage) -> dict[int, int]:
+    """Temporaries of a computation stage that may be overwritten by their last reader: fresh results of
+    arithmetic (INPLACE ops or sqrt/exp/neg/rsqrt in float32/64), read by nothing after it, not live out."""
+    if not isinstance(stage, Kernel):
+        return {}
+    fresh = {id(v) for v in stage.values if (v.op in INPLACE or v.op in ("neg", "sqrt", "rsqrt", "exp"))
+             and v.dtype in ("float32", "float64") and id(v) not in em.live_out and em.view.in_group(v)}
+    last: dict[int, int] = {}
+    for v in stage.values:
+        for a in v.args:
+            if id(a) in fresh:
+                last[id(a)] = id(v)
+    return last
 
 
 def _live_outs(plan: Plan) -> set[int]:

@@ -1,0 +1,36 @@
+"""Equivalence on the torch backend: random well-typed programs x random legal schedules, run as generated
+code on live Gloo ranks, equal the unscheduled program on the reference backend (the same generators as
+tests/schedule/test_equivalence_properties.py, which checks the reference backend)."""
+
+from __future__ import annotations
+
+import importlib.util
+from pathlib import Path
+
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
+
+from cocoweave.check import check_schedules, torch_runner
+
+
+def _generators():
+    """programs() and schedules() of the reference-backend property tests (tests are not a package)."""
+    path = Path(__file__).parents[1] / "schedule" / "test_equivalence_properties.py"
+    spec = importlib.util.spec_from_file_location("_equivalence_generators", path)
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module.programs, module.schedules
+
+
+programs, schedules = _generators()
+
+
+@settings(max_examples=25, deadline=None, suppress_health_check=list(HealthCheck))
+@given(data=st.data(), world_size=st.sampled_from([2, 3]))
+def test_random_schedules_of_random_programs_equal_the_program_on_the_torch_backend(local_world, data, world_size):
+    program = data.draw(programs())
+    chosen = [data.draw(schedules(program)) for _ in range(2)]
+    rows = check_schedules(program, chosen, world_size, seed=data.draw(st.integers(0, 100)),
+                           batch=torch_runner(local_world(world_size)))
+    bad = [(r.schedule, r.max_abs, r.error) for r in rows if not r.ok]
+    assert not bad, f"{program}\n{[s.steps for s in chosen]}\n{bad}"
