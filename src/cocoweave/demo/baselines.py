@@ -10,36 +10,17 @@
 
 from __future__ import annotations
 
-import time
 from collections.abc import Callable, Mapping
-from typing import Any
 
 import torch
 import torch.distributed as dist
 import torch.nn.functional as F
 
+from ..backends.torch.worker import timed_steps
 from ..ir.layout import slice_bounds
 from ..launch import rank_device
 
 DTYPE = {"float16": torch.float16, "bfloat16": torch.bfloat16, "float32": torch.float32}
-
-
-def timed_steps(step: Callable[[], Any], world_size: int, device: torch.device, iters: int,
-                warmup: int) -> list[float]:
-    """Milliseconds of each of `iters` calls of `step` after `warmup` calls, a barrier before each."""
-    times = []
-    for i in range(warmup + iters):
-        if world_size > 1:
-            dist.barrier()
-        if device.type == "cuda":
-            torch.cuda.synchronize(device)
-        t0 = time.perf_counter()
-        step()
-        if device.type == "cuda":
-            torch.cuda.synchronize(device)
-        if i >= warmup:
-            times.append((time.perf_counter() - t0) * 1e3)
-    return times
 
 
 def _gen(rank: int) -> torch.Generator:

@@ -10,7 +10,6 @@ measurement store; the fitted alpha-beta lines to `calibration_path(...)`.
 from __future__ import annotations
 
 import statistics
-import time
 import warnings
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass
@@ -20,6 +19,7 @@ import torch
 import torch.distributed as dist
 
 from ..backends.torch.ring import ring_all_gather, ring_reduce_scatter
+from ..backends.torch.worker import timed_steps
 from ..ir.types import DTYPES
 from .costmodel import AlphaBeta, Calibration, fit_alpha_beta
 
@@ -43,17 +43,7 @@ class Spec:
 
 
 def _timed(fn: Callable[[], Any], iters: int, warmup: int, world_size: int, device: torch.device) -> list[float]:
-    times = []
-    for i in range(warmup + iters):
-        if world_size > 1:
-            dist.barrier()
-        t0 = time.perf_counter()
-        fn()
-        if device.type == "cuda":
-            torch.cuda.synchronize(device)
-        if i >= warmup:
-            times.append((time.perf_counter() - t0) * 1e3)
-    return times
+    return timed_steps(fn, world_size, device, iters, warmup)
 
 
 def _collectives(world_size: int, rank: int, n: int, dev: torch.device) -> dict[str, tuple[float, Callable[[], Any]]]:

@@ -213,20 +213,15 @@ class Emitter:
         g = f'ctx.group("{v.args[0].group.name}")'
         key = f'("{v.name}", k)' if self.chunk is not None else f'"{v.name}"'  # a buffer per chunk in flight
         tail = f", out={key}" + (", async_op=True" if async_op else "")
-        if self.algorithm == "ring":  # point-to-point rings (ring.py), synchronous
-            if v.op == "all_reduce":
-                return f"ctx.ring_all_reduce({x}, {a['op']!r}, {g}{tail})"
-            if v.op == "reduce_scatter":
-                return f"ctx.ring_reduce_scatter({x}, {a['op']!r}, {a['dim']}, {g}{tail})"
-            if v.op == "all_gather":
-                return f"ctx.ring_all_gather({x}, {a['dim']}, {self.view.local_shape(v)[a['dim']]}, {g}{tail})"
+        # the ring algorithm (ring.py: point-to-point, synchronous, never chunked) takes the library's arguments
+        ring = "ring_" if self.algorithm == "ring" else ""
         if v.op == "all_reduce":
-            return f"ctx.all_reduce({x}, {a['op']!r}, {g}{tail})"
+            return f"ctx.{ring}all_reduce({x}, {a['op']!r}, {g}{tail})"
         if v.op == "reduce_scatter":
-            return f"ctx.reduce_scatter({x}, {a['op']!r}, {a['dim']}, {g}{tail})"
+            return f"ctx.{ring}reduce_scatter({x}, {a['op']!r}, {a['dim']}, {g}{tail})"
         if v.op == "all_gather":
             total = self.view.local_shape(v)[a["dim"]]
-            return f"ctx.all_gather({x}, {a['dim']}, {total}, {g}{tail})"
+            return f"ctx.{ring}all_gather({x}, {a['dim']}, {total}, {g}{tail})"
         if v.op == "broadcast":
             return f"ctx.broadcast({x}, {a['root']}, {g}{tail})"
         if v.op == "reduce":

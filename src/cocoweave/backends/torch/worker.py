@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 import time
-from collections.abc import Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from typing import Any
 
 import torch
@@ -37,26 +37,36 @@ def run_schedules(rank: int, world_size: int, schedules: Sequence[Schedule], inp
     return out
 
 
-def time_schedule(rank: int, world_size: int, schedule: Schedule, inputs: Sequence[RankInputs],
-                  sizes: Mapping[str, int], device: str = "cpu", iters: int = 20, warmup: int = 3,
-                  trace: bool = False) -> dict[str, Any]:
-    """Step times of one schedule on this rank (ms, after a barrier each), and trace events."""
-    dev = torch.device(device)
-    exe = Executable(lower(schedule), rank, world_size, sizes, dev)
-    given = _to(inputs[rank], dev)
+def timed_steps(step: Callable[[], Any], world_size: int, device: torch.device, iters: int, warmup: int,
+                before: Callable[[int], None] | None = None) -> list[float]:
+    """Milliseconds of each of `iters` calls of `step` after `warmup` calls: a barrier before each (so the
+    ranks start together) and CUDA synchronised around it. `before(i)` runs ahead of call i, untimed."""
     times = []
     for i in range(warmup + iters):
         if world_size > 1:
             dist.barrier()
-        if dev.type == "cuda":
-            torch.cuda.synchronize(dev)
-        exe.trace(trace and i == warmup + iters - 1)
+        if device.type == "cuda":
+            torch.cuda.synchronize(device)
+        if before is not None:
+            before(i)
         t0 = time.perf_counter()
-        exe.run(given)
-        if dev.type == "cuda":
-            torch.cuda.synchronize(dev)
+        step()
+        if device.type == "cuda":
+            torch.cuda.synchronize(device)
         if i >= warmup:
             times.append((time.perf_counter() - t0) * 1e3)
+    return times
+
+
+def time_schedule(rank: int, world_size: int, schedule: Schedule, inputs: Sequence[RankInputs],
+                  sizes: Mapping[str, int], device: str = "cpu", iters: int = 20, warmup: int = 3,
+                  trace: bool = False) -> dict[str, Any]:
+    """Step times of one schedule on this rank (ms, after a barrier each), and trace events of the last step."""
+    dev = torch.device(device)
+    exe = Executable(lower(schedule), rank, world_size, sizes, dev)
+    given = _to(inputs[rank], dev)
+    times = timed_steps(lambda: exe.run(given), world_size, dev, iters, warmup,
+                        before=lambda i: exe.trace(trace and i == warmup + iters - 1))
     return {"times_ms": times, "events": list(exe.ctx.events)}
 
 
