@@ -167,52 +167,14 @@ def loss_of(model: GPT, x: torch.Tensor, y: torch.Tensor, step: int, index_offse
 # ---------------------------------------------------------------------------------------------------------
 
 
-class DataParallelAdamW:
-    """torch.optim.AdamW after averaging every gradient over the data-parallel group (what DDP does).
-
-    cocoweave.optim.DistributedAdamW reduces over the whole world; with tensor parallelism the gradients
-    must be averaged over the data-parallel group only, so it is used when it accepts `group=`."""
-
-    def __init__(self, params: list[nn.Parameter], lr: float, weight_decay: float, group: Any) -> None:
-        self.params, self.group = params, group
-        self.inner = torch.optim.AdamW(params, lr=lr, weight_decay=weight_decay)
-
-    def step(self) -> None:
-        if group_size(self.group) > 1:
-            grads = [p.grad for p in self.params if p.grad is not None]
-            flat = torch.cat([g.reshape(-1) for g in grads])
-            dist.all_reduce(flat, op=dist.ReduceOp.AVG, group=self.group)
-            for g, part in zip(grads, flat.split([g.numel() for g in grads])):
-                g.copy_(part.view_as(g))
-        self.inner.step()
-
-    def zero_grad(self) -> None:
-        self.inner.zero_grad(set_to_none=True)
-
-    def state_dict(self) -> dict[str, Any]:
-        return self.inner.state_dict()
-
-    def load_state_dict(self, state: dict[str, Any]) -> None:
-        self.inner.load_state_dict(state)
-
-
 def make_optimizer(model: nn.Module, cfg: Config, dp_group: Any) -> tuple[Any, str]:
-    """cocoweave.optim.DistributedAdamW over the data-parallel group where it can do that, else the
-    explicit all-reduce + torch AdamW above; returns the optimizer and its name."""
-    params = list(model.parameters())
-    try:
-        import inspect
+    """cocoweave.optim.DistributedAdamW over the data-parallel group (None: the whole world, when there is no
+    tensor parallelism): it replaces DDP + torch.optim.AdamW. Returns the optimizer and its name."""
+    from cocoweave.optim import DistributedAdamW
 
-        from cocoweave.optim import DistributedAdamW
-
-        whole_world = cfg.tensor_parallel == 1
-        if whole_world or "group" in inspect.signature(DistributedAdamW).parameters:
-            kwargs = {} if whole_world else {"group": dp_group}
-            opt = DistributedAdamW(params, lr=cfg.lr, weight_decay=cfg.weight_decay, **kwargs)
-            return opt, "cocoweave.optim.DistributedAdamW"
-    except ImportError:
-        pass
-    return DataParallelAdamW(params, cfg.lr, cfg.weight_decay, dp_group), "AdamW + all_reduce(avg) over dp group"
+    group = None if cfg.tensor_parallel == 1 else dp_group
+    opt = DistributedAdamW(list(model.parameters()), lr=cfg.lr, weight_decay=cfg.weight_decay, process_group=group)
+    return opt, "cocoweave.optim.DistributedAdamW"
 
 
 # ---------------------------------------------------------------------------------------------------------

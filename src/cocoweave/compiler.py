@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 from collections.abc import Mapping
+from typing import Any
 
 import torch
 
@@ -14,11 +15,12 @@ from .schedule.schedule import Schedule
 
 def compile(target: Program | Schedule, backend: str = "torch", sizes: Mapping[str, int] | None = None,  # noqa: A001
             device: str | torch.device | None = None, rank: int | None = None, world_size: int | None = None,
-            schedule: str | None = None):
+            schedule: str | None = None, group: Any = None):
     """An executable for this rank of an initialised torch.distributed world (backend "torch"), or
     for every simulated rank at once (backend "reference": call it with a list of per-rank inputs).
     schedule="auto" runs a Program with the tuner's cached choice (`cocoweave tune`), or as written
-    with a warning when nothing is cached for this world size and device."""
+    with a warning when nothing is cached for this world size and device. `group` (a torch.distributed
+    process group) plays the program's world: rank and world size are then taken in it."""
     if schedule not in (None, "auto"):
         raise CocoweaveError(f"schedule must be None or 'auto', got {schedule!r}; pass a Schedule as the target")
     auto = schedule == "auto" and isinstance(target, Program)
@@ -38,12 +40,12 @@ def compile(target: Program | Schedule, backend: str = "torch", sizes: Mapping[s
     from .backends.torch import Executable
 
     if rank is None or world_size is None:
-        rank = dist.get_rank() if dist.is_initialized() else 0
-        world_size = dist.get_world_size() if dist.is_initialized() else 1
+        rank = dist.get_rank(group) if dist.is_initialized() else 0
+        world_size = dist.get_world_size(group) if dist.is_initialized() else 1
     if device is None:
         device = f"cuda:{torch.cuda.current_device()}" if torch.cuda.is_available() else "cpu"
     if auto:
         from .tune import auto_schedule
 
         schedule = auto_schedule(target, sizes or {}, world_size, "torch", str(torch.device(device).type))
-    return Executable(lower(schedule), rank, world_size, sizes, device)
+    return Executable(lower(schedule), rank, world_size, sizes, device, group=group)

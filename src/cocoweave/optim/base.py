@@ -29,10 +29,11 @@ _PARAM_DTYPES = {torch.float32: "float32", torch.bfloat16: "bfloat16", torch.flo
 _CLIP_EPS = 1e-6  # torch.nn.utils.clip_grad_norm_'s: coef = max_norm / (total_norm + 1e-6)
 
 
-def world() -> tuple[int, int]:
-    """(rank, world size) of the default process group; (0, 1) when torch.distributed is not initialised."""
+def world(group: Any = None) -> tuple[int, int]:
+    """(rank, size) in `group` (the default process group when None); (0, 1) when torch.distributed is not
+    initialised."""
     if dist.is_available() and dist.is_initialized():
-        return dist.get_rank(), dist.get_world_size()
+        return dist.get_rank(group), dist.get_world_size(group)
     return 0, 1
 
 
@@ -148,12 +149,13 @@ class DistributedOptimizer(torch.optim.Optimizer):
     has_step = True  # torch's state dict has a per-parameter 'step'
 
     def __init__(self, params: Any, defaults: dict[str, Any], schedule: str = "auto", reduction: str = "avg",
-                 max_grad_norm: float | None = None):
+                 max_grad_norm: float | None = None, process_group: Any = None):
         if reduction not in REDUCTIONS:
             raise OptimizerError(f"reduction must be one of {', '.join(REDUCTIONS)}, got {reduction!r}")
         if max_grad_norm is not None and not max_grad_norm > 0:
             raise OptimizerError(f"max_grad_norm must be positive or None, got {max_grad_norm!r}")
         self.schedule, self.reduction, self.max_grad_norm = schedule, reduction, max_grad_norm
+        self.process_group = process_group  # the data-parallel group gradients are reduced over; None: the world
         self.last_grad_norm: float | None = None
         self._buckets: list[Bucket] = []
         super().__init__(params, defaults)
@@ -197,7 +199,7 @@ class DistributedOptimizer(torch.optim.Optimizer):
         return self._buckets
 
     def _build(self, b: Bucket) -> Bucket:
-        rank, size = world()
+        rank, size = world(self.process_group)
         device = b.params[0].device
         param_dtype = _PARAM_DTYPES[b.dtype]
         sizes = {"N": b.shape[0]} | ({"T": b.shape[1]} if self.columns else {})
@@ -212,13 +214,15 @@ class DistributedOptimizer(torch.optim.Optimizer):
             b.schedule = resolve_schedule(program, "auto", size, whole, device.type)
         else:
             b.schedule = resolve_schedule(program, self.schedule, size, whole, device.type)
-        b.exe = compile_schedule(b.schedule, "torch", device=device, rank=rank, world_size=size)
+        b.exe = compile_schedule(b.schedule, "torch", device=device, rank=rank, world_size=size,
+                                 group=self.process_group)
         if grad == "reduced" and size > 1:
             b.reducer = compile_schedule(reduce_gradient(b.shape, self.reduction), "torch", device=device,
-                                         rank=rank, world_size=size)
+                                         rank=rank, world_size=size, group=self.process_group)
         params = b.gather(b.params, b.dtype)
         if size > 1:
-            dist.broadcast(params, 0)
+            src = dist.get_global_rank(self.process_group, 0) if self.process_group is not None else 0
+            dist.broadcast(params, src, group=self.process_group)
             b.scatter(params, b.params)
         b.grad = b.flat()
         self._reset_state(b, {}, params.float())

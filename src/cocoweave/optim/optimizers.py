@@ -16,9 +16,9 @@ class _AdamLike(DistributedOptimizer):
     state_keys = {"m": "exp_avg", "v": "exp_avg_sq"}
 
     def __init__(self, params: Iterable[Any], lr: float, betas: tuple[float, float], eps: float,
-                 weight_decay: float, schedule: str, reduction: str, max_grad_norm: float | None):
+                 weight_decay: float, schedule: str, reduction: str, max_grad_norm: float | None, process_group: Any):
         defaults = {"lr": lr, "betas": tuple(betas), "eps": eps, "weight_decay": weight_decay}
-        super().__init__(params, defaults, schedule, reduction, max_grad_norm)
+        super().__init__(params, defaults, schedule, reduction, max_grad_norm, process_group)
 
     def check_group(self, group: dict[str, Any]) -> None:
         betas = group["betas"]
@@ -38,14 +38,15 @@ class DistributedAdamW(_AdamLike):
     schedule: "auto" (the tuner's cached choice, else the most-sliced schedule) or a schedule name of
     `cocoweave schedules examples/adamw.py:adamw`; reduction: "avg" (DDP's), "sum" or "adasum" (which
     runs unsplit); max_grad_norm: clip by the global norm of the reduced gradient, like
-    torch.nn.utils.clip_grad_norm_ after DDP."""
+    torch.nn.utils.clip_grad_norm_ after DDP; process_group: the data-parallel group to reduce over (as
+    DDP's), e.g. one of cocoweave.nn.parallel_groups' in a data x tensor parallel grid; None: the world."""
 
     workload = staticmethod(adamw)
 
     def __init__(self, params: Iterable[Any], lr: float = 1e-3, betas: tuple[float, float] = (0.9, 0.999),
                  eps: float = 1e-8, weight_decay: float = 1e-2, *, schedule: str = "auto", reduction: str = "avg",
-                 max_grad_norm: float | None = None):
-        super().__init__(params, lr, betas, eps, weight_decay, schedule, reduction, max_grad_norm)
+                 max_grad_norm: float | None = None, process_group: Any = None):
+        super().__init__(params, lr, betas, eps, weight_decay, schedule, reduction, max_grad_norm, process_group)
 
 
 class DistributedLAMB(_AdamLike):
@@ -58,8 +59,8 @@ class DistributedLAMB(_AdamLike):
 
     def __init__(self, params: Iterable[Any], lr: float = 1e-3, betas: tuple[float, float] = (0.9, 0.999),
                  eps: float = 1e-6, weight_decay: float = 0.0, *, schedule: str = "auto", reduction: str = "avg",
-                 max_grad_norm: float | None = None):
-        super().__init__(params, lr, betas, eps, weight_decay, schedule, reduction, max_grad_norm)
+                 max_grad_norm: float | None = None, process_group: Any = None):
+        super().__init__(params, lr, betas, eps, weight_decay, schedule, reduction, max_grad_norm, process_group)
 
 
 class DistributedSGD(DistributedOptimizer):
@@ -72,10 +73,10 @@ class DistributedSGD(DistributedOptimizer):
 
     def __init__(self, params: Iterable[Any], lr: float = 1e-3, momentum: float = 0.0, dampening: float = 0.0,
                  weight_decay: float = 0.0, nesterov: bool = False, *, schedule: str = "auto",
-                 reduction: str = "avg", max_grad_norm: float | None = None):
+                 reduction: str = "avg", max_grad_norm: float | None = None, process_group: Any = None):
         defaults = {"lr": lr, "momentum": momentum, "dampening": dampening, "weight_decay": weight_decay,
                     "nesterov": nesterov}
-        super().__init__(params, defaults, schedule, reduction, max_grad_norm)
+        super().__init__(params, defaults, schedule, reduction, max_grad_norm, process_group)
 
     def check_group(self, group: dict[str, Any]) -> None:
         if group["nesterov"] and (group["momentum"] <= 0 or group["dampening"] != 0):

@@ -66,8 +66,13 @@ class Executable:
     """Runs one rank's part of a plan inside an initialised torch.distributed process group."""
 
     def __init__(self, plan: Plan, rank: int, world_size: int, sizes: Mapping[str, int] | None = None,
-                 device: str | torch.device = "cpu", kernels: str = "auto"):
+                 device: str | torch.device = "cpu", kernels: str = "auto", group: Any = None):
+        """`group`: a torch.distributed process group that plays the program's world (e.g. the data-parallel
+        group of a data x tensor parallel grid); `rank` and `world_size` are then this rank's place in it."""
         self.plan, self.rank, self.world_size = plan, rank, world_size
+        if group is not None and len(plan.program.groups) > 1:
+            raise BackendError(f"program `{plan.program.name}` splits its world into process groups; it cannot "
+                               "run on a given group (pass group=None)")
         self.program = plan.program
         self.sizes = bound_sizes(self.program, sizes)
         self.device = torch.device(device)
@@ -87,10 +92,14 @@ class Executable:
                                "`cocoweave run --backend torch` or torchrun, or call cocoweave.launch.init_from_env()")
         if world_size > 1:  # before any other collective: ranks running different plans fail here, at once
             agree(f"{plan.fingerprint} {json.dumps(self.sizes, sort_keys=True)}",
-                  "the plan to run (fingerprint and sizes)")
-        self.ctx = RankContext(rank, world_size, process_groups(self.program, world_size) if world_size > 1 else
-                               {g.name: None for g in self.program.groups}, self.device, self._dropout_indices(),
-                               backend)
+                  "the plan to run (fingerprint and sizes)", group)
+        if group is not None:
+            groups = {self.program.groups[0].name: group}
+        elif world_size > 1:
+            groups = process_groups(self.program, world_size)
+        else:
+            groups = {g.name: None for g in self.program.groups}
+        self.ctx = RankContext(rank, world_size, groups, self.device, self._dropout_indices(), backend)
         self.ctx.kernels = dict(fused)
         self.kept: dict[str, torch.Tensor] = {}  # state the schedule stores sliced, between calls
 
