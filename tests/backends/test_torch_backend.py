@@ -173,3 +173,22 @@ def test_one_rank_runs_every_schedule_without_a_process_group(spec, sizes):
         state = {n: (exe.kept[n] if n in exe.plan.sliced_state else t) for n, t in res.state.items()}
         got = [reference.RankResult(dict(res.outputs), state)]
         assert compare_results(program, got, expected).ok, s.name
+
+
+def test_an_output_naming_a_state_input_is_its_value_before_the_update():
+    """`output old = s` beside `s' = update(s, ...)`: the result is s as given, on every schedule (the step
+    writes new state in place, so the generated code must keep the old value)."""
+    p = cw.Program("state_output")
+    s = p.tensor("s", (7,), "float32", cw.Replicated)
+    g = p.tensor("g", (7,), "float32", cw.Local)
+    p.update(s, s * 2.0 + cw.all_reduce(g, "sum"))
+    p.output(s, "old")
+    inputs = make_inputs(p, 1, {}, seed=3)
+    expected = reference.run(p, inputs, {}, whole_state=True)
+    for sched in enumerate_schedules(p):
+        exe = cw.compile(sched, backend="torch", device="cpu", rank=0, world_size=1)
+        given = {k: v.clone() if isinstance(v, torch.Tensor) else v for k, v in inputs[0].items()}
+        res = exe.run(given)
+        assert torch.equal(res.outputs["old"], inputs[0]["s"]), sched.name
+        state = {n: (exe.kept[n] if n in exe.plan.sliced_state else t) for n, t in res.state.items()}
+        assert compare_results(p, [reference.RankResult(dict(res.outputs), state)], expected).ok, sched.name

@@ -104,6 +104,7 @@ def check_rank_inputs(program: Program, r: int, world_size: int, given: RankInpu
                       sizes: Mapping[str, int], check_finite: bool | None = None) -> set:
     """Rank r's inputs are exactly the program's, with its local shapes and dtypes; returns their devices.
     With `check_finite` (default: $COCOWEAVE_CHECK_FINITE=1) floating inputs must hold no NaN or Inf."""
+    finite = CHECK_FINITE if check_finite is None else check_finite
     devices = set()
     first = ""
     expected = {v.name for v in program.scalar_inputs}
@@ -129,7 +130,7 @@ def check_rank_inputs(program: Program, r: int, world_size: int, given: RankInpu
                              f"(its {v.layout!r} part of {list(bind_shape(v.shape, sizes))})")
         if t.dtype != DTYPES[v.dtype]:
             raise InputError(f"rank {r}: input `{v.name}` is {t.dtype}, expected {DTYPES[v.dtype]}")
-        if (CHECK_FINITE if check_finite is None else check_finite) and t.is_floating_point():
+        if finite and t.is_floating_point():
             bad = int((~torch.isfinite(t)).sum())
             if bad:
                 raise InputError(f"rank {r}: input `{v.name}` has {bad} NaN or Inf value{'s' if bad > 1 else ''} "
@@ -143,7 +144,7 @@ def check_rank_inputs(program: Program, r: int, world_size: int, given: RankInpu
         s = given[v.name]
         if isinstance(s, torch.Tensor) and s.numel() != 1 or not isinstance(s, int | float | torch.Tensor):
             raise InputError(f"rank {r}: scalar `{v.name}` must be a number, got {s!r}")
-        if (CHECK_FINITE if check_finite is None else check_finite) and not math.isfinite(float(s)):
+        if finite and not math.isfinite(float(s)):
             raise InputError(f"rank {r}: scalar `{v.name}` is {float(s)}; inputs are checked because finite "
                              "checks are on")
     return devices

@@ -11,14 +11,13 @@ from pathlib import Path
 from typing import Annotated, TypeVar
 
 import typer
-from rich.console import Console
 from rich.table import Table
 
 from cocoweave.errors import CocoweaveError
 
+from .common import console, fail
+
 T = TypeVar("T")
-console = Console()
-err_console = Console(stderr=True)
 
 perf_app = typer.Typer(help="Performance models: calibrate, predict, accuracy; the CM-DARE reproduction.",
                        no_args_is_help=True, add_completion=False)
@@ -34,8 +33,7 @@ def _run_or_exit(fn: Callable[[], T]) -> T:
     try:
         return fn()
     except CocoweaveError as exc:
-        err_console.print(f"[bold red]error:[/] {exc}", highlight=False, soft_wrap=True)
-        raise typer.Exit(2) from None
+        raise fail(str(exc)) from None
 
 
 def _cell(mapes: list[float]) -> str:

@@ -61,7 +61,8 @@ def _step_code(plan: Plan, rank: int, world_size: int, sizes: dict[str, int], tr
     """The generated step source of one rank, then the sources of its Triton kernels (with --triton)."""
     from ..backends.torch.codegen import generate
 
-    world_applicable_or_raise(plan.program, world_size)
+    for g in plan.program.groups:
+        g.ranks(world_size)  # ProgramError naming the group that cannot be formed
     if not 0 <= rank < world_size:
         raise LoadError(f"--rank {rank} is not a rank of a world of {world_size}")
     fused: dict[int, Any] = {}
@@ -75,11 +76,6 @@ def _step_code(plan: Plan, rank: int, world_size: int, sizes: dict[str, int], tr
     for i, kernel in sorted(fused.items()):
         text += f"\n\n# ---- Triton kernel of stage {i} ----\n" + str(getattr(kernel, "source", kernel))
     return text
-
-
-def world_applicable_or_raise(program: Program, world_size: int) -> None:
-    for g in program.groups:
-        g.ranks(world_size)  # ProgramError naming the group that cannot be formed
 
 
 def summarize(program: Program, results: list[reference.RankResult], world_size: int) -> list[dict]:

@@ -128,9 +128,10 @@ def scatter_to_parallel(x: torch.Tensor, dim: int = -1, group: Group = None) -> 
 # ---------------------------------------------------------------------------------------------------------
 
 
-def _keep(shape: torch.Size, device: torch.device, p: float, seed: int, offset: int) -> torch.Tensor:
-    index = torch.arange(offset, offset + shape.numel(), dtype=torch.int64, device=device).reshape(shape)
-    return rng.keep_mask(index, p, seed)
+def _dropout(x: torch.Tensor, p: float, seed: int, offset: int) -> torch.Tensor:
+    """rng.dropout of `x` whose element i sits at logical index offset + i (row-major)."""
+    index = torch.arange(offset, offset + x.numel(), dtype=torch.int64, device=x.device).reshape(x.shape)
+    return rng.dropout(x, index, p, seed)
 
 
 def epilogue_forward(y: torch.Tensor, bias: torch.Tensor | None, residual: torch.Tensor | None, p: float,
@@ -150,8 +151,7 @@ def epilogue_forward(y: torch.Tensor, bias: torch.Tensor | None, residual: torch
         return out.view(y.shape)
     out = y if bias is None else y + bias
     if p > 0:
-        out = torch.where(_keep(out.shape, out.device, p, seed, offset), out * (1.0 / (1.0 - p)),
-                          torch.zeros((), dtype=out.dtype, device=out.device))
+        out = _dropout(out, p, seed, offset)
     return out if residual is None else out + residual
 
 
@@ -172,10 +172,7 @@ class _BiasDropoutResidual(torch.autograd.Function):
 
 def epilogue_grad(grad: torch.Tensor, p: float, seed: int, offset: int = 0) -> torch.Tensor:
     """Gradient of the epilogue's input given its output's: the same mask, recomputed, times 1/(1-p)."""
-    if p == 0:
-        return grad
-    keep = _keep(grad.shape, grad.device, p, seed, offset)
-    return torch.where(keep, grad * (1.0 / (1.0 - p)), torch.zeros((), dtype=grad.dtype, device=grad.device))
+    return _dropout(grad, p, seed, offset)
 
 
 def mix_seed(*parts: int) -> int:

@@ -128,8 +128,9 @@ class _RowParallel(torch.autograd.Function):
         r2 = None if residual is None else residual.reshape(rows, out_f)
         parallel = group_size(group) > 1
         pending = []
-        for c in range(min(chunks, rows) or 1):
-            a, b = slice_bounds(rows, min(chunks, rows) or 1, c)
+        n = min(chunks, rows) or 1
+        for c in range(n):
+            a, b = slice_bounds(rows, n, c)
             y = x2[a:b] @ weight.t()
             pending.append((a, b, y, dist.all_reduce(y, group=group, async_op=True) if parallel else None))
         out = torch.empty(rows, out_f, dtype=x.dtype, device=x.device)

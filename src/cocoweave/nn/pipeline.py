@@ -18,7 +18,7 @@ import torch.distributed as dist
 from torch import nn
 
 from ..errors import ParallelConfigError
-from .functional import Group, all_gather_cat, group_rank, group_size
+from .functional import Group, all_gather_cat, group_rank, group_size, part
 
 
 class PipelineBoundary(nn.Module):
@@ -43,8 +43,7 @@ class PipelineBoundary(nn.Module):
     def _send(self, t: torch.Tensor) -> None:
         flat = t.detach().contiguous().view(-1)
         if self._sliced(flat.numel()):
-            n = flat.numel() // group_size(self.group)
-            flat = flat[group_rank(self.group) * n:(group_rank(self.group) + 1) * n]
+            flat = part(flat, 0, group_size(self.group), group_rank(self.group))
         dist.send(flat.contiguous(), self.peer)
 
     def _recv(self, shape: tuple[int, ...] | torch.Size, dtype: torch.dtype, device: Any) -> torch.Tensor:

@@ -12,6 +12,7 @@ from __future__ import annotations
 
 from collections.abc import Callable, Collection, Iterable, Mapping
 from dataclasses import dataclass, field
+from itertools import accumulate
 from typing import Any
 
 import torch
@@ -95,8 +96,7 @@ class Bucket:
         if self.columns:
             self.offsets = [0] * len(self.params)
         else:
-            sizes = [p.numel() for p in self.params]
-            self.offsets = [sum(sizes[:i]) for i in range(len(sizes))]
+            self.offsets = list(accumulate((p.numel() for p in self.params[:-1]), initial=0))
 
     @property
     def shape(self) -> tuple[int, ...]:

@@ -141,7 +141,7 @@ def fuse(program: Program, stages: list[Stage], refs: tuple[str | Stage, ...]) -
     all_gather into one fused collective stage."""
     idx = _consecutive(stages, refs, "fuse")
     group = [stages[i] for i in idx]
-    _library_only(program, group, "fuse")
+    _library_only(group, "fuse")
     if all(s.kind == "compute" for s in group):
         merged = Stage("compute", tuple(n for s in group for n in s.values), fused=True)
     else:
@@ -176,7 +176,7 @@ def overlap(program: Program, stages: list[Stage], refs: tuple[str | Stage, ...]
         raise ScheduleError(f"overlap needs 2 to 64 chunks, got {chunks!r}")
     idx = _consecutive(stages, refs, "overlap")
     group = [stages[i] for i in idx]
-    _library_only(program, group, "overlap")
+    _library_only(group, "overlap")
     names = "-".join(s.label(program) for s in group)
     if len(group) < 2:
         raise ScheduleError(f"cannot overlap {names}: overlap needs a chain of at least two stages")
@@ -189,7 +189,8 @@ def overlap(program: Program, stages: list[Stage], refs: tuple[str | Stage, ...]
                                     chunks=chunks, chunk_dim=dim)] + stages[idx[-1] + 1:]
 
 
-def _library_only(program: Program, group: list[Stage], verb: str) -> None:
+def _library_only(group: list[Stage], verb: str) -> None:
+    """Grouping comes before algorithm choices: a stage already on a non-library algorithm cannot join a group."""
     for s in group:
         if s.algorithm != "library":
             raise ScheduleError(f"cannot {verb} `{s.anchor}`: it already runs on the {s.algorithm} algorithm; "

@@ -264,6 +264,11 @@ def generate(plan: Plan, rank: int, world_size: int, sizes: Mapping[str, int],
     for v in program.inputs.values():
         if v.group is None or view.in_group(v):
             em.emit(f'{em.var(v)} = I["{v.name}"]')
+    # an output that is a state input is its value before the step: copied before anything writes it
+    written = {id(program.inputs[n]) for n, v in plan.state.items() if view.in_group(v)}
+    before = {n: v for n, v in plan.outputs if id(v) in written}
+    if before:
+        em.emit(f"OUT = {{{', '.join(f'{n!r}: {em.var(v)}.clone()' for n, v in before.items())}}}")
     if plan.host:
         em.emit("# host scalars")
         for v in plan.host:
@@ -297,7 +302,8 @@ def generate(plan: Plan, rank: int, world_size: int, sizes: Mapping[str, int],
     for name, v in plan.state.items():
         if view.in_group(v):
             em.emit(f"{em.var(program.inputs[name])}.copy_({em.var(v)})")
-    outs = ", ".join(f'"{n}": {em.var(v)}' for n, v in plan.outputs if view.in_group(v))
+    outs = ", ".join(f'"{n}": ' + (f"OUT[{n!r}]" if n in before else em.var(v))
+                     for n, v in plan.outputs if view.in_group(v))
     em.emit(f"return {{{outs}}}")
     return "\n".join(em.lines) + "\n"
 

@@ -14,7 +14,7 @@ tensors; only NCCL sends device memory directly.
 
 from __future__ import annotations
 
-from collections.abc import Callable, Generator
+from collections.abc import Callable, Generator, Sequence
 from typing import Any
 
 import torch
@@ -170,7 +170,8 @@ def _check_shape(name: str, t: torch.Tensor, expected: tuple[int, ...], why: str
         raise BackendError(f"{name} has shape {tuple(t.shape)}, expected {expected} ({why})")
 
 
-def _with_dim(shape: torch.Size | tuple[int, ...], dim: int, size: int) -> tuple[int, ...]:
+def with_dim(shape: Sequence[int], dim: int, size: int) -> tuple[int, ...]:
+    """`shape` with its size along `dim` replaced by `size`."""
     return tuple(size if i == dim else s for i, s in enumerate(shape))
 
 
@@ -183,7 +184,7 @@ def ring_reduce_scatter(x: torch.Tensor, dim: int, op: str, group: dist.ProcessG
     dim = dim % x.dim()
     bounds = _part_bounds(x.shape[dim], peers.size)
     start, stop = bounds[peers.me]
-    _check_shape("ring_reduce_scatter's out", out, _with_dim(x.shape, dim, stop - start), f"part {peers.me} of x")
+    _check_shape("ring_reduce_scatter's out", out, with_dim(x.shape, dim, stop - start), f"part {peers.me} of x")
     _drive(_Ring(_reduce_scatter_steps(peers, x.movedim(dim, 0), bounds, op, out.movedim(dim, 0), _RS_TAG)))
 
 
@@ -193,7 +194,7 @@ def ring_all_gather(part: torch.Tensor, dim: int, group: dist.ProcessGroup | Non
     dim = dim % out.dim()
     bounds = _part_bounds(out.shape[dim], peers.size)
     start, stop = bounds[peers.me]
-    _check_shape("ring_all_gather's part", part, _with_dim(out.shape, dim, stop - start),
+    _check_shape("ring_all_gather's part", part, with_dim(out.shape, dim, stop - start),
                  f"part {peers.me} of out")
     _drive(_Ring(_all_gather_steps(peers, part.movedim(dim, 0), out.movedim(dim, 0), bounds, _AG_TAG)))
 
@@ -240,7 +241,7 @@ def fused_ring(x: torch.Tensor, dim: int, op: str, group: dist.ProcessGroup | No
     def start_reduce_scatter(s: int) -> tuple[torch.Tensor, _Ring]:
         bounds = piece_bounds(s)
         lo, hi = bounds[me]
-        reduced = torch.empty(_with_dim(x.shape, dim, hi - lo), dtype=x.dtype, device=x.device)
+        reduced = torch.empty(with_dim(x.shape, dim, hi - lo), dtype=x.dtype, device=x.device)
         return reduced, _Ring(_reduce_scatter_steps(peers, x_t, bounds, op, reduced.movedim(dim, 0), _RS_TAG))
 
     gathers: list[_Ring] = []
@@ -263,7 +264,7 @@ def fused_ring(x: torch.Tensor, dim: int, op: str, group: dist.ProcessGroup | No
             if len(results) != len(outs):
                 raise BackendError(f"fused_ring's compute returned {len(results)} tensors for {len(outs)} outputs")
             for i, (res, o) in enumerate(zip(results, outs)):
-                _check_shape(f"compute's result {i}", res, _with_dim(o.shape, dim, hi - lo),
+                _check_shape(f"compute's result {i}", res, with_dim(o.shape, dim, hi - lo),
                              f"piece of outs[{i}] at offset {offset}")
             mine = [res.movedim(dim, 0) for res in results]
         else:

@@ -21,6 +21,7 @@ from ... import faults, rng
 from ...ir.layout import slice_bounds
 from ..local_ops import reduce_local
 from . import ring
+from .ring import with_dim  # generated code calls rt.with_dim
 
 _REDUCE = {"sum": dist.ReduceOp.SUM, "avg": dist.ReduceOp.SUM, "max": dist.ReduceOp.MAX, "min": dist.ReduceOp.MIN}
 # torch 2.13 renamed the tensor collectives; older releases (the GPU machine's 2.11) have the old names
@@ -68,10 +69,6 @@ def minimum(a: Any, b: Any) -> torch.Tensor:
 
 def concat(parts: Sequence[torch.Tensor], dim: int) -> torch.Tensor:
     return torch.cat(list(parts), dim=dim)
-
-
-def with_dim(shape: Sequence[int], dim: int, size: int) -> tuple[int, ...]:
-    return tuple(size if i == dim else s for i, s in enumerate(shape))
 
 
 class Pending:
@@ -210,7 +207,7 @@ class RankContext:
         mine = bounds[me][1] - bounds[me][0]
 
         def finish() -> torch.Tensor:
-            res = self.buffer(out, _moved_shape(x.shape, dim, mine), x.dtype)
+            res = self.buffer(out, with_dim(x.shape, dim, mine), x.dtype)
             res.movedim(dim, 0).copy_(part[:mine])
             if op == "avg":
                 res.div_(n)
@@ -228,7 +225,7 @@ class RankContext:
         c = max(sizes)
         xt = x.movedim(dim, 0)
         rest = tuple(xt.shape[1:])
-        full_shape = _moved_shape(x.shape, dim, total)
+        full_shape = with_dim(x.shape, dim, total)
         res = self.buffer(out, full_shape, x.dtype)
         if total % n == 0 and dim == 0 and x.is_contiguous():
             work = _ALL_GATHER(res, x, group=group, async_op=async_op)
@@ -302,14 +299,14 @@ class RankContext:
         if (alone := self._alone(x, out, False)) is not None:
             return alone
         start, stop = slice_bounds(x.shape[dim], dist.get_world_size(group), dist.get_rank(group))
-        res = self.buffer(out, _moved_shape(x.shape, dim, stop - start), x.dtype)
+        res = self.buffer(out, with_dim(x.shape, dim, stop - start), x.dtype)
         ring.ring_reduce_scatter(x, dim, op, group, res)
         return res
 
     def ring_all_gather(self, x: torch.Tensor, dim: int, total: int, group: Any, out: Any) -> torch.Tensor:
         if (alone := self._alone(x, out, False)) is not None:
             return alone
-        res = self.buffer(out, _moved_shape(x.shape, dim, total), x.dtype)
+        res = self.buffer(out, with_dim(x.shape, dim, total), x.dtype)
         ring.ring_all_gather(x, dim, group, res)
         return res
 
@@ -327,7 +324,7 @@ class RankContext:
             results, parts = compute(reduced, (offset, length))
             for buf, part in zip(keep, parts):
                 buf.narrow(dim, offset, length).copy_(part)
-            return [r.expand(*_moved_shape(o.shape, dim, length)) for r, o in zip(results, outs)]
+            return [r.expand(*with_dim(o.shape, dim, length)) for r, o in zip(results, outs)]
 
         if not dist.is_initialized():  # one rank alone: its tensor is the reduced whole, a single piece
             for o, r in zip(outs, piece(x, 0, x.shape[dim])):
@@ -408,6 +405,3 @@ def _resolve(env: dict) -> None:
         if isinstance(val, Pending):
             env[key] = val.wait()
 
-
-def _moved_shape(shape: Sequence[int], dim: int, size: int) -> tuple[int, ...]:
-    return tuple(size if i == dim else s for i, s in enumerate(shape))

@@ -25,16 +25,17 @@ def run_schedules(rank: int, world_size: int, schedules: Sequence[Schedule], inp
     """Run each schedule once on this rank's inputs; results on the CPU, sliced state gathered whole.
     `kernels` picks how fused stages compute (Executable's "auto", "triton" or "torch")."""
     dev = torch.device(device)
-    out = []
-    for s in schedules:
-        plan = lower(s)
-        exe = Executable(plan, rank, world_size, sizes, dev, kernels=kernels)
-        res = exe.run(_to(inputs[rank], dev))
-        state = {}
-        for name, t in res.state.items():
-            state[name] = (exe.gather_state(name) if name in plan.sliced_state else t).detach().cpu().clone()
-        out.append(RankResult({n: t.detach().cpu().clone() for n, t in res.outputs.items()}, state))
-    return out
+    return [_run_once(Executable(lower(s), rank, world_size, sizes, dev, kernels=kernels), inputs[rank])
+            for s in schedules]
+
+
+def _run_once(exe: Executable, inputs: RankInputs) -> RankResult:
+    """One step of `exe` on a copy of `inputs`; results on the CPU, sliced state gathered whole."""
+    res = exe.run(_to(inputs, exe.device))
+    state = {}
+    for name, t in res.state.items():
+        state[name] = (exe.gather_state(name) if name in exe.plan.sliced_state else t).detach().cpu().clone()
+    return RankResult({n: t.detach().cpu().clone() for n, t in res.outputs.items()}, state)
 
 
 def timed_steps(step: Callable[[], Any], world_size: int, device: torch.device, iters: int, warmup: int,
@@ -62,10 +63,14 @@ def time_schedule(rank: int, world_size: int, schedule: Schedule, inputs: Sequen
                   sizes: Mapping[str, int], device: str = "cpu", iters: int = 20, warmup: int = 3,
                   trace: bool = False) -> dict[str, Any]:
     """Step times of one schedule on this rank (ms, after a barrier each), and trace events of the last step."""
-    dev = torch.device(device)
-    exe = Executable(lower(schedule), rank, world_size, sizes, dev)
-    given = _to(inputs[rank], dev)
-    times = timed_steps(lambda: exe.run(given), world_size, dev, iters, warmup,
+    exe = Executable(lower(schedule), rank, world_size, sizes, torch.device(device))
+    return _time(exe, inputs[rank], world_size, iters, warmup, trace)
+
+
+def _time(exe: Executable, inputs: RankInputs, world_size: int, iters: int, warmup: int,
+          trace: bool) -> dict[str, Any]:
+    given = _to(inputs, exe.device)
+    times = timed_steps(lambda: exe.run(given), world_size, exe.device, iters, warmup,
                         before=lambda i: exe.trace(trace and i == warmup + iters - 1))
     return {"times_ms": times, "events": list(exe.ctx.events)}
 
@@ -81,8 +86,9 @@ def run_and_time(rank: int, world_size: int, schedule: Schedule, inputs: Sequenc
                  trace: bool = False) -> dict[str, Any]:
     """What `cocoweave run --backend torch` does on each rank: one step on the inputs (results on the
     CPU, sliced state whole), then `iters` timed steps (one more, traced, with `trace`)."""
-    result = run_schedules(rank, world_size, [schedule], inputs, sizes, device)[0]
+    exe = Executable(lower(schedule), rank, world_size, sizes, torch.device(device))  # built once, for both
+    result = _run_once(exe, inputs[rank])
     timed: dict[str, Any] = {"times_ms": [], "events": []}
     if iters or trace:
-        timed = time_schedule(rank, world_size, schedule, inputs, sizes, device, iters=max(iters, 1), trace=trace)
+        timed = _time(exe, inputs[rank], world_size, max(iters, 1), 3, trace)
     return {"result": result, "times_ms": timed["times_ms"], "events": trace_events(rank, timed["events"])}
