@@ -19,6 +19,7 @@ from typing import Any
 
 import numpy as np
 
+from ..atomic import write_text
 from ..errors import CocoweaveError
 from ..ir.graph import Value
 from ..ir.layout import slice_bounds
@@ -100,13 +101,9 @@ def calibration_path(backend: str, device: str, world_size: int, folder: Path | 
 
 def save_calibration(cal: Calibration, path: Path) -> Path:
     """Write `cal` as JSON atomically (temporary file + rename)."""
-    path.parent.mkdir(parents=True, exist_ok=True)
-    tmp = path.with_name(f".tmp-{os.getpid()}-{path.name}")
     try:
-        tmp.write_text(json.dumps(cal.to_json(), indent=2, sort_keys=True) + "\n")
-        os.replace(tmp, path)
+        write_text(path, json.dumps(cal.to_json(), indent=2, sort_keys=True) + "\n")
     except OSError as exc:
-        tmp.unlink(missing_ok=True)
         raise CocoweaveError(f"cannot write the calibration {path}: {exc.strerror or exc}.") from None
     return path
 

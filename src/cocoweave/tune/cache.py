@@ -17,6 +17,7 @@ from datetime import UTC, datetime
 from pathlib import Path
 from typing import Any
 
+from ..atomic import write_text
 from ..errors import CocoweaveError, ScheduleError
 from ..ir.graph import Program
 from ..schedule.schedule import Schedule
@@ -80,15 +81,7 @@ class TuneCache:
                 entries = self._read()
                 entries[key] = dict(entry) | {"time": datetime.now(UTC).isoformat()}
                 text = json.dumps({"version": VERSION, "entries": entries}, indent=2, sort_keys=True) + "\n"
-                tmp = self.path.with_name(f".tmp-{os.getpid()}-{self.path.name}")
-                try:
-                    with open(tmp, "w") as fh:
-                        fh.write(text)
-                        fh.flush()
-                        os.fsync(fh.fileno())
-                    os.replace(tmp, self.path)
-                finally:
-                    tmp.unlink(missing_ok=True)
+                write_text(self.path, text)
         except OSError as exc:
             raise CocoweaveError(f"cannot write the tuning cache {self.path}: {exc.strerror or exc}.") from None
 

@@ -6,7 +6,6 @@ from __future__ import annotations
 import hashlib
 import json
 import os
-import tempfile
 from collections.abc import Mapping
 from pathlib import Path
 from typing import Any
@@ -14,6 +13,7 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
+from ...atomic import write_text
 from ...errors import BackendError, InputError
 from ...ir.graph import Program
 from ...ir.layout import slice_bounds
@@ -40,12 +40,7 @@ def write_source(source: str, key: str) -> Path:
     path = cache_dir() / f"{key}.py"
     if path.exists() and path.read_text() == source:
         return path
-    path.parent.mkdir(parents=True, exist_ok=True)
-    fd, tmp = tempfile.mkstemp(dir=path.parent, suffix=".tmp")
-    with os.fdopen(fd, "w") as f:
-        f.write(source)
-    os.replace(tmp, path)
-    return path
+    return write_text(path, source, durable=False)  # a cache: regenerated if lost
 
 
 def process_groups(program: Program, world_size: int) -> dict[str, Any]:
