@@ -31,7 +31,7 @@ METHODS = ("sum", "adasum", "gather")
 
 
 def _gather_adasum(x: torch.Tensor) -> torch.Tensor:
-    from cocoweave.backends.reference import adasum_tree
+    from cocoweave.backends.adasum import adasum_tree
 
     parts = [torch.empty_like(x) for _ in range(dist.get_world_size())]
     dist.all_gather(parts, x)

@@ -12,7 +12,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 import cocoweave as cw
-from cocoweave.backends import reference
+from cocoweave.backends import adasum, reference
 from cocoweave.backends.inputs import make_inputs
 from cocoweave.testing import compare_results
 
@@ -61,10 +61,10 @@ def rand_parts(n: int, shape: tuple[int, ...], dtype: torch.dtype, seed: int, sc
 
 # -- the reference ----------------------------------------------------------------------------------------------
 def test_pairing_folds_neighbours_until_a_power_of_two_remains():
-    assert reference.adasum_survivors(1) == [[0]]
-    assert reference.adasum_survivors(4) == [[0], [1], [2], [3]]
-    assert reference.adasum_survivors(7) == [[0, 1], [2, 3], [4, 5], [6]]
-    assert reference.adasum_survivors(12) == [[0, 1], [2, 3], [4, 5], [6, 7], [8], [9], [10], [11]]
+    assert adasum.adasum_survivors(1) == [[0]]
+    assert adasum.adasum_survivors(4) == [[0], [1], [2], [3]]
+    assert adasum.adasum_survivors(7) == [[0, 1], [2, 3], [4, 5], [6]]
+    assert adasum.adasum_survivors(12) == [[0, 1], [2, 3], [4, 5], [6, 7], [8], [9], [10], [11]]
 
 
 @settings(max_examples=60, deadline=None)
@@ -106,8 +106,8 @@ def test_extreme_magnitudes_neither_overflow_nor_lose_the_coefficients(dtype, wh
 def test_a_zero_tensor_keeps_its_coefficient_at_one():
     a = torch.tensor([1.0, -2.0, 0.5])
     zero = torch.zeros(3)
-    assert torch.equal(reference.adasum_pair(zero, a), a)
-    assert torch.equal(reference.adasum_pair(a, zero), a)
+    assert torch.equal(adasum.adasum_pair(zero, a), a)
+    assert torch.equal(adasum.adasum_pair(a, zero), a)
     assert torch.equal(reference.combine("adasum", [zero, zero, zero]), zero)
 
 
@@ -168,7 +168,7 @@ def check_world(results: list[dict[str, Any]], world_size: int, subgroups: list[
         n = len(ranks)
         for i, case in enumerate(CASES):
             parts = case_parts(n, case, i)
-            want = reference.adasum_tree(parts)
+            want = adasum.adasum_tree(parts)
             got = [results[r]["direct"][(n, i)] for r in ranks]
             assert all(torch.equal(g, got[0]) for g in got), f"group size {n}, case {case}: ranks differ"
             assert got[0].dtype == want.dtype and got[0].shape == want.shape

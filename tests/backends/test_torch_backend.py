@@ -15,6 +15,7 @@ from hypothesis import strategies as st
 import cocoweave as cw
 from cocoweave.backends import reference
 from cocoweave.backends.inputs import make_inputs
+from cocoweave.backends.results import RankResult
 from cocoweave.backends.torch.worker import run_and_time, run_schedules
 from cocoweave.check import check_schedules, torch_runner, world_applicable
 from cocoweave.errors import BackendError
@@ -171,7 +172,7 @@ def test_one_rank_runs_every_schedule_without_a_process_group(spec, sizes):
         given = {k: v.clone() if isinstance(v, torch.Tensor) else v for k, v in inputs[0].items()}
         res = exe.run(given)
         state = {n: (exe.kept[n] if n in exe.plan.sliced_state else t) for n, t in res.state.items()}
-        got = [reference.RankResult(dict(res.outputs), state)]
+        got = [RankResult(dict(res.outputs), state)]
         assert compare_results(program, got, expected).ok, s.name
 
 
@@ -191,4 +192,4 @@ def test_an_output_naming_a_state_input_is_its_value_before_the_update():
         res = exe.run(given)
         assert torch.equal(res.outputs["old"], inputs[0]["s"]), sched.name
         state = {n: (exe.kept[n] if n in exe.plan.sliced_state else t) for n, t in res.state.items()}
-        assert compare_results(p, [reference.RankResult(dict(res.outputs), state)], expected).ok, sched.name
+        assert compare_results(p, [RankResult(dict(res.outputs), state)], expected).ok, sched.name

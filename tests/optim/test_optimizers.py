@@ -171,7 +171,7 @@ def scenarios(rank: int, world_size: int) -> dict[str, float]:
 def _adasum(rank: int, world_size: int) -> float:
     """reduction="adasum" runs the unsplit schedule and combines the flat gradient of the bucket with
     Adasum; the reference gathers every rank's flat gradient and combines them with the oracle's tree."""
-    from cocoweave.backends.reference import adasum_tree
+    from cocoweave.backends.adasum import adasum_tree
 
     ours, ref = _mlp(), _mlp()
     opt = DistributedSGD(ours.parameters(), lr=0.05, momentum=0.9, reduction="adasum")

@@ -7,8 +7,7 @@ import cocoweave as cw
 from cocoweave.check import check_schedules
 from cocoweave.errors import ScheduleError
 from cocoweave.loader import load_example
-from cocoweave.plan import lower
-from cocoweave.plan.plan import Collective, FusedCollective
+from cocoweave.plan import Collective, FusedCollective, lower
 from cocoweave.schedule.enumerate import enumerate_schedules
 from cocoweave.schedule.schedule import Schedule
 

@@ -20,7 +20,7 @@ def split_reorder(s):
 def test_split_turns_all_reduce_into_reduce_scatter_and_all_gather():
     s = Schedule(example("adam", "adam", N=10))
     rs, ag = s.split(s.find("all_reduce")[0], dim=0)
-    assert (rs.label(s.program), ag.label(s.program)) == ("RS", "AG")
+    assert (rs.label, ag.label) == ("RS", "AG")
     ops = [v.op for v in s.program.values]
     assert "all_reduce" not in ops and "reduce_scatter" in ops and "all_gather" in ops
     assert s.name == "RS-AG-c"

@@ -12,7 +12,7 @@ import torch
 
 from ..errors import InputError
 from ..ir.graph import Program, Value
-from ..ir.layout import slice_bounds
+from ..ir.layout import local_shape, slice_bounds
 from ..ir.types import DTYPES, bind_shape
 
 RankInputs = dict[str, Any]
@@ -31,15 +31,6 @@ def bound_sizes(program: Program, sizes: Mapping[str, int] | None) -> dict[str, 
         if not isinstance(s, int) or s < 0:
             raise InputError(f"program `{program.name}`: size {n} must be a non-negative int, got {s!r}")
     return sizes
-
-
-def local_shape(v: Value, sizes: Mapping[str, int], group_rank: int, group_size: int) -> tuple[int, ...]:
-    """Shape of group rank `group_rank`'s part of value `v`."""
-    full = list(bind_shape(v.shape, sizes))
-    if v.layout.is_sliced:
-        start, stop = slice_bounds(full[v.layout.dim], group_size, group_rank)
-        full[v.layout.dim] = stop - start
-    return tuple(full)
 
 
 def _random(shape: tuple[int, ...], dtype: str, init: str, gen: torch.Generator, device: str) -> torch.Tensor:

@@ -15,6 +15,7 @@ from rich.table import Table
 
 from ..backends import reference
 from ..backends.inputs import bound_sizes, gather_logical, make_inputs
+from ..backends.results import RankResult
 from ..errors import BackendError, LoadError
 from ..ir.graph import Program
 from ..loader import load_program, parse_sizes, symbolic_sizes
@@ -78,7 +79,7 @@ def _step_code(plan: Plan, rank: int, world_size: int, sizes: dict[str, int], tr
     return text
 
 
-def summarize(program: Program, results: list[reference.RankResult], world_size: int) -> list[dict]:
+def summarize(program: Program, results: list[RankResult], world_size: int) -> list[dict]:
     """One row per output and updated state: logical shape and simple statistics."""
     rows = []
     named = [("output", n, v) for n, v in program.outputs] + \

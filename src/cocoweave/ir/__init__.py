@@ -1,5 +1,6 @@
 """The program IR: layouts, types, the value graph, DSL operations and the printer."""
 
+from . import ops, semantics  # noqa: F401 - importing them fills the operation table (registry.py)
 from .graph import WORLD, Group, Program, Value
 from .layout import Layout, Local, Replicated, Sliced, slice_bounds
 from .printer import fingerprint, format_program

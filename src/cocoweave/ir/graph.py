@@ -15,6 +15,8 @@ from typing import Any
 
 from ..errors import ProgramError
 from .layout import Layout, Replicated, Sliced
+from .printer import fingerprint, format_program
+from .registry import apply
 from .types import Dim, Shape, canonical_dtype, format_shape
 
 _PACKAGE_DIR = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
@@ -121,58 +123,52 @@ class Value:
 
     # -- operators: build new values ----------------------------------------------------------
     def __add__(self, o: Any) -> Value:
-        return _ops().add(self, o)
+        return apply("add", self, o)
 
     def __radd__(self, o: Any) -> Value:
-        return _ops().add(o, self)
+        return apply("add", o, self)
 
     def __sub__(self, o: Any) -> Value:
-        return _ops().sub(self, o)
+        return apply("sub", self, o)
 
     def __rsub__(self, o: Any) -> Value:
-        return _ops().sub(o, self)
+        return apply("sub", o, self)
 
     def __mul__(self, o: Any) -> Value:
-        return _ops().mul(self, o)
+        return apply("mul", self, o)
 
     def __rmul__(self, o: Any) -> Value:
-        return _ops().mul(o, self)
+        return apply("mul", o, self)
 
     def __truediv__(self, o: Any) -> Value:
-        return _ops().div(self, o)
+        return apply("div", self, o)
 
     def __rtruediv__(self, o: Any) -> Value:
-        return _ops().div(o, self)
+        return apply("div", o, self)
 
     def __pow__(self, o: Any) -> Value:
-        return _ops().pow(self, o)
+        return apply("pow", self, o)
 
     def __rpow__(self, o: Any) -> Value:
-        return _ops().pow(o, self)
+        return apply("pow", o, self)
 
     def __neg__(self) -> Value:
-        return _ops().neg(self)
+        return apply("neg", self)
 
     def __matmul__(self, o: Value) -> Value:
-        return _ops().matmul(self, o)
+        return apply("matmul", self, o)
 
     def __lt__(self, o: Any) -> Value:
-        return _ops().lt(self, o)
+        return apply("lt", self, o)
 
     def __le__(self, o: Any) -> Value:
-        return _ops().le(self, o)
+        return apply("le", self, o)
 
     def __gt__(self, o: Any) -> Value:
-        return _ops().gt(self, o)
+        return apply("gt", self, o)
 
     def __ge__(self, o: Any) -> Value:
-        return _ops().ge(self, o)
-
-
-def _ops():  # late import: ops builds Values, Values call ops
-    from . import ops
-
-    return ops
+        return apply("ge", self, o)
 
 
 @dataclass
@@ -247,7 +243,7 @@ class Program:
     # -- results ------------------------------------------------------------------------------
     def update(self, state: Value, value: Any) -> Value:
         """Write `value` into the state input `state` in place; returns the updated value."""
-        return _ops().update(state, value)
+        return apply("update", state, value)
 
     def output(self, value: Value, name: str | None = None) -> Value:
         """Mark `value` as a result of the program."""
@@ -286,13 +282,9 @@ class Program:
         return seen
 
     def __str__(self) -> str:
-        from .printer import format_program
-
         return format_program(self)
 
     def fingerprint(self) -> str:
-        from .printer import fingerprint
-
         return fingerprint(self)
 
     # -- construction internals ---------------------------------------------------------------

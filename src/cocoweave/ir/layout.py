@@ -8,7 +8,14 @@
 
 from __future__ import annotations
 
+from collections.abc import Mapping
 from dataclasses import dataclass
+from typing import TYPE_CHECKING
+
+from .types import bind_shape
+
+if TYPE_CHECKING:
+    from .graph import Value
 
 
 class Layout:
@@ -60,19 +67,17 @@ Replicated = _Replicated()
 Local = _Local()
 
 
-def parse_layout(text: str) -> Layout:
-    """Inverse of repr: 'Replicated', 'Local', 'Sliced(2)'."""
-    if text == "Replicated":
-        return Replicated
-    if text == "Local":
-        return Local
-    if text.startswith("Sliced(") and text.endswith(")"):
-        return Sliced(int(text[7:-1]))
-    raise ValueError(f"unknown layout {text!r}")
-
-
 def slice_bounds(size: int, parts: int, index: int) -> tuple[int, int]:
     """[start, stop) of part `index` of `size` split in `parts` like torch.tensor_split."""
     q, r = divmod(size, parts)
     start = index * q + min(index, r)
     return start, start + q + (1 if index < r else 0)
+
+
+def local_shape(v: Value, sizes: Mapping[str, int], group_rank: int, group_size: int) -> tuple[int, ...]:
+    """Shape of group rank `group_rank`'s part of value `v` with its sizes bound."""
+    full = list(bind_shape(v.shape, sizes))
+    if v.layout.is_sliced:
+        start, stop = slice_bounds(full[v.layout.dim], group_size, group_rank)
+        full[v.layout.dim] = stop - start
+    return tuple(full)

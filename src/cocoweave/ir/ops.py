@@ -11,17 +11,23 @@ from collections.abc import Sequence
 from typing import Any
 
 from ..errors import ProgramError
-from .graph import Group, Program, Value
+from . import registry as R
+from .graph import Group, Program, Value, user_location
 from .layout import Layout, Local, Replicated, Sliced
 from .types import Shape, broadcast_shapes, canonical_dtype, is_float, promote
 
-REDUCE_OPS = ("sum", "avg", "max", "min", "adasum")
-ELEMENTWISE_BINARY = ("add", "sub", "mul", "div", "pow", "maximum", "minimum")
-COMPARISONS = ("lt", "le", "gt", "ge", "eq", "ne")
-ELEMENTWISE_UNARY = ("neg", "sqrt", "rsqrt", "exp", "abs", "cast")
-ELEMENTWISE = ELEMENTWISE_BINARY + COMPARISONS + ELEMENTWISE_UNARY + ("where", "dropout")
-REDUCTIONS = ("sum", "max", "min", "norm")
-COLLECTIVES = ("all_reduce", "reduce_scatter", "all_gather", "broadcast", "reduce", "send")
+REDUCE_OPS = ("sum", "avg", "max", "min", "adasum")  # how a collective combines the ranks' tensors
+
+
+def operation(name: str, group: str, attrs: Sequence[str] = (), rebuild: R.Rebuild | None = None):
+    """Register the decorated DSL function as operation `name` of `group` (registry.py). By default a
+    rewrite rebuilds it by calling the function on the new operands."""
+
+    def wrap(fn):
+        R.register(name, group, attrs, fn, rebuild or (lambda program, args, a: fn(*args)))
+        return fn
+
+    return wrap
 
 
 def _fail(op: str, operands: Sequence[Value], rule: str) -> ProgramError:
@@ -32,8 +38,6 @@ def _fail(op: str, operands: Sequence[Value], rule: str) -> ProgramError:
 
 
 def _caller_loc() -> str | None:
-    from .graph import user_location
-
     return user_location()
 
 
@@ -44,7 +48,7 @@ def _program_of(*xs: Any) -> Program:
     raise ProgramError("an operation needs at least one program value among its operands")
 
 
-def _lift(x: Any, program: Program) -> Value:
+def lift(x: Any, program: Program) -> Value:
     """Python numbers become constants; values of another program are refused."""
     if isinstance(x, Value):
         if x.program is not program:
@@ -108,7 +112,7 @@ def elementwise_layout(op: str, vals: Sequence[Value], shape: Shape) -> Layout:
 
 def _elementwise(op: str, operands: Sequence[Any], attrs: dict | None = None, dtype: str | None = None) -> Value:
     program = _program_of(*operands)
-    vals = [_lift(x, program) for x in operands]
+    vals = [lift(x, program) for x in operands]
     shape = broadcast_shapes([v.shape for v in vals])
     if shape is None:
         raise _fail(op, vals, "shapes do not broadcast")
@@ -125,75 +129,88 @@ def _float_only(op: str, vals: Sequence[Value]) -> None:
 
 
 # -- elementwise arithmetic -------------------------------------------------------------------
+@operation("add", R.BINARY)
 def add(a: Any, b: Any) -> Value:
     """a + b with broadcasting."""
     return _elementwise("add", (a, b))
 
 
+@operation("sub", R.BINARY)
 def sub(a: Any, b: Any) -> Value:
     """a - b with broadcasting."""
     return _elementwise("sub", (a, b))
 
 
+@operation("mul", R.BINARY)
 def mul(a: Any, b: Any) -> Value:
     """a * b with broadcasting."""
     return _elementwise("mul", (a, b))
 
 
+@operation("div", R.BINARY)
 def div(a: Any, b: Any) -> Value:
     """a / b (true division; integer operands give float32)."""
     program = _program_of(a, b)
-    vals = [_lift(x, program) for x in (a, b)]
+    vals = [lift(x, program) for x in (a, b)]
     dtype = _result_dtype(vals)
     return _elementwise("div", vals, dtype=dtype if is_float(dtype) else "float32")
 
 
+@operation("pow", R.BINARY)
 def pow(a: Any, b: Any) -> Value:  # noqa: A001 - the DSL's name
     """a ** b."""
     return _elementwise("pow", (a, b))
 
 
+@operation("maximum", R.BINARY)
 def maximum(a: Any, b: Any) -> Value:
     """Elementwise maximum."""
     return _elementwise("maximum", (a, b))
 
 
+@operation("minimum", R.BINARY)
 def minimum(a: Any, b: Any) -> Value:
     """Elementwise minimum."""
     return _elementwise("minimum", (a, b))
 
 
+@operation("neg", R.UNARY)
 def neg(x: Value) -> Value:
     """-x."""
     return _elementwise("neg", (x,))
 
 
+@operation("abs", R.UNARY)
 def abs(x: Value) -> Value:  # noqa: A001 - the DSL's name
     """|x|."""
     return _elementwise("abs", (x,))
 
 
 def _float_unary(op: str, x: Value) -> Value:
-    v = _lift(x, _program_of(x))
+    v = lift(x, _program_of(x))
     dtype = v.dtype if is_float(v.dtype) else "float32"
     return _elementwise(op, (v,), dtype=dtype)
 
 
+@operation("sqrt", R.UNARY)
 def sqrt(x: Value) -> Value:
     """Square root."""
     return _float_unary("sqrt", x)
 
 
+@operation("rsqrt", R.UNARY)
 def rsqrt(x: Value) -> Value:
     """1 / sqrt(x)."""
     return _float_unary("rsqrt", x)
 
 
+@operation("exp", R.UNARY)
 def exp(x: Value) -> Value:
     """e ** x."""
     return _float_unary("exp", x)
 
 
+@operation("cast", R.CAST, ("dtype",), rebuild=lambda p, args, a: cast(args[0], a["dtype"]))
 def cast(x: Value, dtype: str) -> Value:
     """Convert to `dtype` (e.g. fp32 master weights to bf16)."""
     try:
@@ -207,50 +224,59 @@ def _compare(op: str, a: Any, b: Any) -> Value:
     return _elementwise(op, (a, b), dtype="bool")
 
 
+@operation("lt", R.COMPARISON)
 def lt(a: Any, b: Any) -> Value:
     """a < b (bool)."""
     return _compare("lt", a, b)
 
 
+@operation("le", R.COMPARISON)
 def le(a: Any, b: Any) -> Value:
     """a <= b (bool)."""
     return _compare("le", a, b)
 
 
+@operation("gt", R.COMPARISON)
 def gt(a: Any, b: Any) -> Value:
     """a > b (bool)."""
     return _compare("gt", a, b)
 
 
+@operation("ge", R.COMPARISON)
 def ge(a: Any, b: Any) -> Value:
     """a >= b (bool)."""
     return _compare("ge", a, b)
 
 
+@operation("eq", R.COMPARISON)
 def eq(a: Any, b: Any) -> Value:
     """a == b (bool); a function because `==` on values keeps Python's identity meaning."""
     return _compare("eq", a, b)
 
 
+@operation("ne", R.COMPARISON)
 def ne(a: Any, b: Any) -> Value:
     """a != b (bool)."""
     return _compare("ne", a, b)
 
 
+@operation("where", R.SELECT)
 def where(cond: Any, a: Any, b: Any) -> Value:
     """Elementwise choice: a where cond holds, else b."""
     program = _program_of(cond, a, b)
-    vals = [_lift(x, program) for x in (cond, a, b)]
+    vals = [lift(x, program) for x in (cond, a, b)]
     if vals[0].dtype != "bool":
         raise _fail("where", vals, f"the condition must be bool, `{vals[0].name}` is {vals[0].dtype}")
     return _elementwise("where", vals, dtype=_result_dtype(vals[1:]))
 
 
+@operation("dropout", R.RANDOM, ("p", "seed"),
+           rebuild=lambda p, args, a: dropout(args[0], a["p"], a["seed"] if a["seed"] is not None else args[1]))
 def dropout(x: Value, p: float, seed: int | Value = 0) -> Value:
     """Zero each element with probability p, scale the rest by 1/(1-p). The mask depends only on
     (seed, the element's index in the logical tensor) and, for Local tensors, the rank."""
     program = _program_of(x)
-    x = _lift(x, program)
+    x = lift(x, program)
     if not isinstance(p, int | float) or not 0.0 <= float(p) < 1.0:
         raise _fail("dropout", (x,), f"the probability must be a number in [0, 1), got {p!r}")
     _float_only("dropout", (x,))
@@ -294,7 +320,7 @@ def reduction_layout(x: Value, dims: tuple[int, ...], keepdim: bool) -> Layout:
 
 
 def _reduce(op: str, x: Value, dim: int | Sequence[int] | None, keepdim: bool) -> Value:
-    x = _lift(x, _program_of(x))
+    x = lift(x, _program_of(x))
     if x.is_scalar:
         raise _fail(op, (x,), "needs a tensor operand")
     dims = _norm_dims(op, x, dim)
@@ -306,21 +332,25 @@ def _reduce(op: str, x: Value, dim: int | Sequence[int] | None, keepdim: bool) -
                           reduction_layout(x, dims, keepdim), x.group)
 
 
+@operation("sum", R.REDUCTION, ("dims", "keepdim"), rebuild=lambda p, args, a: sum(args[0], a["dims"], a["keepdim"]))
 def sum(x: Value, dim: int | Sequence[int] | None = None, keepdim: bool = False) -> Value:  # noqa: A001
     """Sum over `dim` (all dims by default)."""
     return _reduce("sum", x, dim, keepdim)
 
 
+@operation("max", R.REDUCTION, ("dims", "keepdim"), rebuild=lambda p, args, a: max(args[0], a["dims"], a["keepdim"]))
 def max(x: Value, dim: int | Sequence[int] | None = None, keepdim: bool = False) -> Value:  # noqa: A001
     """Maximum over `dim` (all dims by default)."""
     return _reduce("max", x, dim, keepdim)
 
 
+@operation("min", R.REDUCTION, ("dims", "keepdim"), rebuild=lambda p, args, a: min(args[0], a["dims"], a["keepdim"]))
 def min(x: Value, dim: int | Sequence[int] | None = None, keepdim: bool = False) -> Value:  # noqa: A001
     """Minimum over `dim` (all dims by default)."""
     return _reduce("min", x, dim, keepdim)
 
 
+@operation("norm", R.REDUCTION, ("dims", "keepdim"), rebuild=lambda p, args, a: norm(args[0], a["dims"], a["keepdim"]))
 def norm(x: Value, dim: int | Sequence[int] | None = None, keepdim: bool = False) -> Value:
     """Euclidean norm over `dim` (all dims by default), accumulated in float32 or wider."""
     return _reduce("norm", x, dim, keepdim)
@@ -331,10 +361,11 @@ MATMUL_RULES = ("Sliced(last) x Sliced(0) -> Local; Replicated x Sliced(1) -> Sl
                 "Sliced(d != last) x Replicated -> Sliced(d); Local or Replicated x Replicated -> left layout")
 
 
+@operation("matmul", R.MATMUL)
 def matmul(a: Value, b: Value) -> Value:
     """a @ b for a of shape [..., K] and a 2-dim b of shape [K, N]."""
     program = _program_of(a, b)
-    a, b = _lift(a, program), _lift(b, program)
+    a, b = lift(a, program), lift(b, program)
     vals = (a, b)
     if a.is_scalar or b.is_scalar or b.ndim != 2 or a.ndim < 1:
         raise _fail("matmul", vals, "needs a tensor of shape [..., K] and a 2-dim tensor of shape [K, N]")
@@ -358,11 +389,13 @@ def matmul(a: Value, b: Value) -> Value:
     return program._add("matmul", vals, {}, promote(a.dtype, b.dtype), shape, layout, group)
 
 
+@operation("layer_norm", R.NORMALISATION, ("eps", "has_weight", "has_bias"), rebuild=lambda p, args, a: layer_norm(
+    args[0], args[1] if a["has_weight"] else None, args[1 + a["has_weight"]] if a["has_bias"] else None, a["eps"]))
 def layer_norm(x: Value, weight: Value | None = None, bias: Value | None = None, eps: float = 1e-5) -> Value:
     """Normalise over the last dimension, then scale by `weight` and shift by `bias` (both [H])."""
     program = _program_of(x)
-    x = _lift(x, program)
-    ops = [x] + [_lift(t, program) for t in (weight, bias) if t is not None]
+    x = lift(x, program)
+    ops = [x] + [lift(t, program) for t in (weight, bias) if t is not None]
     if x.is_scalar or x.ndim < 1:
         raise _fail("layer_norm", ops, "needs a tensor operand")
     _float_only("layer_norm", ops)
@@ -384,12 +417,13 @@ def _check_reduce_op(name: str, x: Value, op: str, allowed: Sequence[str] = REDU
 
 
 def _tensor_operand(name: str, x: Any) -> Value:
-    v = _lift(x, _program_of(x))
+    v = lift(x, _program_of(x))
     if v.is_scalar:
         raise _fail(name, (v,), "communication needs a tensor operand, not a scalar")
     return v
 
 
+@operation("all_reduce", R.COLLECTIVE, ("op",), rebuild=lambda p, args, a: all_reduce(args[0], a["op"]))
 def all_reduce(x: Value, op: str = "sum") -> Value:
     """Combine the ranks' Local tensors with `op`; every rank gets the result (Replicated)."""
     x = _tensor_operand("all_reduce", x)
@@ -401,6 +435,8 @@ def all_reduce(x: Value, op: str = "sum") -> Value:
     return x.program._add("all_reduce", (x,), {"op": op}, x.dtype, x.shape, Replicated, x.group)
 
 
+@operation("reduce_scatter", R.COLLECTIVE, ("op", "dim"),
+           rebuild=lambda p, args, a: reduce_scatter(args[0], a["op"], a["dim"]))
 def reduce_scatter(x: Value, op: str = "sum", dim: int = 0) -> Value:
     """Combine the ranks' Local tensors with `op`; rank r keeps part r along `dim` (Sliced(dim))."""
     x = _tensor_operand("reduce_scatter", x)
@@ -411,6 +447,7 @@ def reduce_scatter(x: Value, op: str = "sum", dim: int = 0) -> Value:
     return x.program._add("reduce_scatter", (x,), {"op": op, "dim": d}, x.dtype, x.shape, Sliced(d), x.group)
 
 
+@operation("all_gather", R.COLLECTIVE, ("dim",))
 def all_gather(x: Value, dim: int | None = None) -> Value:
     """Concatenate the ranks' slices; every rank gets the full tensor (Replicated)."""
     x = _tensor_operand("all_gather", x)
@@ -421,6 +458,7 @@ def all_gather(x: Value, dim: int | None = None) -> Value:
     return x.program._add("all_gather", (x,), {"dim": x.layout.dim}, x.dtype, x.shape, Replicated, x.group)
 
 
+@operation("broadcast", R.COLLECTIVE, ("root",), rebuild=lambda p, args, a: broadcast(args[0], a["root"]))
 def broadcast(x: Value, root: int = 0) -> Value:
     """Every rank gets group rank `root`'s tensor (Replicated)."""
     x = _tensor_operand("broadcast", x)
@@ -431,6 +469,7 @@ def broadcast(x: Value, root: int = 0) -> Value:
     return x.program._add("broadcast", (x,), {"root": root}, x.dtype, x.shape, Replicated, x.group)
 
 
+@operation("reduce", R.COLLECTIVE, ("op", "root"), rebuild=lambda p, args, a: reduce(args[0], a["op"], a["root"]))
 def reduce(x: Value, op: str = "sum", root: int = 0) -> Value:
     """Combine the ranks' Local tensors with `op` onto group rank `root`; the other ranks keep their
     own input (the result is Local)."""
@@ -443,6 +482,8 @@ def reduce(x: Value, op: str = "sum", root: int = 0) -> Value:
     return x.program._add("reduce", (x,), {"op": op, "root": root}, x.dtype, x.shape, Local, x.group)
 
 
+@operation("send", R.P2P, ("to",),
+           rebuild=lambda p, args, a: send(args[0], next(g for g in p.groups if g.name == a["to"])))
 def send(x: Value, to: Group) -> Value:
     """Send to process group `to` (the next pipeline stage): group rank i of x's group sends its
     part to group rank i of `to`. Returns the tensor as received there, in the same layout."""
@@ -458,12 +499,13 @@ recv = send  # the receiving side of the same transfer; one op describes both en
 
 
 # -- state ------------------------------------------------------------------------------------
+@operation("update", R.STATE)
 def update(state: Value, value: Any) -> Value:
     """Write `value` into the tensor input `state` in place; returns the updated value."""
     if not isinstance(state, Value) or state.op != "input":
         raise ProgramError(f"update: the target must be a tensor input of the program, got {state!r}")
     program = state.program
-    value = _lift(value, program)
+    value = lift(value, program)
     vals = (state, value)
     if state.name in program.updates:
         raise _fail("update", vals, f"`{state.name}` is already updated once; a state is updated at most once")
@@ -484,6 +526,7 @@ def update(state: Value, value: Any) -> Value:
 
 
 # -- local re-layout --------------------------------------------------------------------------
+@operation("slice", R.LAYOUT, ("dim",), rebuild=lambda p, args, a: slice(args[0], a["dim"]))
 def slice(x: Value, dim: int = 0) -> Value:  # noqa: A001 - the DSL's name
     """Keep this rank's part of a Replicated tensor along `dim` (Sliced(dim)); no communication."""
     x = _tensor_operand("slice", x)
@@ -493,45 +536,5 @@ def slice(x: Value, dim: int = 0) -> Value:  # noqa: A001 - the DSL's name
     return x.program._add("slice", (x,), {"dim": d}, x.dtype, x.shape, Sliced(d), x.group)
 
 
-COMPUTATIONS = ELEMENTWISE + REDUCTIONS + ("layer_norm", "slice", "const")
-
-
-def make(program: Program, op: str, args: Sequence[Value], attrs: dict[str, Any]) -> Value:
-    """Apply operation `op` of another program's value to new operands (used by rewrites, which
-    rebuild programs through the checked constructors so every rewrite is type-checked again)."""
-    a = attrs
-    if op in ELEMENTWISE_BINARY or op in COMPARISONS:
-        return globals()[op](*args)
-    if op in ("neg", "sqrt", "rsqrt", "exp", "abs"):
-        return globals()[op](args[0])
-    if op == "cast":
-        return cast(args[0], a["dtype"])
-    if op == "where":
-        return where(*args)
-    if op == "dropout":
-        return dropout(args[0], a["p"], a["seed"] if a["seed"] is not None else args[1])
-    if op in REDUCTIONS:
-        return globals()[op](args[0], a["dims"], a["keepdim"])
-    if op == "matmul":
-        return matmul(*args)
-    if op == "layer_norm":
-        w = args[1] if a["has_weight"] else None
-        b = args[1 + a["has_weight"]] if a["has_bias"] else None
-        return layer_norm(args[0], w, b, a["eps"])
-    if op == "slice":
-        return slice(args[0], a["dim"])
-    if op == "all_reduce":
-        return all_reduce(args[0], a["op"])
-    if op == "reduce_scatter":
-        return reduce_scatter(args[0], a["op"], a["dim"])
-    if op == "all_gather":
-        return all_gather(args[0])
-    if op == "broadcast":
-        return broadcast(args[0], a["root"])
-    if op == "reduce":
-        return reduce(args[0], a["op"], a["root"])
-    if op == "send":
-        return send(args[0], next(g for g in program.groups if g.name == a["to"]))
-    if op == "update":
-        return update(args[0], args[1])
-    raise ProgramError(f"cannot rebuild operation {op!r}")
+for _source in ("input", "scalar", "const"):  # made by Program.tensor / scalar and by constants, not by a builder
+    R.register(_source, R.SOURCE)

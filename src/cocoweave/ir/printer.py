@@ -3,8 +3,10 @@
 from __future__ import annotations
 
 import hashlib
+from typing import TYPE_CHECKING
 
-from .graph import Program, Value
+if TYPE_CHECKING:
+    from .graph import Program, Value
 
 
 def operand(v: Value) -> str:

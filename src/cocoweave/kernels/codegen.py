@@ -1,6 +1,6 @@
 """Fused computation stages as generated Triton kernels: the torch backend's code generation on CUDA.
 
-`build_fused_kernels` turns every top-level fused `Kernel` stage whose operations are all elementwise
+`build_fused_kernels` turns every top-level fused `Compute` stage whose operations are all elementwise
 (arithmetic with broadcasting, neg, pow, sqrt, rsqrt, exp, abs, maximum/minimum, comparisons, where,
 cast, dropout, slice) into ONE Triton kernel. The kernel is readable Python source, written to the plan
 cache and imported from there (Triton reads a kernel's source from its file); `FusedKernel.source`
@@ -20,7 +20,7 @@ Dropout hashes each element's logical index with `cocoweave.kernels.rng`, so mas
 
 No kernel (the stage stays torch ops): reductions (sum, max, min, norm), layer_norm, matmul; float64
 values; a live-out Replicated value that a sliced stage would compute only on this rank's slice; and
-computation nested in Chunked or FusedCollective stages, which runs chunk by chunk as torch ops.
+computation nested in Overlap or FusedCollective stages, which runs chunk by chunk as torch ops.
 """
 
 from __future__ import annotations
@@ -38,18 +38,17 @@ import triton
 import triton.language as tl
 
 from .. import rng
-from ..backends.torch.codegen import RankView, _live_outs
 from ..backends.torch.executable import write_source
 from ..errors import BackendError
-from ..ir import ops
+from ..ir import registry as R
 from ..ir.graph import Value
 from ..ir.layout import slice_bounds
 from ..ir.printer import operand
 from ..ir.types import DTYPES, bind_shape, promote
 from ..launch import _import as import_module_file  # by name if imported before, else from its file
-from ..plan.plan import Kernel, Plan
+from ..plan import Compute, Plan, RankView
 
-OPS = frozenset(ops.ELEMENTWISE) | {"slice"}
+OPS = frozenset(R.names(*R.ELEMENTWISE_GROUPS, R.LAYOUT))
 HALF = ("float16", "bfloat16")
 TL = {"float16": "tl.float16", "bfloat16": "tl.bfloat16", "float32": "tl.float32", "int32": "tl.int32",
       "int64": "tl.int64", "bool": "tl.int1"}
@@ -113,7 +112,7 @@ class _Gen:
 
     plan: Plan
     index: int
-    stage: Kernel
+    stage: Compute
     view: RankView
     live: set[int]
     names: dict[int, str] = field(default_factory=dict)
@@ -279,7 +278,7 @@ class _Gen:
         if op == "cast":
             x = self.operand(v.args[0], None)
             return f"{x} != 0" if v.dtype == "bool" else f"{x}.to({TL[v.dtype]})"
-        if op in ops.COMPARISONS:
+        if R.group(op) == R.COMPARISON:
             c = _compute_dtype(_promoted(v.args))
             a = [self.operand(x, c) for x in v.args]
             return f"{a[0]} {INFIX[op]} {a[1]}"
@@ -471,12 +470,12 @@ def _compute_dtype(dtype: str) -> str:
 def kernel_spec(plan: Plan, index: int, rank: int, world_size: int, sizes: Mapping[str, int]) -> KernelSpec:
     """The generated kernel of stage `index` for `rank`; NoKernel says why a stage gets none."""
     stage = plan.stages[index]
-    if not isinstance(stage, Kernel) or not stage.fused:
+    if not isinstance(stage, Compute) or not stage.fused:
         raise NoKernel(f"stage {index} is a {stage.label} stage, not a fused computation")
-    view = RankView(rank, world_size, dict(sizes))
+    view = plan.view(rank, world_size, sizes)
     if not view.in_group(stage.values[-1]):
         raise NoKernel(f"rank {rank} takes no part in stage {index}")
-    return _Gen(plan, index, stage, view, _live_outs(plan)).generate()
+    return _Gen(plan, index, stage, view, plan.live_outs()).generate()
 
 
 class FusedKernel:
@@ -536,7 +535,7 @@ def build_fused_kernels(plan: Plan, rank: int, world_size: int, sizes: Mapping[s
     device = torch.device(device)
     out: dict[int, FusedKernel] = {}
     for i, stage in enumerate(plan.stages):
-        if not isinstance(stage, Kernel) or not stage.fused:
+        if not isinstance(stage, Compute) or not stage.fused:
             continue
         try:
             spec = kernel_spec(plan, i, rank, world_size, sizes)

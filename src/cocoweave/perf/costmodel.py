@@ -21,13 +21,14 @@ import numpy as np
 
 from ..atomic import write_text
 from ..errors import CocoweaveError
+from ..ir import registry as R
 from ..ir.graph import Value
 from ..ir.layout import slice_bounds
 from ..ir.types import DTYPES, bind_shape
-from ..plan.plan import P2P, Chunked, Collective, FusedCollective, Kernel, MatMul, Plan, PlanStage
+from ..plan import P2P, Collective, Compute, FusedCollective, MatMul, Overlap, Plan, Stage
 
-COLLECTIVE_OPS = ("all_reduce", "reduce_scatter", "all_gather", "broadcast", "reduce")
-COMM_OPS = (*COLLECTIVE_OPS, "send")
+COLLECTIVE_OPS = R.names(R.COLLECTIVE)
+COMM_OPS = R.names(R.COLLECTIVE, R.P2P)
 FREE_OPS = ("update",)  # aliases: the write happens in the end-of-step state copy
 CALIBRATION_ENV = "COCOWEAVE_CALIBRATION_DIR"
 
@@ -213,18 +214,8 @@ class PlanCoster:
     def __init__(self, plan: Plan, sizes: Mapping[str, int], world_size: int, cal: Calibration) -> None:
         self.plan, self.sizes, self.world_size, self.cal = plan, dict(sizes), world_size, cal
         self.wire = "gloo" if cal.device == "cpu" or cal.meta.get("wire") == "gloo" else "nccl"
-        users = plan.program.users()
-        self.outside: set[int] = set()
-        stage_of = {id(v): i for i, s in enumerate(plan.walk()) for v in s.values}
-        for v, us in users.items():
-            if any(stage_of.get(id(u)) != stage_of.get(id(v)) for u in us):
-                self.outside.add(id(v))
-        for v in plan.state.values():
-            self.outside.add(id(v))
-        for _, v in plan.outputs:
-            self.outside.add(id(v))
 
-    def terms(self, stage: PlanStage, fused_override: bool | None = None) -> list[Term]:
+    def terms(self, stage: Stage, fused_override: bool | None = None) -> list[Term]:
         """The priced pieces of a (non-chunked) stage."""
         sz, w = self.sizes, self.world_size
         if isinstance(stage, FusedCollective):
@@ -239,9 +230,9 @@ class PlanCoster:
             return [_comm_term(v, "library", sz, w, self.wire) for v in stage.values if v.op == "send"]
         if isinstance(stage, MatMul):
             return [_matmul_term(v, sz, w) for v in stage.values if v.op == "matmul"]
-        if isinstance(stage, Kernel):
+        if isinstance(stage, Compute):
             fused = (stage.fused and self.cal.fused_kernels) if fused_override is None else fused_override
-            return _kernel_terms(stage.values, sz, w, fused, self.outside)
+            return _kernel_terms(stage.values, sz, w, fused, {id(v) for v in stage.live_outs})
         return []
 
     def price(self, term: Term, chunks: int = 1) -> float:
@@ -256,21 +247,11 @@ class PlanCoster:
             line = self.cal.matmul(term.key)
         return term.count * line.alpha_ms + line.beta_ms_per_mb * term.amount / chunks / 1e6
 
-    def stage_ms(self, stage: PlanStage) -> float:
+    def stage_ms(self, stage: Stage) -> float:
         """Predicted milliseconds of one top-level stage."""
-        if isinstance(stage, Chunked):
-            parts: list[list[Term]] = []
-            for s in stage.stages:
-                if isinstance(s, FusedCollective):  # runs as its parts inside a chunk loop
-                    parts.append([_comm_term(s.reduce_scatter, "library", self.sizes, self.world_size, self.wire)])
-                    if s.kernel is not None:
-                        parts.append(self.terms(s.kernel))
-                    parts += [[_comm_term(ag, "library", self.sizes, self.world_size, self.wire)]
-                              for ag in s.all_gathers]
-                else:
-                    parts.append(self.terms(s))
+        if isinstance(stage, Overlap):  # the plan runs a fused collective among its parts as RS, C and AGs
             k = max(stage.chunks, 1)
-            per_chunk = [sum(self.price(t, k) for t in part) for part in parts]
+            per_chunk = [sum(self.price(t, k) for t in self.terms(s)) for s in stage.parts]
             return sum(per_chunk) + (k - 1) * max(per_chunk, default=0.0) + k * self.cal.chunk_overhead_ms
         return sum(self.price(t) for t in self.terms(stage))
 
@@ -300,13 +281,13 @@ def predict_plan(plan: Plan, sizes: Mapping[str, int], world_size: int, cal: Cal
     for i, stage in enumerate(plan.stages):
         ms = coster.stage_ms(stage)
         stage_ms[f"{i}:{stage.label}"] = ms
-        inner = stage.stages if isinstance(stage, Chunked) else [stage]
+        inner = stage.parts if isinstance(stage, Overlap) else [stage]
         for s in inner:
             for t in coster.terms(s):
                 totals[f"{t.kind}_ms"] += coster.price(t)
                 amounts[t.kind] += t.amount
                 counts[t.kind] += t.count
-        if isinstance(stage, Chunked):
+        if isinstance(stage, Overlap):
             chunks = max(chunks, stage.chunks)
             serial += sum(coster.price(t) for s in inner for t in coster.terms(s))
         else:

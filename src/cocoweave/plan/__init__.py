@@ -1,6 +1,9 @@
-"""Plans: the lowered form of a schedule that backends execute (stages, buffers, state)."""
+"""Plans: the lowered form of a schedule that backends execute (stages with their facts, state, outputs)."""
 
+from ..schedule.stages import P2P, Collective, Compute, FusedCollective, MatMul, Overlap, Stage
 from .lower import lower
-from .plan import P2P, Chunked, Collective, FusedCollective, Kernel, MatMul, Plan, PlanStage
+from .plan import Plan
+from .view import RankView
 
-__all__ = ["P2P", "Chunked", "Collective", "FusedCollective", "Kernel", "MatMul", "Plan", "PlanStage", "lower"]
+__all__ = ["P2P", "Collective", "Compute", "FusedCollective", "MatMul", "Overlap", "Plan", "RankView", "Stage",
+           "lower"]

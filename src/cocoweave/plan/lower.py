@@ -1,32 +1,52 @@
-"""Lowering a Schedule to a Plan: map schedule stages to plan stages, collect host scalars and state."""
+"""Lowering a Schedule to a Plan: resolve the stages' value names, compute each stage's live-outs once,
+flatten chunked chains into parts that each run on their own, collect host scalars and state."""
 
 from __future__ import annotations
 
+from dataclasses import replace
+
 from ..ir.graph import Program, Value
 from ..schedule.schedule import Schedule
-from ..schedule.stages import Stage, value
-from .plan import P2P, Chunked, Collective, FusedCollective, Kernel, MatMul, Plan, PlanStage
+from ..schedule.stages import Compute, FusedCollective, Overlap, Stage, value
+from .plan import Plan
 
 
-def _plan_stage(program: Program, s: Stage) -> PlanStage:
-    vals = [value(program, n) for n in s.values]
-    if s.kind == "compute":
-        return Kernel(vals, fused=s.fused)
-    if s.kind == "matmul":
-        return MatMul(vals)
-    if s.kind == "collective":
-        return Collective(vals, algorithm=s.algorithm)
-    if s.kind == "p2p":
-        return P2P(vals)
-    if s.kind == "fused":
-        parts = [_plan_stage(program, p) for p in s.parts]
-        kernels = [p for p in parts if isinstance(p, Kernel)]
-        return FusedCollective(vals, reduce_scatter=parts[0].values[0], kernel=kernels[0] if kernels else None,
-                               all_gathers=[p.values[0] for p in parts if isinstance(p, Collective)][1:],
-                               algorithm=s.algorithm)
-    if s.kind == "overlap":
-        return Chunked(vals, stages=[_plan_stage(program, p) for p in s.parts], chunks=s.chunks, dim=s.chunk_dim)
-    raise ValueError(f"unknown stage kind {s.kind!r}")
+def _resolve(program: Program, s: Stage) -> Stage:
+    """The stage with Values for names (its parts too)."""
+    vals = tuple(value(program, n) for n in s.values)
+    if isinstance(s, FusedCollective | Overlap):
+        return replace(s, values=vals, parts=tuple(_resolve(program, p) for p in s.parts))
+    return replace(s, values=vals)
+
+
+def _flatten(parts: tuple[Stage, ...]) -> tuple[Stage, ...]:
+    """A fused collective inside a chunked chain runs as its parts (RS, C, AGs), so that each collective can be
+    in flight while another chunk computes."""
+    out: list[Stage] = []
+    for s in parts:
+        if isinstance(s, FusedCollective):
+            out += [p if not isinstance(p, Compute) else replace(p, fused=True) for p in s.parts]
+        else:
+            out.append(s)
+    return tuple(out)
+
+
+def _read(a: Value) -> Value:
+    """What reading `a` reads: an updated state reads as its new value."""
+    return a.args[1] if a.op == "update" else a
+
+
+def _with_live_outs(s: Stage, needed: set[int]) -> Stage:
+    """s with `live_outs`: its values that `needed` holds; each of its parts likewise, counting also what the
+    other parts read."""
+    parts = getattr(s, "parts", ())
+    if parts:
+        marked = []
+        for p in parts:
+            keep = needed | {id(_read(a)) for q in parts if q is not p for v in q.values for a in v.args}
+            marked.append(replace(p, live_outs=tuple(v for v in p.values if id(v) in keep)))
+        s = replace(s, parts=tuple(marked))
+    return replace(s, live_outs=tuple(v for v in s.values if id(v) in needed))
 
 
 def lower(schedule: Schedule | Program) -> Plan:
@@ -36,6 +56,11 @@ def lower(schedule: Schedule | Program) -> Plan:
     p = schedule.program
     host: list[Value] = [v for v in p.values if v.is_scalar and v.op not in ("scalar", "const")]
     state = {name: upd.args[1] for name, upd in p.updates.items()}
-    return Plan(name=schedule.name, program=p, stages=[_plan_stage(p, s) for s in schedule.stages], host=host,
-                state=state, sliced_state=schedule.sliced_state, outputs=list(p.outputs),
-                fingerprint=schedule.fingerprint())
+    stages = [_resolve(p, s) for s in schedule.stages]
+    stages = [replace(s, parts=_flatten(s.parts)) if isinstance(s, Overlap) else s for s in stages]
+    needed = {id(_read(v)) for _, v in p.outputs} | {id(v) for v in state.values()}
+    for s in stages:  # read across a top-level stage boundary
+        needed |= {id(_read(a)) for a in s.reads()}
+    stages = [_with_live_outs(s, needed) for s in stages]
+    return Plan(name=schedule.name, program=p, stages=stages, host=host, state=state,
+                sliced_state=schedule.sliced_state, outputs=list(p.outputs), fingerprint=schedule.fingerprint())

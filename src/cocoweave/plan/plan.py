@@ -1,116 +1,20 @@
-"""The Plan: an ordered list of stages over named buffers. Backends consume Plans, never Programs.
+"""The Plan: the narrow waist between schedules and backends. Backends consume Plans, never Programs.
 
-Stages reference the scheduled program's values (like torch.fx nodes): a backend evaluates a
-value's operation on its operands' buffers. A rank runs the stages of the process groups it is in.
+A plan is the schedule's stages (the stage kinds of schedule/stages.py, one class each) with their values
+resolved to the scheduled program's Values and everything a consumer needs computed once by `lower`:
+each stage's live-outs, chunked chains flattened into parts that each run on their own, the host scalars,
+the state written in place and the outputs. A rank's place in it (group ranks, local shapes, which stages
+it takes part in) is `plan.view(rank, world_size, sizes)`.
 """
 
 from __future__ import annotations
 
-from collections.abc import Iterator
-from dataclasses import dataclass, field
+from collections.abc import Iterator, Mapping
+from dataclasses import dataclass
 
-from ..ir.graph import Group, Program, Value
-
-
-@dataclass
-class PlanStage:
-    """Base class: a stage computes `values` (program values, in order) on one process group."""
-
-    values: list[Value]
-
-    @property
-    def group(self) -> Group:
-        return self.values[-1].group
-
-    @property
-    def label(self) -> str:
-        return type(self).__name__
-
-    def reads(self) -> list[Value]:
-        """Values from outside the stage that it reads (its input buffers)."""
-        inside = {id(v) for v in self.values}
-        seen: dict[int, Value] = {}
-        for v in self.values:
-            for a in v.args:
-                if id(a) not in inside and not a.is_scalar:
-                    seen.setdefault(id(a), a)
-        return list(seen.values())
-
-
-@dataclass
-class Kernel(PlanStage):
-    """Computation: one generated kernel when `fused`, else one torch op per operation."""
-
-    fused: bool = False
-
-    @property
-    def label(self) -> str:
-        return "C" if self.fused else "c"
-
-
-@dataclass
-class MatMul(PlanStage):
-    """One matrix multiplication."""
-
-    @property
-    def label(self) -> str:
-        return "MM"
-
-
-@dataclass
-class Collective(PlanStage):
-    """One collective over the value's process group; `algorithm` is "library" (torch.distributed)
-    or "ring" (point-to-point ring, chunk by chunk)."""
-
-    algorithm: str = "library"
-
-    @property
-    def label(self) -> str:
-        token = {"all_reduce": "AR", "reduce_scatter": "RS", "all_gather": "AG", "broadcast": "BC",
-                 "reduce": "R"}[self.values[0].op]
-        return token + ("" if self.algorithm == "library" else f"@{self.algorithm}")
-
-
-@dataclass
-class P2P(PlanStage):
-    """Send to the next process group: group rank i sends to group rank i."""
-
-    @property
-    def group(self) -> Group:
-        return self.values[0].args[0].group
-
-    @property
-    def label(self) -> str:
-        return "P2P"
-
-
-@dataclass
-class FusedCollective(PlanStage):
-    """ReduceScatter + computation + AllGather as one stage. With algorithm "ring", the computation
-    is applied to each chunk of the reduce-scatter as soon as it is fully reduced (CoCoNet's fused ring)."""
-
-    reduce_scatter: Value | None = None
-    kernel: Kernel | None = None
-    all_gathers: list[Value] = field(default_factory=list)
-    algorithm: str = "library"
-
-    @property
-    def label(self) -> str:
-        return "fuse(RS-C-AG)" + ("" if self.algorithm == "library" else f"@{self.algorithm}")
-
-
-@dataclass
-class Chunked(PlanStage):
-    """A producer/consumer chain run in `chunks` chunks along dimension `dim` of its values, so that
-    chunk i's communication overlaps chunk i+1's computation."""
-
-    stages: list[PlanStage] = field(default_factory=list)
-    chunks: int = 2
-    dim: int = 0
-
-    @property
-    def label(self) -> str:
-        return f"ol({','.join(s.label for s in self.stages)},{self.chunks})"
+from ..ir.graph import Program, Value
+from ..schedule.stages import Overlap, Stage
+from .view import RankView
 
 
 @dataclass
@@ -119,37 +23,35 @@ class Plan:
 
     name: str
     program: Program
-    stages: list[PlanStage]
+    stages: list[Stage]
     host: list[Value]  # scalar-only arithmetic, computed once on the host before the stages
     state: dict[str, Value]  # state input name -> value holding its new contents (written in place)
     sliced_state: list[str]  # inputs the schedule stores sliced (as_slice)
     outputs: list[tuple[str, Value]]
     fingerprint: str
 
-    def stages_for(self, rank: int, world_size: int) -> list[PlanStage]:
-        """The stages world rank `rank` takes part in (a P2P stage involves both groups)."""
-        mine = []
-        for s in self.stages:
-            groups = {s.group} | ({s.values[0].group} if isinstance(s, P2P) else set())
-            if any(rank in g.ranks(world_size) for g in groups):
-                mine.append(s)
-        return mine
+    def view(self, rank: int, world_size: int, sizes: Mapping[str, int]) -> RankView:
+        """World rank `rank`'s view of this plan at `world_size` ranks with `sizes` bound."""
+        return RankView(rank, world_size, dict(sizes))
 
-    def walk(self) -> Iterator[PlanStage]:
-        """Every stage, nested ones included, in order."""
+    def walk(self) -> Iterator[Stage]:
+        """Every stage, the parts of chunked chains included, in order."""
         for s in self.stages:
             yield s
-            if isinstance(s, Chunked):
-                yield from s.stages
-            if isinstance(s, FusedCollective) and s.kernel is not None:
-                yield s.kernel
+            if isinstance(s, Overlap):
+                yield from s.parts
+
+    def live_outs(self) -> set[int]:
+        """ids of the values read across a top-level stage boundary or kept as results (the parts of a chunked
+        chain or fused collective list their own live-outs, which add what the other parts read)."""
+        return {id(v) for s in self.stages for v in s.live_outs}
 
     def __str__(self) -> str:
         lines = [f"plan {self.name}  ({self.fingerprint})"]
         if self.host:
             lines.append("  host: " + ", ".join(v.name for v in self.host))
         for i, s in enumerate(self.stages):
-            lines.append(f"  {i}: {s.label:<10} {', '.join(v.name for v in s.values)}")
+            lines.append(f"  {i}: {s.label:<10} {', '.join(s.names)}")
         for n, v in self.state.items():
             lines.append(f"  state {n} <- {v.name}" + ("  (kept sliced)" if n in self.sliced_state else ""))
         for n, v in self.outputs:

@@ -15,11 +15,14 @@ from __future__ import annotations
 
 from ..errors import ScheduleError
 from ..ir import ops
+from ..ir import registry as R
 from ..ir.graph import Program, Value
 from .find import describe, find
 from .rewrite import copy_value, named, prune
 
-MOVABLE = ops.ELEMENTWISE + ops.REDUCTIONS + ("update", "send")
+REDUCTIONS = R.names(R.REDUCTION)
+FEEDERS = R.names(*R.ELEMENTWISE_GROUPS, R.REDUCTION)  # computations that may join the region
+MOVABLE = R.names(*R.ELEMENTWISE_GROUPS, R.REDUCTION, R.STATE, R.P2P)
 
 
 def _aligned(dim: int, outer: Value, inner: Value) -> int:
@@ -29,7 +32,7 @@ def _aligned(dim: int, outer: Value, inner: Value) -> int:
 
 def _result_dim(v: Value, dims: dict[Value, int | None], red_dim: dict[Value, int]) -> int | None:
     """Slice dimension of region value v given its operands' (None: a small Replicated result)."""
-    if v.op in ops.REDUCTIONS:
+    if v.op in REDUCTIONS:
         x = v.args[0]
         dx = dims.get(x, red_dim.get(v))
         if dx is None or dx in v.attrs["dims"]:
@@ -71,14 +74,14 @@ def _add_feeders(program: Program, ag: Value, dims: dict[Value, int | None], red
     while changed:
         changed = False
         for f in reversed(program.values):
-            if f in dims or f.is_scalar or f.op not in ops.ELEMENTWISE + ops.REDUCTIONS:
+            if f in dims or f.is_scalar or f.op not in FEEDERS:
                 continue
             us = users[f]
             if not us or any(u not in dims or u.op == "update" for u in us):
                 continue
             if any(not a.is_scalar and not a.layout.is_replicated for a in f.args) or not f.layout.is_replicated:
                 continue
-            if f.op in ops.REDUCTIONS:
+            if f.op in REDUCTIONS:
                 x = f.args[0]
                 j = _aligned(ag.attrs["dim"], ag, x)
                 if len(f.attrs["dims"]) != x.ndim or j < 0 or x.shape[j] == 1:
@@ -88,10 +91,10 @@ def _add_feeders(program: Program, ag: Value, dims: dict[Value, int | None], red
                 continue
             wants = set()
             for u in us:
-                du = red_dim.get(u) if u.op in ops.REDUCTIONS else dims[u]
+                du = red_dim.get(u) if u.op in REDUCTIONS else dims[u]
                 if du is None:
                     continue
-                j = du if u.op in ops.REDUCTIONS else _aligned(du, u, f)
+                j = du if u.op in REDUCTIONS else _aligned(du, u, f)
                 if j >= 0 and f.shape[j] != 1:
                     wants.add(j)
             if len(wants) <= 1:
@@ -164,10 +167,10 @@ def _rebuild_region_value(v: Value, args: list[Value], dims: dict[Value, int | N
         else:
             env[v] = named(ops.update(state, value), v.name, v.loc)
         return value
-    if v.op in ops.REDUCTIONS and args[0].layout.is_sliced and args[0].layout.dim in v.attrs["dims"]:
+    if v.op in REDUCTIONS and args[0].layout.is_sliced and args[0].layout.dim in v.attrs["dims"]:
         return _partial_then_all_reduce(v, args[0])
     new = next(a.program for a in args if not a.is_scalar)
-    return named(ops.make(new, v.op, args, v.attrs), v.name, v.loc)
+    return named(R.rebuild(new, v.op, args, v.attrs), v.name, v.loc)
 
 
 def _partial_then_all_reduce(v: Value, x: Value) -> Value:

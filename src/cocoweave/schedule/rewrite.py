@@ -10,7 +10,7 @@ from __future__ import annotations
 
 from collections.abc import Callable
 
-from ..ir import ops
+from ..ir import ops, registry
 from ..ir.graph import Program, Value
 from ..ir.layout import Layout
 
@@ -26,9 +26,9 @@ def copy_value(v: Value, env: dict[Value, Value], new: Program, layout: Layout |
     if v.op == "scalar":
         out = new.scalar(v.name, v.dtype, v.attrs["default"])
     elif v.op == "const":
-        out = ops._lift(v.attrs["value"], new)
+        out = ops.lift(v.attrs["value"], new)
     else:
-        out = ops.make(new, v.op, [env[a] for a in v.args], v.attrs)
+        out = registry.rebuild(new, v.op, [env[a] for a in v.args], v.attrs)
     return named(out, v.name, v.loc)
 
 

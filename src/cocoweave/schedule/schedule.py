@@ -127,7 +127,7 @@ class Schedule:
     @property
     def name(self) -> str:
         """Readable name, e.g. AR-C, RS-C-AG+slice(m,v), ol(MM,fuse(RS-C-AG),4)."""
-        label = st.join_labels(self.program, self._stages)
+        label = st.join_labels(self._stages)
         return label + (f"+slice({','.join(self.sliced_state)})" if self.sliced_state else "")
 
     def __repr__(self) -> str:
@@ -136,7 +136,7 @@ class Schedule:
     def __str__(self) -> str:
         lines = [f"schedule {self.name}  ({self.fingerprint()})"]
         lines += ["  step " + _format_step(s) for s in self.steps] or ["  (no steps: the program as written)"]
-        lines += [f"  stage {i}: {s.label(self.program)} [{', '.join(s.values)}]" for i, s in enumerate(self._stages)]
+        lines += [f"  stage {i}: {s.label} [{', '.join(s.values)}]" for i, s in enumerate(self._stages)]
         return "\n".join(lines) + "\n" + str(self.program)
 
     # -- persistence --------------------------------------------------------------------------

@@ -1,21 +1,27 @@
 """Stages: how a program's operations group into the steps a backend runs, in order.
 
-The base partition is greedy: all computations that are ready run together as one compute stage;
-then every ready communication or matmul runs as its own stage; repeat. `fuse` and `overlap` then
-merge consecutive stages (checked here). Scalar-only arithmetic runs on the host and is no stage.
+A stage kind is one class, defined here once and used by schedules and plans alike: in a Schedule a
+stage's `values` are value names (stable handles across rewrites); `plan.lower` resolves them to the
+program's Values and fills in what every consumer of a Plan needs (`live_outs`, flattened chunk parts).
+
+The base partition is greedy: every ready communication or matmul runs as its own stage; then all
+computations that are ready run together as one compute stage; repeat. `fuse`, `overlap` and
+`set_algorithm` then merge or annotate consecutive stages (checked here). Scalar-only arithmetic runs on
+the host and is no stage.
 """
 
 from __future__ import annotations
 
 from dataclasses import dataclass, replace
+from typing import Any, ClassVar
 
 from ..errors import ScheduleError
-from ..ir import ops
+from ..ir import registry as R
 from ..ir.graph import Program, Value
 
-COMPUTE_OPS = ops.ELEMENTWISE + ops.REDUCTIONS + ("layer_norm", "slice")
-COMM_TOKENS = {"all_reduce": "AR", "reduce_scatter": "RS", "all_gather": "AG", "broadcast": "BC",
-               "reduce": "R", "send": "P2P", "matmul": "MM"}
+COMPUTE_OPS = R.names(*R.COMPUTE_GROUPS)
+ELEMENTWISE_OPS = R.names(*R.ELEMENTWISE_GROUPS)
+TOKENS = {"all_reduce": "AR", "reduce_scatter": "RS", "all_gather": "AG", "broadcast": "BC", "reduce": "R"}
 CHUNKABLE_COMM = ("all_reduce", "reduce_scatter", "all_gather", "send")
 ALGORITHMS = ("library", "ring")  # torch.distributed's call; a ring over point-to-point messages
 RING_COLLECTIVES = ("all_reduce", "reduce_scatter", "all_gather")
@@ -24,42 +30,138 @@ RING_OPS = ("sum", "avg", "max", "min")
 
 @dataclass(frozen=True)
 class Stage:
-    """One step of a schedule: `kind` is compute, matmul, collective, p2p, fused (RS + compute + AG
-    as one stage) or overlap (a chunked producer/consumer chain of `parts`)."""
+    """One step of a schedule or plan. `values`: the names (Schedule) or Values (Plan) it computes, in program
+    order. `live_outs`: filled by plan.lower — the values read after the stage or kept as results."""
 
-    kind: str
-    values: tuple[str, ...]  # names of the program values it computes, in program order
-    fused: bool = False  # compute: one generated kernel instead of one torch op per operation
-    parts: tuple[Stage, ...] = ()
-    chunks: int = 1
-    chunk_dim: int = -1
-    algorithm: str = "library"  # collective and fused stages: how the communication runs (ALGORITHMS)
+    values: tuple[Any, ...]
+    live_outs: tuple[Any, ...] = ()
+    kind: ClassVar[str] = ""
 
     @property
     def anchor(self) -> str:
         """The stage's handle: the name of its first value."""
-        return self.values[0]
+        return _name(self.values[0])
 
-    def label(self, program: Program) -> str:
-        """Short name: C (fused computation), c (eager ops), MM, AR, RS, AG, P2P, fuse(...), ol(...);
-        a collective or fused stage on a non-default algorithm ends in @algorithm (AR@ring)."""
-        at = "" if self.algorithm == "library" else f"@{self.algorithm}"
-        if self.kind == "compute":
-            return "C" if self.fused else "c"
-        if self.kind in ("matmul", "collective", "p2p"):
-            return COMM_TOKENS[value(program, self.anchor).op] + at
-        inner = join_labels(program, self.parts)
-        if self.kind == "fused":
-            return f"fuse({inner}){at}"
-        return f"ol({','.join(p.label(program) for p in self.parts)},{self.chunks})"
+    @property
+    def names(self) -> tuple[str, ...]:
+        return tuple(_name(v) for v in self.values)
+
+    @property
+    def label(self) -> str:
+        raise NotImplementedError
+
+    def reads(self) -> list[Value]:
+        """(Plan) Values from outside the stage that it reads: its input buffers."""
+        inside = {id(v) for v in self.values}
+        seen: dict[int, Value] = {}
+        for v in self.values:
+            for a in v.args:
+                if id(a) not in inside and not a.is_scalar:
+                    seen.setdefault(id(a), a)
+        return list(seen.values())
 
 
-def join_labels(program: Program, stages: tuple[Stage, ...] | list[Stage]) -> str:
+def _name(v: Any) -> str:
+    return v if isinstance(v, str) else v.name
+
+
+@dataclass(frozen=True)
+class Compute(Stage):
+    """Computations: one fused loop (a generated kernel) when `fused`, else one torch op per operation."""
+
+    fused: bool = False
+    kind: ClassVar[str] = "compute"
+
+    @property
+    def label(self) -> str:
+        return "C" if self.fused else "c"
+
+
+@dataclass(frozen=True)
+class MatMul(Stage):
+    """One matrix multiplication."""
+
+    kind: ClassVar[str] = "matmul"
+
+    @property
+    def label(self) -> str:
+        return "MM"
+
+
+@dataclass(frozen=True)
+class Collective(Stage):
+    """One collective (`op`: all_reduce, reduce_scatter, all_gather, broadcast, reduce) over its value's process
+    group, on collective algorithm `algorithm` ("library": torch.distributed's call; "ring": point to point)."""
+
+    op: str = ""
+    algorithm: str = "library"
+    kind: ClassVar[str] = "collective"
+
+    @property
+    def label(self) -> str:
+        return TOKENS[self.op] + ("" if self.algorithm == "library" else f"@{self.algorithm}")
+
+
+@dataclass(frozen=True)
+class P2P(Stage):
+    """Send to the next process group: group rank i of the sender's group sends to group rank i of the other."""
+
+    kind: ClassVar[str] = "p2p"
+
+    @property
+    def label(self) -> str:
+        return "P2P"
+
+
+@dataclass(frozen=True)
+class FusedCollective(Stage):
+    """ReduceScatter + computation + AllGathers as one stage (`parts`). On the ring, the computation is applied
+    to each piece of the reduce-scatter as soon as it is fully reduced (CoCoNet's fused ring)."""
+
+    parts: tuple[Stage, ...] = ()
+    algorithm: str = "library"
+    kind: ClassVar[str] = "fused"
+
+    @property
+    def label(self) -> str:
+        return f"fuse({join_labels(self.parts)})" + ("" if self.algorithm == "library" else f"@{self.algorithm}")
+
+    @property
+    def reduce_scatter(self) -> Any:
+        return self.parts[0].values[0]
+
+    @property
+    def kernel(self) -> Compute | None:
+        return next((p for p in self.parts if isinstance(p, Compute)), None)
+
+    @property
+    def all_gathers(self) -> list[Any]:
+        return [p.values[0] for p in self.parts[1:] if isinstance(p, Collective)]
+
+
+@dataclass(frozen=True)
+class Overlap(Stage):
+    """A producer/consumer chain of `parts` run in `chunks` chunks along dimension `chunk_dim` of its values, so
+    that chunk i's communication overlaps chunk i+1's computation. In a Plan, a fused collective among the parts
+    is flattened into its RS, C and AG parts (each collective can then be in flight while another chunk
+    computes)."""
+
+    parts: tuple[Stage, ...] = ()
+    chunks: int = 2
+    chunk_dim: int = 0
+    kind: ClassVar[str] = "overlap"
+
+    @property
+    def label(self) -> str:
+        return f"ol({','.join(p.label for p in self.parts)},{self.chunks})"
+
+
+def join_labels(stages: tuple[Stage, ...] | list[Stage]) -> str:
     """Labels joined by '-', runs of equal communication labels written once (AG-AG-AG -> AG)."""
     out: list[str] = []
     for s in stages:
-        lab = s.label(program)
-        if not (out and out[-1] == lab and s.kind == "collective"):
+        lab = s.label
+        if not (out and out[-1] == lab and isinstance(s, Collective)):
             out.append(lab)
     return "-".join(out)
 
@@ -71,45 +173,46 @@ def value(program: Program, name: str) -> Value:
     raise KeyError(name)
 
 
-def kind_of(v: Value) -> str | None:
-    """Stage kind of a value, or None for inputs, constants, host scalars and updates."""
+def make_stage(v: Value) -> Stage | None:
+    """The one-value stage of v, or None for inputs, constants, host scalars and updates (no stage)."""
     if v.op in ("input", "scalar", "const", "update") or v.is_scalar:
         return None
     if v.op in COMPUTE_OPS:
-        return "compute"
+        return Compute((v.name,))
     if v.op == "matmul":
-        return "matmul"
+        return MatMul((v.name,))
     if v.op == "send":
-        return "p2p"
-    return "collective"
+        return P2P((v.name,))
+    return Collective((v.name,), op=v.op)
 
 
 def base_stages(program: Program) -> list[Stage]:
     """Greedy partition: every ready communication or matmul first, each its own stage (so it can
     start as early as possible); then all computations that are ready, together; repeat."""
-    pending = [v for v in program.values if kind_of(v) is not None]
-    done = {id(v) for v in program.values if kind_of(v) is None and v.op != "update"}
+    kinds = {id(v): make_stage(v) for v in program.values}
+    pending = [v for v in program.values if kinds[id(v)] is not None]
+    done = {id(v) for v in program.values if kinds[id(v)] is None and v.op != "update"}
     stages: list[Stage] = []
 
     def ready(v: Value) -> bool:
         return all(id(a) in done or (a.op == "update" and id(a.args[1]) in done) for a in v.args)
 
     while pending:
-        comm = [v for v in pending if kind_of(v) != "compute" and ready(v)]
+        comm = [v for v in pending if not isinstance(kinds[id(v)], Compute) and ready(v)]
         for v in comm:
-            stages.append(Stage(kind_of(v), (v.name,)))
+            stages.append(kinds[id(v)])
             done.add(id(v))
         group: list[Value] = []
         progress = not comm
         while progress:
             progress = False
             for v in pending:
-                if kind_of(v) == "compute" and id(v) not in done and ready(v):
+                if isinstance(kinds[id(v)], Compute) and id(v) not in done and ready(v):
                     group.append(v)
                     done.add(id(v))
                     progress = True
         if group:
-            stages.append(Stage("compute", tuple(v.name for v in sorted(group, key=lambda x: x.id))))
+            stages.append(Compute(tuple(v.name for v in sorted(group, key=lambda x: x.id))))
         if not comm and not group:
             raise AssertionError(f"program {program.name!r} has a cycle or an unreachable value")
         pending = [v for v in pending if id(v) not in done]
@@ -120,7 +223,7 @@ def locate(stages: list[Stage], ref: str | Stage) -> int:
     """Index of the stage with handle `ref` (a Stage, or the name of any value in it)."""
     name = ref.anchor if isinstance(ref, Stage) else ref
     for i, s in enumerate(stages):
-        if name in s.values:
+        if name in s.names:
             return i
     raise ScheduleError(f"no stage computes `{name}`; the stages start with: "
                         + ", ".join(f"`{s.anchor}`" for s in stages))
@@ -142,21 +245,21 @@ def fuse(program: Program, stages: list[Stage], refs: tuple[str | Stage, ...]) -
     idx = _consecutive(stages, refs, "fuse")
     group = [stages[i] for i in idx]
     _library_only(group, "fuse")
-    if all(s.kind == "compute" for s in group):
-        merged = Stage("compute", tuple(n for s in group for n in s.values), fused=True)
+    if all(isinstance(s, Compute) for s in group):
+        merged: Stage = Compute(tuple(n for s in group for n in s.values), fused=True)
     else:
         merged = _fused_collective(program, group)
     return stages[:idx[0]] + [merged] + stages[idx[-1] + 1:]
 
 
 def _fused_collective(program: Program, group: list[Stage]) -> Stage:
-    ops_ = [value(program, s.anchor).op if s.kind == "collective" else s.kind for s in group]
+    ops_ = [s.op if isinstance(s, Collective) else s.kind for s in group]
     n_ag = 0
     while n_ag < len(ops_) and ops_[len(ops_) - 1 - n_ag] == "all_gather":
         n_ag += 1
     body = ops_[1:len(ops_) - n_ag]
     if ops_[0] != "reduce_scatter" or n_ag == 0 or body != ["compute"]:
-        names = "-".join(s.label(program) for s in group)
+        names = "-".join(s.label for s in group)
         raise ScheduleError(f"cannot fuse {names}: only computations, or a reduce_scatter followed by "
                             "computation and all_gathers (RS-C-AG), fuse into one stage")
     rs = value(program, group[0].anchor)
@@ -165,8 +268,8 @@ def _fused_collective(program: Program, group: list[Stage]) -> Stage:
         if ag.attrs["dim"] != rs.attrs["dim"] or ag.group != rs.group:
             raise ScheduleError(f"cannot fuse `{ag.name}` with `{rs.name}`: it gathers along another dimension "
                                 "or group than the reduce_scatter scatters")
-    parts = tuple(replace(s, fused=True) if s.kind == "compute" else s for s in group)
-    return Stage("fused", tuple(n for s in group for n in s.values), parts=parts)
+    parts = tuple(replace(s, fused=True) if isinstance(s, Compute) else s for s in group)
+    return FusedCollective(tuple(n for s in group for n in s.values), parts=parts)
 
 
 def overlap(program: Program, stages: list[Stage], refs: tuple[str | Stage, ...], chunks: int) -> list[Stage]:
@@ -177,23 +280,24 @@ def overlap(program: Program, stages: list[Stage], refs: tuple[str | Stage, ...]
     idx = _consecutive(stages, refs, "overlap")
     group = [stages[i] for i in idx]
     _library_only(group, "overlap")
-    names = "-".join(s.label(program) for s in group)
+    names = "-".join(s.label for s in group)
     if len(group) < 2:
         raise ScheduleError(f"cannot overlap {names}: overlap needs a chain of at least two stages")
-    members = {n for s in group for n in s.values}
     for prev, nxt in zip(group, group[1:]):
-        if not any(a.name in prev.values for n in nxt.values for a in value(program, n).args):
+        if not any(a.name in prev.names for n in nxt.names for a in value(program, n).args):
             raise ScheduleError(f"cannot overlap {names}: `{nxt.anchor}` does not read what `{prev.anchor}` makes")
-    dim = chunk_dim(program, group, members, names)
-    return stages[:idx[0]] + [Stage("overlap", tuple(members_in_order(group)), parts=tuple(group),
-                                    chunks=chunks, chunk_dim=dim)] + stages[idx[-1] + 1:]
+    members = [n for s in group for n in s.names]
+    dim = chunk_dim(program, members, names)
+    return stages[:idx[0]] + [Overlap(tuple(members), parts=tuple(group), chunks=chunks, chunk_dim=dim)] + \
+        stages[idx[-1] + 1:]
 
 
 def _library_only(group: list[Stage], verb: str) -> None:
     """Grouping comes before algorithm choices: a stage already on a non-library algorithm cannot join a group."""
     for s in group:
-        if s.algorithm != "library":
-            raise ScheduleError(f"cannot {verb} `{s.anchor}`: it already runs on the {s.algorithm} algorithm; "
+        algorithm = getattr(s, "algorithm", "library")
+        if algorithm != "library":
+            raise ScheduleError(f"cannot {verb} `{s.anchor}`: it already runs on the {algorithm} algorithm; "
                                 f"{verb} first, then choose the algorithm of the resulting stage")
 
 
@@ -205,8 +309,8 @@ def set_algorithm(program: Program, stages: list[Stage], ref: str | Stage, algor
         raise ScheduleError(f"unknown collective algorithm {algorithm!r}; choose one of {', '.join(ALGORITHMS)}")
     i = locate(stages, ref)
     s = stages[i]
-    lab = s.label(program)
-    if s.kind not in ("collective", "fused"):
+    lab = s.label
+    if not isinstance(s, Collective | FusedCollective):
         raise ScheduleError(f"cannot choose an algorithm for stage {lab} (`{s.anchor}`): only collective stages "
                             "(AR, RS, AG) and fused RS-C-AG stages have one")
     head = value(program, s.anchor)
@@ -217,11 +321,11 @@ def set_algorithm(program: Program, stages: list[Stage], ref: str | Stage, algor
     if op is not None and op not in RING_OPS and algorithm != "library":
         raise ScheduleError(f"cannot run {lab} (`{s.anchor}`) as a {algorithm}: it reduces with {op!r}, and a ring "
                             f"reduces with one of {', '.join(RING_OPS)}")
-    if s.kind == "fused" and algorithm != "library":
+    if isinstance(s, FusedCollective) and algorithm != "library":
         dim = head.attrs["dim"]
-        for n in (n for p in s.parts if p.kind == "compute" for n in p.values):
+        for n in (n for p in s.parts if isinstance(p, Compute) for n in p.names):
             v = value(program, n)
-            piecewise = v.op in ops.ELEMENTWISE + ("slice",) and v.ndim == head.ndim
+            piecewise = v.op in ELEMENTWISE_OPS + ("slice",) and v.ndim == head.ndim
             if not piecewise or not v.layout.is_sliced or v.layout.dim != dim:
                 raise ScheduleError(f"cannot run {lab} as a {algorithm}: `{v.name} = {v.op}(...)` is not an "
                                     f"elementwise value sliced along dimension {dim}, so it cannot be computed "
@@ -229,20 +333,16 @@ def set_algorithm(program: Program, stages: list[Stage], ref: str | Stage, algor
     return stages[:i] + [replace(s, algorithm=algorithm)] + stages[i + 1:]
 
 
-def members_in_order(group: list[Stage]) -> list[str]:
-    return [n for s in group for n in s.values]
-
-
-def chunk_dim(program: Program, group: list[Stage], members: set[str], names: str) -> int:
+def chunk_dim(program: Program, members: list[str], names: str) -> int:
     """A dimension every value of the chain can be cut along independently: not contracted by a
     matmul, not sliced or gathered by a collective, not reduced."""
     vals = [value(program, n) for n in members]
     nd = vals[0].ndim
     banned: set[int] = set()
     for v in vals:
-        if v.op in ops.REDUCTIONS or v.op == "layer_norm":
+        if R.group(v.op) in (R.REDUCTION, R.NORMALISATION):
             raise ScheduleError(f"cannot overlap {names}: `{v.name} = {v.op}(...)` reduces across the chunks")
-        if v.op in ops.COLLECTIVES and v.op not in CHUNKABLE_COMM:
+        if R.is_communication(v.op) and v.op not in CHUNKABLE_COMM:
             raise ScheduleError(f"cannot overlap {names}: a {v.op} cannot be chunked")
         if v.op == "all_reduce" and v.attrs["op"] == "adasum":
             raise ScheduleError(f"cannot overlap {names}: adasum all_reduce `{v.name}` combines whole tensors "

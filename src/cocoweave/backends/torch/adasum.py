@@ -1,7 +1,7 @@
 """Adasum all-reduce over point-to-point messages: vector-halving, distance-doubling (VHDD), as in Horovod.
 
 Pairing, for a group of n = 2^k + e ranks (0 <= e < 2^k), the same in the reference backend
-(`reference.adasum_survivors` / `adasum_tree`), so both combine in exactly the same order:
+(`backends.adasum.adasum_survivors` / `adasum_tree`), so both combine in exactly the same order:
 
 1. Fold: for i < e, rank 2i+1 sends its whole tensor to rank 2i, which replaces its own with
    adasum(r_2i, r_2i+1). The 2^k survivors, in rank order, are s_0 .. s_{2^k-1}
@@ -32,7 +32,7 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
-from ..reference import adasum_coefficients, adasum_survivors
+from ..adasum import adasum_coefficients, adasum_survivors
 
 _DATA_TAG = 0xADA0  # pieces of the vector
 _TRIPLE_TAG = 0xADA1  # [a·b, |a|^2, |b|^2] partial sums

@@ -8,7 +8,7 @@ goes through `ctx` (runtime.RankContext), which owns the preallocated buffers an
 from __future__ import annotations
 
 import keyword
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -16,34 +16,10 @@ from ...ir.graph import Value
 from ...ir.layout import slice_bounds
 from ...ir.printer import operand
 from ...ir.types import bind_shape
-from ...plan.plan import P2P, Chunked, Collective, FusedCollective, Kernel, MatMul, Plan, PlanStage
-from ..inputs import local_shape
+from ...plan import P2P, Collective, Compute, FusedCollective, Overlap, Plan, RankView, Stage
 
 RESERVED = {"ctx", "I", "torch", "rt", "math", "step", "OUT"}
-HALF = ("float16", "bfloat16")
 INPLACE = {"add": "add_", "sub": "sub_", "mul": "mul_", "div": "div_"}  # ops whose results are fresh tensors
-PY_BINARY = {"add": "+", "sub": "-", "mul": "*", "div": "/", "pow": "**",
-             "lt": "<", "le": "<=", "gt": ">", "ge": ">=", "eq": "==", "ne": "!="}
-
-
-@dataclass
-class RankView:
-    """What codegen knows about one rank: its place in every group and the bound sizes."""
-
-    rank: int
-    world_size: int
-    sizes: Mapping[str, int]
-
-    def in_group(self, v: Value) -> bool:
-        return v.group is None or self.rank in v.group.ranks(self.world_size)
-
-    def group_rank(self, v: Value) -> tuple[int, int]:
-        ranks = v.group.ranks(self.world_size)
-        return ranks.index(self.rank), len(ranks)
-
-    def local_shape(self, v: Value) -> tuple[int, ...]:
-        gr, gs = self.group_rank(v)
-        return local_shape(v, self.sizes, gr, gs)
 
 
 @dataclass
@@ -86,22 +62,10 @@ class Emitter:
     # -- values -------------------------------------------------------------------------------
     def host(self, v: Value) -> str:
         """A scalar-only operation, computed with Python numbers on the host."""
-        a = [self.ref(x) for x in v.args]
-        op = v.op
-        if op in PY_BINARY:
-            return f"{a[0]} {PY_BINARY[op]} {a[1]}"
-        simple = {"neg": f"-{a[0]}" if a else "", "sqrt": f"math.sqrt({a[0]})" if a else "",
-                  "rsqrt": f"1.0 / math.sqrt({a[0]})" if a else "", "exp": f"math.exp({a[0]})" if a else "",
-                  "abs": f"abs({a[0]})" if a else ""}
-        if op in simple:
-            return simple[op]
-        if op in ("maximum", "minimum"):
-            return f"{op[:3]}({a[0]}, {a[1]})"
-        if op == "where":
-            return f"({a[1]} if {a[0]} else {a[2]})"
-        if op == "cast":
-            return {"bool": "bool", "int32": "int", "int64": "int"}.get(v.dtype, "float") + f"({a[0]})"
-        raise NotImplementedError(f"host scalar operation {op}")
+        emit = HOST.get(v.op)
+        if emit is None:
+            raise NotImplementedError(f"host scalar operation {v.op}")
+        return emit(v, [self.ref(x) for x in v.args])
 
     def operand_expr(self, v: Value, a: Value, up: bool) -> str:
         """Operand a of elementwise v: sliced to this rank's part when v is Sliced and a is a whole
@@ -155,96 +119,138 @@ class Emitter:
         """A tensor computation as a torch expression (half precision: float32 math, one rounding)."""
         if (e := self.in_place(v)) is not None:
             return e
-        op, half = v.op, v.dtype in HALF or any(x.dtype in HALF for x in v.args if not x.is_scalar)
-        a = [self.operand_expr(v, x, up=half and op not in ("cast", "slice", "matmul")) for x in v.args]
-        to = f".to(torch.{v.dtype})"
-        if op in PY_BINARY:
-            e = f"({a[0]} {PY_BINARY[op]} {a[1]})"
-        elif op in ("maximum", "minimum"):
-            e = f"rt.{op}({a[0]}, {a[1]})"
-        elif op == "neg":
-            e = f"(-{a[0]})"
-        elif op in ("sqrt", "rsqrt", "exp", "abs"):
-            floating = v.args[0].dtype in ("float16", "bfloat16", "float32", "float64")
-            x = a[0] if floating or op == "abs" else f"{a[0]}.float()"  # abs keeps integer dtypes
-            e = f"torch.{op}({x})"
-        elif op == "cast":
-            return f"{a[0]}{to}"
-        elif op == "where":
-            e = f"torch.where({a[0]}, {a[1]}, {a[2]})"
-        elif op == "dropout":
-            seed = v.attrs["seed"] if v.attrs["seed"] is not None else f"int({a[1]})"
-            rank = self.view.group_rank(v)[0] if v.args[0].layout.is_local else 0
-            key, p = f"rt.dropout_key({seed}, {rank})", v.attrs["p"]
-            # a constant seed gives the same mask every step: the executable hashes it once (ctx.keep)
-            bits = f'ctx.keep("{v.name}", {p!r}, {key})' if v.attrs["seed"] is not None else f'ctx.index("{v.name}")'
-            if self.chunk is not None:
-                dim, nd, se = self.chunk
-                bits = f"{bits}.narrow({dim - (nd - v.ndim)}, *{se})"
-            if v.attrs["seed"] is not None:
-                e = f"rt.apply_dropout({a[0]}, {bits}, {p!r})"
-            else:
-                e = f"rt.dropout({a[0]}, {bits}, {p!r}, {key})"
-        elif op in ("sum", "max", "min", "norm"):
-            e = f"rt.reduce({op!r}, {a[0]}, {tuple(v.attrs['dims'])!r}, {v.attrs['keepdim']})"
-        elif op == "matmul":
-            return f"torch.matmul({a[0]}, {a[1]})"
-        elif op == "layer_norm":
-            w = a[1] if v.attrs["has_weight"] else "None"
-            b = a[1 + v.attrs["has_weight"]] if v.attrs["has_bias"] else "None"
-            x = a[0] if half else a[0]
-            e = f"torch.nn.functional.layer_norm({x}, ({self.view.local_shape(v)[-1]},), {w}, {b}, {v.attrs['eps']!r})"
-        elif op == "slice":
-            full = bind_shape(v.args[0].shape, self.view.sizes)
-            gr, gs = self.view.group_rank(v)
-            s, t = slice_bounds(full[v.attrs["dim"]], gs, gr)
-            if self.chunk is not None and v.attrs["dim"] == self.chunk[0] - (self.chunk[1] - v.ndim):
-                # a piece of this rank's part (fused ring): offset within the part, from the whole tensor
-                se = self.chunk[2]
-                return f"{self.ref(v.args[0])}.narrow({v.attrs['dim']}, {s} + {se}[0], {se}[1])"
-            return f"{a[0]}.narrow({v.attrs['dim']}, {s}, {t - s})"
-        else:
-            raise NotImplementedError(f"no code generation for {op}")
-        return f"{e}{to}" if half or op in ("sum", "max", "min", "norm") else e
+        emit, raw = EXPR.get(v.op), v.op in RAW
+        if emit is None:
+            raise NotImplementedError(f"no code generation for {v.op}")
+        half = v.dtype in HALF or any(x.dtype in HALF for x in v.args if not x.is_scalar)
+        e = emit(self, v, [self.operand_expr(v, x, up=half and not raw) for x in v.args])
+        return f"{e}.to(torch.{v.dtype})" if not raw and (half or v.op in REDUCTIONS) else e
+
+    def dropout(self, v: Value, a: list[str]) -> str:
+        """Counter-based dropout: a constant seed's mask is the same every step (the executable hashes it once,
+        ctx.keep); a runtime seed hashes the precomputed logical indices each step."""
+        seed = v.attrs["seed"] if v.attrs["seed"] is not None else f"int({a[1]})"
+        rank = self.view.group_rank(v)[0] if v.args[0].layout.is_local else 0
+        key, p = f"rt.dropout_key({seed}, {rank})", v.attrs["p"]
+        bits = f'ctx.keep("{v.name}", {p!r}, {key})' if v.attrs["seed"] is not None else f'ctx.index("{v.name}")'
+        if self.chunk is not None:
+            dim, nd, se = self.chunk
+            bits = f"{bits}.narrow({dim - (nd - v.ndim)}, *{se})"
+        if v.attrs["seed"] is not None:
+            return f"rt.apply_dropout({a[0]}, {bits}, {p!r})"
+        return f"rt.dropout({a[0]}, {bits}, {p!r}, {key})"
+
+    def slice(self, v: Value, a: list[str]) -> str:
+        full = bind_shape(v.args[0].shape, self.view.sizes)
+        gr, gs = self.view.group_rank(v)
+        s, t = slice_bounds(full[v.attrs["dim"]], gs, gr)
+        if self.chunk is not None and v.attrs["dim"] == self.chunk[0] - (self.chunk[1] - v.ndim):
+            # a piece of this rank's part (fused ring): offset within the part, from the whole tensor
+            se = self.chunk[2]
+            return f"{self.ref(v.args[0])}.narrow({v.attrs['dim']}, {s} + {se}[0], {se}[1])"
+        return f"{a[0]}.narrow({v.attrs['dim']}, {s}, {t - s})"
 
     def communicate(self, v: Value, async_op: bool = False) -> str:
         """A collective or send through the runtime, into this value's preallocated buffer."""
-        a, x = v.attrs, self.chunked(v.args[0])
-        g = f'ctx.group("{v.args[0].group.name}")'
+        x = self.chunked(v.args[0])
         key = f'("{v.name}", k)' if self.chunk is not None else f'"{v.name}"'  # a buffer per chunk in flight
         tail = f", out={key}" + (", async_op=True" if async_op else "")
-        # the ring algorithm (ring.py: point-to-point, synchronous, never chunked) takes the library's arguments
-        ring = "ring_" if self.algorithm == "ring" else ""
-        if v.op == "all_reduce":
-            return f"ctx.{ring}all_reduce({x}, {a['op']!r}, {g}{tail})"
-        if v.op == "reduce_scatter":
-            return f"ctx.{ring}reduce_scatter({x}, {a['op']!r}, {a['dim']}, {g}{tail})"
-        if v.op == "all_gather":
-            total = self.view.local_shape(v)[a["dim"]]
-            return f"ctx.{ring}all_gather({x}, {a['dim']}, {total}, {g}{tail})"
-        if v.op == "broadcast":
-            return f"ctx.broadcast({x}, {a['root']}, {g}{tail})"
-        if v.op == "reduce":
-            return f"ctx.reduce({x}, {a['op']!r}, {a['root']}, {g}{tail})"
-        if v.op == "send":
-            src = v.args[0].group.ranks(self.view.world_size)
-            dst = v.group.ranks(self.view.world_size)
-            peer = dst[src.index(self.view.rank)] if self.view.rank in src else src[dst.index(self.view.rank)]
-            # both ends hold group rank i's part: the sender's shape is the receiver's
-            shape = str(self.view.local_shape(v.args[0] if self.view.rank in src else v))
-            if self.chunk is not None:
-                dim, nd, se = self.chunk
-                shape = f"rt.with_dim({shape}, {dim - (nd - v.ndim)}, {se}[1])"
-            sending = "True" if self.view.rank in src else "False"
-            x = x if self.view.rank in src else "None"
-            return (f"ctx.send_recv({x}, peer={peer}, sending={sending}, shape={shape}, "
-                    f"dtype=torch.{v.dtype}{tail})")
-        raise NotImplementedError(v.op)
+        return COMM[v.op](self, v, x, f'ctx.group("{v.args[0].group.name}")', tail)
+
+    def send(self, v: Value, x: str, tail: str) -> str:
+        src = v.args[0].group.ranks(self.view.world_size)
+        dst = v.group.ranks(self.view.world_size)
+        sending = self.view.rank in src
+        peer = dst[src.index(self.view.rank)] if sending else src[dst.index(self.view.rank)]
+        # both ends hold group rank i's part: the sender's shape is the receiver's
+        shape = str(self.view.local_shape(v.args[0] if sending else v))
+        if self.chunk is not None:
+            dim, nd, se = self.chunk
+            shape = f"rt.with_dim({shape}, {dim - (nd - v.ndim)}, {se}[1])"
+        return (f"ctx.send_recv({x if sending else 'None'}, peer={peer}, sending={sending}, shape={shape}, "
+                f"dtype=torch.{v.dtype}{tail})")
+
+    def ring(self) -> str:
+        """The ring algorithm (ring.py: point-to-point, synchronous, never chunked) takes the library's arguments."""
+        return "ring_" if self.algorithm == "ring" else ""
 
 
-def _participates(view: RankView, stage: PlanStage) -> bool:
-    """A rank runs a stage if it holds any of its values or sends any of them."""
-    return any(view.in_group(v) or (v.op == "send" and view.in_group(v.args[0])) for v in stage.values)
+HALF = ("float16", "bfloat16")
+REDUCTIONS = ("sum", "max", "min", "norm")
+RAW = ("cast", "matmul", "slice")  # operands as they are, no rounding: the op itself gives the dtype
+
+
+def _infix(sym: str) -> Callable[[Emitter, Value, list[str]], str]:
+    return lambda em, v, a: f"({a[0]} {sym} {a[1]})"
+
+
+def _unary(fn: str) -> Callable[[Emitter, Value, list[str]], str]:
+    def emit(em: Emitter, v: Value, a: list[str]) -> str:
+        floating = v.args[0].dtype in ("float16", "bfloat16", "float32", "float64")
+        return f"torch.{fn}({a[0] if floating or fn == 'abs' else a[0] + '.float()'})"  # abs keeps integer dtypes
+
+    return emit
+
+
+def _reduce(em: Emitter, v: Value, a: list[str]) -> str:
+    return f"rt.reduce({v.op!r}, {a[0]}, {tuple(v.attrs['dims'])!r}, {v.attrs['keepdim']})"
+
+
+def _layer_norm(em: Emitter, v: Value, a: list[str]) -> str:
+    w = a[1] if v.attrs["has_weight"] else "None"
+    b = a[1 + v.attrs["has_weight"]] if v.attrs["has_bias"] else "None"
+    return f"torch.nn.functional.layer_norm({a[0]}, ({em.view.local_shape(v)[-1]},), {w}, {b}, {v.attrs['eps']!r})"
+
+
+# computation -> (emitter, value, operand expressions) -> torch expression
+EXPR: dict[str, Callable[[Emitter, Value, list[str]], str]] = {
+    "add": _infix("+"), "sub": _infix("-"), "mul": _infix("*"), "div": _infix("/"), "pow": _infix("**"),
+    "lt": _infix("<"), "le": _infix("<="), "gt": _infix(">"), "ge": _infix(">="), "eq": _infix("=="),
+    "ne": _infix("!="),
+    "maximum": lambda em, v, a: f"rt.maximum({a[0]}, {a[1]})",
+    "minimum": lambda em, v, a: f"rt.minimum({a[0]}, {a[1]})",
+    "neg": lambda em, v, a: f"(-{a[0]})",
+    "sqrt": _unary("sqrt"), "rsqrt": _unary("rsqrt"), "exp": _unary("exp"), "abs": _unary("abs"),
+    "cast": lambda em, v, a: f"{a[0]}.to(torch.{v.dtype})",
+    "where": lambda em, v, a: f"torch.where({a[0]}, {a[1]}, {a[2]})",
+    "dropout": lambda em, v, a: em.dropout(v, a),
+    "sum": _reduce, "max": _reduce, "min": _reduce, "norm": _reduce,
+    "matmul": lambda em, v, a: f"torch.matmul({a[0]}, {a[1]})",
+    "layer_norm": _layer_norm,
+    "slice": lambda em, v, a: em.slice(v, a),
+}
+
+def _host_infix(sym: str) -> Callable[[Value, list[str]], str]:
+    return lambda v, a: f"{a[0]} {sym} {a[1]}"
+
+
+_PY = {"add": "+", "sub": "-", "mul": "*", "div": "/", "pow": "**", "lt": "<", "le": "<=", "gt": ">", "ge": ">=",
+       "eq": "==", "ne": "!="}
+# scalar-only operation -> (value, operand expressions) -> Python expression on the host
+HOST: dict[str, Callable[[Value, list[str]], str]] = {
+    **{op: _host_infix(sym) for op, sym in _PY.items()},
+    "neg": lambda v, a: f"-{a[0]}",
+    "sqrt": lambda v, a: f"math.sqrt({a[0]})",
+    "rsqrt": lambda v, a: f"1.0 / math.sqrt({a[0]})",
+    "exp": lambda v, a: f"math.exp({a[0]})",
+    "abs": lambda v, a: f"abs({a[0]})",
+    "maximum": lambda v, a: f"max({a[0]}, {a[1]})",
+    "minimum": lambda v, a: f"min({a[0]}, {a[1]})",
+    "where": lambda v, a: f"({a[1]} if {a[0]} else {a[2]})",
+    "cast": lambda v, a: {"bool": "bool", "int32": "int", "int64": "int"}.get(v.dtype, "float") + f"({a[0]})",
+}
+
+# communication -> (emitter, value, operand, group, tail arguments) -> runtime call
+COMM: dict[str, Callable[[Emitter, Value, str, str, str], str]] = {
+    "all_reduce": lambda em, v, x, g, t: f"ctx.{em.ring()}all_reduce({x}, {v.attrs['op']!r}, {g}{t})",
+    "reduce_scatter": lambda em, v, x, g, t:
+        f"ctx.{em.ring()}reduce_scatter({x}, {v.attrs['op']!r}, {v.attrs['dim']}, {g}{t})",
+    "all_gather": lambda em, v, x, g, t:
+        f"ctx.{em.ring()}all_gather({x}, {v.attrs['dim']}, {em.view.local_shape(v)[v.attrs['dim']]}, {g}{t})",
+    "broadcast": lambda em, v, x, g, t: f"ctx.broadcast({x}, {v.attrs['root']}, {g}{t})",
+    "reduce": lambda em, v, x, g, t: f"ctx.reduce({x}, {v.attrs['op']!r}, {v.attrs['root']}, {g}{t})",
+    "send": lambda em, v, x, g, t: em.send(v, x, t),
+}
 
 
 def generate(plan: Plan, rank: int, world_size: int, sizes: Mapping[str, int],
@@ -252,11 +258,11 @@ def generate(plan: Plan, rank: int, world_size: int, sizes: Mapping[str, int],
     """Python source of the step function that rank `rank` of `world_size` runs for `plan`.
     `fused` maps stage indices to generated Triton kernels (kernels.codegen.FusedKernel): those
     stages become one kernel call; the others are torch expressions."""
-    view = RankView(rank, world_size, dict(sizes))
+    view = plan.view(rank, world_size, sizes)
     em = Emitter(plan, view)
     fused = fused or {}
     program = plan.program
-    em.live_out = _live_outs(plan)
+    em.live_out = plan.live_outs()
     em.lines += [f'"""cocoweave plan `{plan.name}` ({plan.fingerprint}) for rank {rank} of {world_size}, '
                  f'sizes {dict(sizes)}.', "", "Generated code: read it, do not edit it.", '"""', "",
                  "import math", "", "import torch", "", "from cocoweave.backends.torch import runtime as rt", "", "",
@@ -274,11 +280,11 @@ def generate(plan: Plan, rank: int, world_size: int, sizes: Mapping[str, int],
         for v in plan.host:
             em.emit(f"{em.var(v)} = {em.host(v)}  # {v.name}")
     for i, stage in enumerate(plan.stages):
-        if not _participates(view, stage):
+        if not view.takes_part(stage):
             continue
         em.emit("")
-        em.emit(f"# stage {i}: {stage.label}  [{', '.join(v.name for v in stage.values)}]")
-        if isinstance(stage, Chunked):
+        em.emit(f"# stage {i}: {stage.label}  [{', '.join(stage.names)}]")
+        if isinstance(stage, Overlap):
             _emit_chunked(em, stage, i)
         elif isinstance(stage, FusedCollective) and stage.algorithm == "ring":
             _emit_fused_ring(em, stage, i)
@@ -310,7 +316,7 @@ def generate(plan: Plan, rank: int, world_size: int, sizes: Mapping[str, int],
 
 def _emit_value(em: Emitter, v: Value, indent: int, async_op: bool = False) -> bool:
     """Emit v if this rank takes part in it; True if it did."""
-    if v.op in ("all_reduce", "reduce_scatter", "all_gather", "broadcast", "reduce", "send"):
+    if v.op in COMM:
         if not em.view.in_group(v) and not (v.op == "send" and em.view.in_group(v.args[0])):
             return False
         em.emit(f"{em.var(v)} = {em.communicate(v, async_op)}", indent)
@@ -322,18 +328,18 @@ def _emit_value(em: Emitter, v: Value, indent: int, async_op: bool = False) -> b
     return False
 
 
-def _emit_chunked(em: Emitter, stage: Chunked, index: int) -> None:
+def _emit_chunked(em: Emitter, stage: Overlap, index: int) -> None:
     """A chunked chain: one function per part; ctx.pipeline runs part j on chunk k while the
     communication issued by earlier parts for later chunks is in flight."""
-    nd, dim = stage.values[0].ndim, stage.dim
+    nd, dim = stage.values[0].ndim, stage.chunk_dim
     size = bind_shape(stage.values[0].shape, em.view.sizes)[dim]
     bounds = [slice_bounds(size, stage.chunks, k) for k in range(stage.chunks)]
     em.emit(f"CHUNKS_{index} = {[(s, t - s) for s, t in bounds]}  # (start, length) along dim {dim}")
     em.chain_ids = {id(v) for v in stage.values}
     em.chunk = (dim, nd, f"CHUNKS_{index}[k]")
-    parts = _flatten(stage.stages)
+    parts = stage.parts
     for j, part in enumerate(parts):
-        em.emit(f"def part{index}_{j}(k, env):  # {part.label}: {', '.join(v.name for v in part.values)}")
+        em.emit(f"def part{index}_{j}(k, env):  # {part.label}: {', '.join(part.names)}")
         mine = {id(v) for v in part.values}
         loaded: set[int] = set()
         for v in part.values:
@@ -366,7 +372,7 @@ def _emit_fused_ring(em: Emitter, stage: FusedCollective, index: int) -> None:
     reduce-scatter and all-gathers its results. Values read after the stage are kept whole (this
     rank's part), assembled from the pieces."""
     rs, ags = stage.reduce_scatter, stage.all_gathers
-    inside = [rs] + (stage.kernel.values if stage.kernel is not None else [])
+    inside = [rs] + (list(stage.kernel.values) if stage.kernel is not None else [])
     kept = [v for v in inside if id(v) in em.live_out]
     x, g = em.ref(rs.args[0]), f'ctx.group("{rs.args[0].group.name}")'
     em.chain_ids = {id(v) for v in inside}
@@ -386,10 +392,10 @@ def _emit_fused_ring(em: Emitter, stage: FusedCollective, index: int) -> None:
     em.emit(f"gathered=[{', '.join(spec(a) for a in ags)}], kept=[{', '.join(spec(v) for v in kept)}])", 3)
 
 
-def _scratch(em: Emitter, stage: PlanStage) -> dict[int, int]:
+def _scratch(em: Emitter, stage: Stage) -> dict[int, int]:
     """Temporaries of a computation stage that may be overwritten by their last reader: fresh results of
     arithmetic (INPLACE ops or sqrt/exp/neg/rsqrt in float32/64), read by nothing after it, not live out."""
-    if not isinstance(stage, Kernel):
+    if not isinstance(stage, Compute):
         return {}
     fresh = {id(v) for v in stage.values if (v.op in INPLACE or v.op in ("neg", "sqrt", "rsqrt", "exp"))
              and v.dtype in ("float32", "float64") and id(v) not in em.live_out and em.view.in_group(v)}
@@ -399,31 +405,3 @@ def _scratch(em: Emitter, stage: PlanStage) -> dict[int, int]:
             if id(a) in fresh:
                 last[id(a)] = id(v)
     return last
-
-
-def _live_outs(plan: Plan) -> set[int]:
-    """Values read across a stage boundary or kept as results (chunked stages concatenate only these)."""
-    out = {id(v.args[1] if v.op == "update" else v) for _, v in plan.outputs}
-    out |= {id(v) for v in plan.state.values()}
-    for stage in plan.stages:
-        for a in stage.reads():
-            out.add(id(a.args[1] if a.op == "update" else a))
-    return out
-
-
-def _flatten(stages: list[PlanStage]) -> list[PlanStage]:
-    """Fused collectives inside a chunked chain run as their parts (RS, C, AG) so that each
-    collective can be in flight while another chunk computes."""
-    out: list[PlanStage] = []
-    for s in stages:
-        if isinstance(s, FusedCollective):
-            out.append(Collective([s.reduce_scatter]))
-            if s.kernel is not None:
-                out.append(Kernel(s.kernel.values, fused=True))
-            out += [Collective([ag]) for ag in s.all_gathers]
-        else:
-            out.append(s)
-    return out
-
-
-__all__ = ["generate", "Kernel", "MatMul"]

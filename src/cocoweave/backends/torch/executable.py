@@ -17,13 +17,12 @@ from ...atomic import write_text
 from ...errors import BackendError, InputError
 from ...ir.graph import Program
 from ...ir.layout import slice_bounds
+from ...ir.semantics import Place, dropout_index
 from ...ir.types import bind_shape
 from ...launch import agree
 from ...plan.plan import Plan
 from ..inputs import RankInputs, bound_sizes, check_rank_inputs, local_shape
-from ..local_ops import RankContext as LocalContext
-from ..local_ops import dropout_index
-from ..reference import RankResult
+from ..results import RankResult
 from .codegen import generate
 from .runtime import RankContext
 
@@ -126,9 +125,9 @@ class Executable:
         for v in self.program.values:
             if v.op == "dropout" and self.rank in v.group.ranks(self.world_size):
                 ranks = v.group.ranks(self.world_size)
-                ctx = LocalContext(ranks.index(self.rank), len(ranks), self.sizes)
-                shape = local_shape(v, self.sizes, ctx.group_rank, ctx.group_size)
-                out[v.name] = dropout_index(v, shape, ctx, self.device)
+                place = Place(ranks.index(self.rank), len(ranks), self.sizes)
+                shape = local_shape(v, self.sizes, place.group_rank, place.group_size)
+                out[v.name] = dropout_index(v, shape, place, self.device)
         return out
 
     def _prepare(self, inputs: Mapping[str, Any]) -> dict[str, Any]:

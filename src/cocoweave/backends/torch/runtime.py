@@ -19,7 +19,7 @@ import torch.distributed as dist
 
 from ... import faults, rng
 from ...ir.layout import slice_bounds
-from ..local_ops import reduce_local
+from ...ir.semantics import reduce_local
 from . import ring
 from .ring import with_dim  # generated code calls rt.with_dim
 

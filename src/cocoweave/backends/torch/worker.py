@@ -12,7 +12,7 @@ import torch.distributed as dist
 from ...plan import lower
 from ...schedule.schedule import Schedule
 from ..inputs import RankInputs
-from ..reference import RankResult
+from ..results import RankResult
 from .executable import Executable
 
 

@@ -1,0 +1,171 @@
+"""What every computation means on one rank's local tensors, in plain torch ops.
+
+This is the one meaning of the DSL's computations: each is attached to its entry of the operation table
+(`registry.REGISTRY[op].meaning`); the reference backend evaluates every computation through it and the
+torch backend's generated code is tested against it. Half-precision values are computed in float32 and
+rounded once per operation.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Mapping
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+
+from .. import rng
+from . import registry as R
+from .graph import Value
+from .layout import slice_bounds
+from .types import DTYPES, bind_shape
+
+HALF = (torch.float16, torch.bfloat16)
+
+
+@dataclass(frozen=True)
+class Place:
+    """Where a rank sits for one value: its index and size within the value's process group, the bound sizes,
+    and, inside a chunked chain, (dim, ndim of the chain, start, length) of the chunk."""
+
+    group_rank: int
+    group_size: int
+    sizes: Mapping[str, int]
+    chunk: tuple[int, int, int, int] | None = None
+
+
+def align(arg: Value, t: Any, out: Value, place: Place) -> Any:
+    """Slice a Replicated operand to this rank's part when the result is Sliced (Replicated with
+    Sliced gives Sliced): along the aligned dimension, unless that dimension is broadcast (size 1)."""
+    if not out.layout.is_sliced or arg.is_scalar or not arg.layout.is_replicated:
+        return t
+    j = out.layout.dim - (out.ndim - arg.ndim)
+    if j < 0 or t.shape[j] == 1:
+        return t
+    return own_part(t, j, place)
+
+
+def own_part(t: torch.Tensor, dim: int, place: Place) -> torch.Tensor:
+    """This rank's part of `t` along `dim` (torch.tensor_split sizes)."""
+    start, stop = slice_bounds(t.shape[dim], place.group_size, place.group_rank)
+    return t.narrow(dim, start, stop - start)
+
+
+def _up(t: Any) -> Any:
+    return t.float() if isinstance(t, torch.Tensor) and t.dtype in HALF else t
+
+
+def _finish(v: Value, r: Any) -> Any:
+    """Round a result to the value's dtype (scalars stay float64 host numbers)."""
+    if v.is_scalar:
+        return r if isinstance(r, torch.Tensor) else torch.tensor(r, dtype=torch.float64)
+    dt = DTYPES[v.dtype]
+    return r.to(dt) if r.dtype != dt else r
+
+
+def dropout_index(v: Value, local_shape: tuple[int, ...], place: Place, device: torch.device) -> torch.Tensor:
+    """Logical element indices of this rank's part of dropout's operand (rank-independent for
+    Replicated; the rank's slice for Sliced; the full index for Local, whose key adds the rank)."""
+    x = v.args[0]
+    full = bind_shape(x.shape, place.sizes)
+    idx = rng.logical_index(full, device)
+    if x.layout.is_sliced:
+        d = x.layout.dim
+        start, stop = slice_bounds(full[d], place.group_size, place.group_rank)
+        idx = idx.narrow(d, start, stop - start)
+    if place.chunk is not None:
+        dim, nd, start, length = place.chunk
+        j = dim - (nd - x.ndim)
+        if j >= 0 and idx.shape[j] != 1:
+            idx = idx.narrow(j, start, length)
+    assert tuple(idx.shape) == tuple(local_shape), (idx.shape, local_shape)
+    return idx
+
+
+def reduce_local(op: str, x: torch.Tensor, dims: tuple[int, ...], keepdim: bool) -> torch.Tensor:
+    """sum / max / min / norm over `dims` of a local tensor (float32 accumulation for halves)."""
+    x = _up(x)
+    if op == "sum":
+        return torch.sum(x, dim=dims, keepdim=keepdim) if dims else x.clone()
+    if op == "norm":
+        return torch.linalg.vector_norm(x, dim=dims, keepdim=keepdim)
+    if not dims:
+        return x.clone()
+    if x.numel() == 0:  # an empty slice: the identity of max / min, so all_reduce gives the true result
+        shape = [1 if i in dims else s for i, s in enumerate(x.shape) if keepdim or i not in dims]
+        return torch.full(shape, float("-inf") if op == "max" else float("inf"), dtype=x.dtype, device=x.device)
+    fn = torch.amax if op == "max" else torch.amin
+    return fn(x, dim=dims, keepdim=keepdim)
+
+
+# -- the meaning of each computation: (value, local operands, place) -> local result --------------------
+Meaning = Callable[[Value, list, Place], Any]
+
+
+def _binary(fn: Callable) -> Meaning:
+    return lambda v, a, place: _finish(v, fn(_up(a[0]), _up(a[1])))
+
+
+def _unary(fn: Callable) -> Meaning:
+    def meaning(v: Value, a: list, place: Place) -> Any:
+        x = a[0]
+        if fn is not torch.abs and fn is not torch.neg and not torch.is_floating_point(x):
+            x = x.double() if v.is_scalar else x.float()
+        return _finish(v, fn(_up(x)))
+
+    return meaning
+
+
+def _const(v: Value, a: list, place: Place) -> torch.Tensor:
+    x = v.attrs["value"]
+    return torch.tensor(x, dtype=torch.float64 if isinstance(x, float) else torch.int64)
+
+
+def _dropout(v: Value, a: list, place: Place) -> Any:
+    seed = v.attrs["seed"] if v.attrs["seed"] is not None else int(a[1])
+    x = a[0]
+    rank = place.group_rank if v.args[0].layout.is_local else rng.NO_RANK
+    idx = dropout_index(v, tuple(x.shape), place, x.device)
+    return _finish(v, rng.dropout(_up(x), idx, v.attrs["p"], seed, rank))
+
+
+def _layer_norm(v: Value, a: list, place: Place) -> Any:
+    x = a[0]
+    w = a[1].float() if v.attrs["has_weight"] else None
+    b = a[1 + v.attrs["has_weight"]].float() if v.attrs["has_bias"] else None
+    return _finish(v, torch.nn.functional.layer_norm(x.float(), (x.shape[-1],), w, b, v.attrs["eps"]))
+
+
+MEANINGS: dict[str, Meaning] = {
+    "const": _const,
+    "add": _binary(torch.add), "sub": _binary(torch.sub), "mul": _binary(torch.mul), "div": _binary(torch.div),
+    "pow": _binary(torch.pow), "maximum": _binary(torch.maximum), "minimum": _binary(torch.minimum),
+    "lt": _binary(torch.lt), "le": _binary(torch.le), "gt": _binary(torch.gt), "ge": _binary(torch.ge),
+    "eq": _binary(torch.eq), "ne": _binary(torch.ne),
+    "neg": _unary(torch.neg), "sqrt": _unary(torch.sqrt), "rsqrt": _unary(torch.rsqrt), "exp": _unary(torch.exp),
+    "abs": _unary(torch.abs),
+    "cast": lambda v, a, place: a[0].to(DTYPES[v.dtype]),
+    "where": lambda v, a, place: _finish(v, torch.where(a[0], _up(a[1]), _up(a[2]))),
+    "dropout": _dropout,
+    "sum": lambda v, a, place: _finish(v, reduce_local("sum", a[0], v.attrs["dims"], v.attrs["keepdim"])),
+    "max": lambda v, a, place: _finish(v, reduce_local("max", a[0], v.attrs["dims"], v.attrs["keepdim"])),
+    "min": lambda v, a, place: _finish(v, reduce_local("min", a[0], v.attrs["dims"], v.attrs["keepdim"])),
+    "norm": lambda v, a, place: _finish(v, reduce_local("norm", a[0], v.attrs["dims"], v.attrs["keepdim"])),
+    "matmul": lambda v, a, place: _finish(v, torch.matmul(a[0].float(), a[1].float())),
+    "layer_norm": _layer_norm,
+    "slice": lambda v, a, place: own_part(a[0], v.attrs["dim"], place),
+}
+
+
+def compute(v: Value, args: list[Any], place: Place) -> Any:
+    """Result of computation `v` on one rank, given its operands' local values."""
+    meaning = R.opdef(v.op).meaning
+    if meaning is None:
+        raise NotImplementedError(f"no local semantics for operation {v.op!r}")
+    if R.opdef(v.op).elementwise or v.op in R.names(R.REDUCTION, R.NORMALISATION):  # operands line up with
+        args = [align(a, t, v, place) for a, t in zip(v.args, args)]  # the result's slice
+    return meaning(v, args, place)
+
+
+for _name, _meaning in MEANINGS.items():
+    R.set_meaning(_name, _meaning)
