@@ -21,7 +21,7 @@ def test_ring_is_recorded_named_lowered_and_replayed():
     before = s.fingerprint()
     stage = s.algorithm(s.stages[0], "ring")
     assert stage.algorithm == "ring" and s.name == "fuse(RS-C-AG)@ring" and s.fingerprint() != before
-    assert s.steps[-1] == {"step": "algorithm", "ref": stage.anchor, "algorithm": "ring"}
+    assert s.steps[-1].to_json() == {"step": "algorithm", "ref": stage.anchor, "algorithm": "ring"}
     plan = lower(s)
     assert isinstance(plan.stages[0], FusedCollective) and plan.stages[0].algorithm == "ring"
     assert plan.stages[0].label == "fuse(RS-C-AG)@ring"

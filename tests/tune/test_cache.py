@@ -50,7 +50,7 @@ def test_compile_auto_uses_the_cached_choice_and_warns_without_one(tmp_path, mon
         exe = cw_compile(program, "torch", {}, device="cpu", rank=0, world_size=1, schedule="auto")
     assert exe.plan.fingerprint == cw_compile(program, "torch", {}, device="cpu", rank=0, world_size=1).plan.fingerprint
     chosen = enumerate_schedules(program)[1]
-    TuneCache().put(cache_key(program, {}, 1, "torch", "cpu"), {"schedule": chosen.name, "steps": chosen.steps})
+    TuneCache().put(cache_key(program, {}, 1, "torch", "cpu"), {"schedule": chosen.name, "steps": chosen.steps_json()})
     with warnings.catch_warnings():
         warnings.simplefilter("error")
         exe = cw_compile(program, "torch", {}, device="cpu", rank=0, world_size=1, schedule="auto")

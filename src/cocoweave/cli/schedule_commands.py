@@ -52,16 +52,14 @@ def schedules(spec: SpecArg, size: SizeOpt = None,
     program = load_program(spec, parse_sizes(size))
     found = enumerate_schedules(program)
     if as_json:
-        print(json.dumps([{"name": s.name, "fingerprint": s.fingerprint(), "steps": s.steps} for s in found],
+        print(json.dumps([{"name": s.name, "fingerprint": s.fingerprint(), "steps": s.steps_json()} for s in found],
                          indent=2))
         return
     table = Table(title=f"{len(found)} schedules of {program.name}")
     for col in ("#", "schedule", "steps", "stages"):
         table.add_column(col)
     for i, s in enumerate(found):
-        from ..schedule.schedule import _format_step
-
-        table.add_row(str(i), s.name, "\n".join(_format_step(x) for x in s.steps) or "(as written)",
+        table.add_row(str(i), s.name, "\n".join(map(str, s.steps)) or "(as written)",
                       str(len(s.stages)))
     console.print(table)
 

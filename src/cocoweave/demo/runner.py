@@ -136,7 +136,7 @@ def check_workload(world: Any, wl: Workload, schedules: list[Schedule], device: 
                    result: WorkloadResult) -> None:
     """Check every schedule at `sizes` on the reference backend, then on the torch backend of `world`."""
     program = wl.program(sizes, device)
-    small = [Schedule.replay(program, s.steps) for s in schedules]
+    small = [Schedule(program, s.steps) for s in schedules]
     ws = world.world_size
     ref_rows = check_schedules(program, small, ws)
     per_rank = world.run(run_on_rank, small, device)
@@ -165,7 +165,7 @@ def run_workload(world: Any, wl: Workload, *, quick: bool, iters: int, warmup: i
         return result, []
     schedules = enumerate_schedules(program)
     on_total(len(schedules) + 3)
-    result.rows = [Row(s.name, list(s.steps)) for s in schedules]
+    result.rows = [Row(s.name, s.steps_json()) for s in schedules]
     advance(f"{wl.key}: checking {len(schedules)} schedules")
     check_workload(world, wl, schedules, device, check_sizes, result)
     advance(f"{wl.key}: baseline")

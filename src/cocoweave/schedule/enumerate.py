@@ -19,6 +19,7 @@ from ..ir.graph import Program
 from .as_slice import sliced_dim
 from .schedule import Schedule
 from .stages import Stage, value
+from .steps import Step
 
 CHUNKS = (2, 4, 8)
 
@@ -68,8 +69,8 @@ def _try_dim(program: Program, name: str) -> bool:
         return False
 
 
-def _with_slices(program: Program, steps: list[dict], names: list[str]) -> Schedule:
-    s = Schedule.replay(program, steps)
+def _with_slices(program: Program, steps: list[Step], names: list[str]) -> Schedule:
+    s = Schedule(program, steps)
     s.as_slice(*names)
     return s
 
@@ -130,8 +131,8 @@ def enumerate_schedules(program: Program) -> list[Schedule]:
         if not rewrite.steps:
             add(rewrite)  # the program as written: the baseline
         steps = rewrite.steps
-        bases = [_fuse_computations(Schedule.replay(program, steps))]
-        bases.append(_try(lambda steps=steps: _fuse_collectives(_fuse_computations(Schedule.replay(program, steps)))))
+        bases = [_fuse_computations(Schedule(program, steps))]
+        bases.append(_try(lambda steps=steps: _fuse_collectives(_fuse_computations(Schedule(program, steps)))))
         for base in [b for b in bases if b is not None]:
             add(base)
             for chain in _chains(base):
@@ -147,7 +148,7 @@ def enumerate_schedules(program: Program) -> list[Schedule]:
 
 def _on_ring(program: Program, base: Schedule, kind: str) -> Schedule | None:
     """`base` with every stage of `kind` that can run on the ring moved onto it; None if none can."""
-    s, changed = Schedule.replay(program, base.steps), False
+    s, changed = Schedule(program, base.steps), False
     for stage in [x for x in s.stages if x.kind == kind]:
         changed |= _try(lambda stage=stage: _ring_step(s, stage)) is not None
     return s if changed else None
@@ -159,6 +160,6 @@ def _ring_step(s: Schedule, stage: Stage) -> Schedule:
 
 
 def _overlapped(program: Program, base: Schedule, refs: list[str], chunks: int) -> Schedule:
-    s = Schedule.replay(program, base.steps)
+    s = Schedule(program, base.steps)
     s.overlap(*refs, chunks=chunks)
     return s

@@ -88,13 +88,13 @@ class TuneCache:
 
 def cached_schedule(program: Program, sizes: Mapping[str, int], world_size: int, backend: str, device: str,
                     cache: TuneCache | None = None) -> Schedule | None:
-    """The cached choice for this problem replayed on `program`, or None if nothing usable is cached."""
+    """The cached choice for this problem rebuilt on `program`, or None if nothing usable is cached."""
     cache = cache or TuneCache()
     entry = cache.get(cache_key(program, sizes, world_size, backend, device))
     if entry is None:
         return None
     try:
-        return Schedule.replay(program, entry["steps"])
+        return Schedule(program, entry["steps"])
     except (ScheduleError, KeyError, TypeError) as exc:
         warnings.warn(f"the cached schedule {entry.get('schedule')!r} for {program.name} no longer applies "
                       f"({exc}); ignoring it", stacklevel=2)

@@ -97,7 +97,7 @@ def tune(program: Program, sizes: Mapping[str, int], world_size: int, *, measure
                             "(run `cocoweave perf calibrate` to predict first).")
     if cache is not None:
         cache.put(key, {"program": program.name, "schedule": choice.name, "fingerprint": choice.schedule.fingerprint(),
-                        "steps": choice.schedule.steps, "measured_ms": choice.measured_ms,
+                        "steps": choice.schedule.steps_json(), "measured_ms": choice.measured_ms,
                         "baseline_ms": baseline.measured_ms, "predicted_ms": choice.predicted_ms,
                         "measured": {c.name: c.measured_ms for c in to_measure}, **(cache_extra or {})})
     return result
