@@ -46,8 +46,7 @@ from .ir.ops import (
     update,
     where,
 )
-
-__version__ = "0.1.0"
+from .version import __version__ as __version__
 
 
 def __getattr__(name: str):

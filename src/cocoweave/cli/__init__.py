@@ -6,7 +6,7 @@ from typing import Annotated
 
 import typer
 
-from .. import __version__
+from ..version import __version__
 from .demo import demo
 from .perf_commands import perf_app, plan_command
 from .program_commands import run, show

@@ -147,7 +147,9 @@ def run(
             return
         results = [r["result"] for r in per_rank]
         if iters:
-            times = [max(step) for step in zip(*(r["times_ms"] for r in per_rank))]
+            from ..backends.torch.worker import step_times
+
+            times = step_times([r["times_ms"] for r in per_rank])
         if trace is not None:
             from ..trace import merge_and_write
 

@@ -16,8 +16,8 @@ from typing import Any
 import torch
 from rich.table import Table
 
-from .. import __version__
 from ..trace import merge_and_write
+from ..version import __version__
 from .runner import DemoResult, WorkloadResult
 
 

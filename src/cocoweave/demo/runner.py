@@ -9,14 +9,13 @@ timings at the workload's `sizes`; a schedule is one list of steps replayed onto
 from __future__ import annotations
 
 import math
-import statistics
 import time
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
 from ..backends.inputs import make_inputs
-from ..backends.torch.worker import run_schedules, time_schedule, trace_events
+from ..backends.torch.worker import run_schedules, step_time_ms, time_schedule, trace_events
 from ..check import check_schedules, world_applicable
 from ..ir.graph import Program
 from ..launch import rank_state
@@ -127,11 +126,6 @@ def time_on_rank(rank: int, world_size: int, schedule: Schedule, device: str, it
 # ---------------------------------------------------------------------------------------------------------
 
 
-def _ms(per_rank: Sequence[Sequence[float]]) -> float:
-    """The step time of a run: the median over steps of each rank, the slowest rank."""
-    return max(statistics.median(t) for t in per_rank)
-
-
 def check_workload(world: Any, wl: Workload, schedules: list[Schedule], device: str, sizes: dict[str, int],
                    result: WorkloadResult) -> None:
     """Check every schedule at `sizes` on the reference backend, then on the torch backend of `world`."""
@@ -170,11 +164,11 @@ def run_workload(world: Any, wl: Workload, *, quick: bool, iters: int, warmup: i
     check_workload(world, wl, schedules, device, check_sizes, result)
     advance(f"{wl.key}: baseline")
     baseline_kwargs = {} if wl.key == "adam" else {"dtype": program.inputs["b"].dtype}
-    result.baseline_ms = _ms(world.run(BASELINES[wl.key], sizes, iters, warmup, **baseline_kwargs))
+    result.baseline_ms = step_time_ms(world.run(BASELINES[wl.key], sizes, iters, warmup, **baseline_kwargs))
     for s, row in zip(schedules, result.rows):
         advance(f"{wl.key}: {s.name}")
         if row.checked:  # a schedule that computes something else is not worth timing
-            row.ms = _ms([r["times_ms"] for r in world.run(time_on_rank, s, device, iters, warmup)])
+            row.ms = step_time_ms([r["times_ms"] for r in world.run(time_on_rank, s, device, iters, warmup)])
             row.speedup = result.baseline_ms / row.ms
     events: list = []
     best = result.fastest

@@ -7,6 +7,7 @@ values, its named inputs (tensors and scalars), its outputs and its in-place upd
 
 from __future__ import annotations
 
+import functools
 import os
 import sys
 from collections.abc import Iterable, Mapping
@@ -26,11 +27,16 @@ def user_location() -> str | None:
     """'file:line' of the innermost caller outside the cocoweave package (where the user wrote the op)."""
     frame = sys._getframe(1)
     while frame is not None:
-        fname = os.path.abspath(frame.f_code.co_filename)
-        if not fname.startswith(_PACKAGE_DIR + os.sep):
+        if not _in_package(frame.f_code.co_filename):
             return f"{_short(frame.f_code.co_filename)}:{frame.f_lineno}"
         frame = frame.f_back
     return None
+
+
+@functools.lru_cache(maxsize=4096)
+def _in_package(filename: str) -> bool:
+    """Whether code of `filename` belongs to cocoweave (cached: rewrites ask for every frame of every op)."""
+    return os.path.abspath(filename).startswith(_PACKAGE_DIR + os.sep)
 
 
 def _short(path: str) -> str:

@@ -1,7 +1,10 @@
-"""Triton kernels at the memory floor: fused optimizer steps (flat and multi-tensor) and the dropout epilogue.
+"""Triton kernels: hand-written ones at the memory floor (fused optimizer steps, flat and multi-tensor, and the
+dropout epilogue), and `codegen`, which generates one kernel per fused elementwise stage of a plan.
 
+The torch backend runs the generated kernels on CUDA; the hand-written ones are the yardstick the generated
+ones are measured against (benchmarks/kernels.py, benchmarks/codegen.py) and back `cocoweave.nn`'s CUDA epilogue.
 Each wrapper takes torch tensors and launches one kernel (LAMB: two phases). On CPU the kernels run under
-TRITON_INTERPRET=1 (the tests do this); the torch backend calls them on CUDA.
+TRITON_INTERPRET=1 (the tests do this).
 """
 
 from cocoweave.kernels.adam import adam_step, adam_step_multi

@@ -7,13 +7,12 @@ iteration on rank 0.
 
 from __future__ import annotations
 
-import statistics
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
 from ..backends.inputs import make_inputs
-from ..backends.torch.worker import time_schedule
+from ..backends.torch.worker import step_time_ms, step_times, time_schedule
 from ..errors import BackendError
 from ..ir.graph import Program
 from ..schedule.schedule import Schedule
@@ -52,8 +51,8 @@ def _stage_ms(events: Sequence[tuple]) -> dict[str, float]:
 
 def summarise(schedule: Schedule, world_size: int, per_rank: list[dict[str, Any]]) -> Measurement:
     """Combine every rank's timings into one Measurement."""
-    worst = [max(ts) for ts in zip(*(r["times_ms"] for r in per_rank), strict=True)]
-    return Measurement(schedule, world_size, statistics.median(worst), worst, _stage_ms(per_rank[0]["events"]))
+    times = [r["times_ms"] for r in per_rank]
+    return Measurement(schedule, world_size, step_time_ms(times), step_times(times), _stage_ms(per_rank[0]["events"]))
 
 
 def measure_schedules(world: Any, schedules: Sequence[Schedule], sizes: Mapping[str, int], *, device: str = "cpu",

@@ -149,7 +149,7 @@ def _version(package: str) -> str | None:
 
 def provenance(cwd: str | os.PathLike | None = None) -> dict[str, Any]:
     """Host, git commit (None outside a repository), library versions and the current UTC time."""
-    from cocoweave import __version__
+    from ..version import __version__
 
     return {
         "host": socket.gethostname(),

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import statistics
 import time
 from collections.abc import Callable, Mapping, Sequence
 from typing import Any
@@ -57,6 +58,17 @@ def timed_steps(step: Callable[[], Any], world_size: int, device: torch.device, 
         if i >= warmup:
             times.append((time.perf_counter() - t0) * 1e3)
     return times
+
+
+def step_times(per_rank: Sequence[Sequence[float]]) -> list[float]:
+    """The time of each timed step of a run: the slowest rank's (every step starts after a barrier)."""
+    return [max(step) for step in zip(*per_rank, strict=True)]
+
+
+def step_time_ms(per_rank: Sequence[Sequence[float]]) -> float:
+    """The step time of a run, the one definition that measure, tune, the demo and `run --iters` report: the
+    median over steps of the slowest rank's time of each step (`timed_steps` on every rank)."""
+    return statistics.median(step_times(per_rank))
 
 
 def time_schedule(rank: int, world_size: int, schedule: Schedule, inputs: Sequence[RankInputs],
