@@ -6,7 +6,7 @@ from __future__ import annotations
 import hashlib
 import json
 import os
-from collections.abc import Mapping
+from collections.abc import Generator, Mapping
 from pathlib import Path
 from typing import Any
 
@@ -90,7 +90,7 @@ class Executable:
         self.path = write_source(self.source, f"{plan.fingerprint}-r{rank}-w{world_size}-{key}")
         namespace: dict[str, Any] = {}
         exec(compile(self.source, str(self.path), "exec"), namespace)  # noqa: S102 - our own generated code
-        self._step = namespace["step"]
+        self._step, self._launch = namespace["step"], namespace["launch"]
         backend = dist.get_backend() if dist.is_initialized() else "gloo"
         if world_size > 1 and not dist.is_initialized():
             raise BackendError(f"rank {rank}: torch.distributed is not initialised; start ranks with "
@@ -164,15 +164,51 @@ class Executable:
         check_rank_inputs(self.program, self.rank, self.world_size, given, self.sizes)
         return given
 
-    def run(self, inputs: RankInputs) -> RankResult:
+    def run(self, inputs: RankInputs, defer_gathers: bool = False) -> RankResult:
         """One step. State tensors are updated in place (sliced ones are kept by the executable);
-        returned outputs are the executable's buffers, valid until the next call."""
+        returned outputs are the executable's buffers, valid until the next call. With `defer_gathers`, the
+        all-gathers that write a state tensor nothing later reads are left in flight: call `wait()` before
+        reading those state tensors (an optimizer overlaps them with the next forward)."""
+        steps = self.steps(inputs, defer_gathers)
+        while True:
+            try:
+                next(steps)
+            except StopIteration as done:
+                return done.value
+
+    __call__ = run
+
+    def steps(self, inputs: RankInputs, defer_gathers: bool = False) -> Generator[tuple[int, dict], None, RankResult]:
+        """One step as a generator that pauses before each stage, yielding (stage index, the tensors the stage
+        reads by value name), and returns the RankResult: a caller can work between stages, e.g. `provide` the
+        result of a collective from values of several executables (one global norm over many buckets)."""
+        self.wait()
         given = self._prepare(inputs)
-        outputs = self._step(self.ctx, given)
+        self.ctx.defer = defer_gathers
+        try:
+            outputs = yield from self._step(self.ctx, given)
+        finally:
+            self.ctx.defer = False
         state = {n: given[n] for n in self.plan.state if n in given}
         return RankResult(outputs=outputs, state=state)
 
-    __call__ = run
+    def launch(self, inputs: RankInputs) -> bool:
+        """Issue the step's first collective now, asynchronously (a gradient reduction from a backward hook, while
+        backward goes on); the next `run` takes its result. False when the plan does not open with one (a shared
+        memory or ring algorithm, a computation first): the run does all the work."""
+        if self._launch is None:
+            return False
+        self._launch(self.ctx, inputs)
+        return True
+
+    def provide(self, value: str, result: torch.Tensor) -> None:
+        """Give the result of collective `value` (by value name) for the coming or paused step: it does not
+        communicate, it returns `result`."""
+        self.ctx.provided[value] = result
+
+    def wait(self) -> None:
+        """Complete the all-gathers a deferred step left in flight (their state tensors are then final)."""
+        self.ctx.wait_deferred()
 
     def gather_state(self, name: str) -> torch.Tensor:
         """The whole tensor of state kept sliced (a collective: every rank of its group calls it)."""

@@ -151,6 +151,10 @@ class RankContext:
         self.compiled = compiled  # fused stages run as one compiled loop (else op by op)
         self._stages: dict[str, Callable[..., Any]] = {}
         self._shm = shm.ShmBuffers()  # slots of the shared-memory collectives, by output key
+        self._early: dict[Any, Pending] = {}  # collectives launched ahead of the step (Executable.launch)
+        self.provided: dict[Any, torch.Tensor] = {}  # results the caller gives for collectives (Executable.provide)
+        self.defer = False  # leave deferrable all-gathers in flight when the step returns (Executable.run)
+        self.deferred: list[Pending] = []
         self._pairs: dict[Any, shm.Pair] = {}
         self.groups, self.indices, self.backend = groups, indices, backend
         self.buffers: dict[Any, torch.Tensor] = {}
@@ -217,14 +221,33 @@ class RankContext:
         p = Pending(work, finish)
         return p if async_op else p.wait()
 
-    def _alone(self, x: torch.Tensor, out: Any, async_op: bool) -> Any | None:
-        """A world of one rank without torch.distributed: every collective gives this rank's own tensor
-        (the identity; avg and adasum of one tensor are the tensor). None when the group has peers."""
+    def _alone(self, x: torch.Tensor, out: Any, async_op: bool, into: torch.Tensor | None = None) -> Any | None:
+        """What a collective returns without communicating, or None: its result issued ahead of the step (launch),
+        a result the caller provided, or, in a world of one rank without torch.distributed, this rank's own tensor
+        (the identity; avg and adasum of one tensor are the tensor)."""
+        early = self._early.pop(out, None)
+        if early is not None:
+            return early if async_op else early.wait()
+        if out in self.provided:
+            res = self.provided.pop(out)
+            return self._done(None, lambda: res, async_op)
         if dist.is_initialized():
             return None
-        res = self.buffer(out, x.shape, x.dtype)
+        res = into if into is not None else self.buffer(out, x.shape, x.dtype)
         res.copy_(x)
         return self._done(None, lambda: res, async_op)
+
+    def early(self, out: Any, pending: Pending) -> None:
+        """Keep a collective issued ahead of the step (generated `launch`): the step's call of it returns it."""
+        old = self._early.pop(out, None)
+        if old is not None:  # launched twice without a step between: complete the first
+            old.wait()
+        self._early[out] = pending
+
+    def wait_deferred(self) -> None:
+        """Complete the all-gathers a step left in flight."""
+        while self.deferred:
+            self.deferred.pop(0).wait()
 
     def all_reduce(self, x: torch.Tensor, op: str, group: Any, out: Any, async_op: bool = False) -> Any:
         if (alone := self._alone(x, out, async_op)) is not None:
@@ -285,10 +308,16 @@ class RankContext:
 
         return self._done(work if async_op else None, finish, async_op)
 
-    def all_gather(self, x: torch.Tensor, dim: int, total: int, group: Any, out: Any, async_op: bool = False) -> Any:
-        """Gather the ranks' tensor_split parts of a tensor whose whole size along `dim` is `total`."""
-        if (alone := self._alone(x, out, async_op)) is not None:
+    def all_gather(self, x: torch.Tensor, dim: int, total: int, group: Any, out: Any, async_op: bool = False,
+                   into: torch.Tensor | None = None, deferrable: bool = False) -> Any:
+        """Gather the ranks' tensor_split parts of a tensor whose whole size along `dim` is `total` (into `into`,
+        when given: a state tensor the result becomes). A deferrable gather is left in flight while the executable
+        defers (its result is only read after Executable.wait)."""
+        if (alone := self._alone(x, out, async_op, into)) is not None:
             return alone
+        if deferrable and self.defer and not async_op:
+            self.deferred.append(self.all_gather(x, dim, total, group, out, True, into))
+            return into
         n = dist.get_world_size(group)
         bounds = [slice_bounds(total, n, r) for r in range(n)]
         sizes = [stop - start for start, stop in bounds]
@@ -296,8 +325,8 @@ class RankContext:
         xt = x.movedim(dim, 0)
         rest = tuple(xt.shape[1:])
         full_shape = with_dim(x.shape, dim, total)
-        res = self.buffer(out, full_shape, x.dtype)
-        if total % n == 0 and dim == 0 and x.is_contiguous():
+        res = into if into is not None else self.buffer(out, full_shape, x.dtype)
+        if total % n == 0 and dim == 0 and x.is_contiguous() and res.is_contiguous():
             work = _ALL_GATHER(res, x, group=group, async_op=async_op)
             return self._done(work if async_op else None, lambda: res, async_op)
         inp = self.buffer((out, "in"), (c, *rest), x.dtype)
@@ -400,13 +429,13 @@ class RankContext:
         return self._done(None, lambda: res, async_op)
 
     def shm_all_gather(self, x: torch.Tensor, dim: int, total: int, group: Any, out: Any,
-                       async_op: bool = False) -> Any:
-        if (alone := self._alone(x, out, async_op)) is not None:
+                       async_op: bool = False, into: torch.Tensor | None = None, deferrable: bool = False) -> Any:
+        if (alone := self._alone(x, out, async_op, into)) is not None:
             return alone
         g = self._shm_group(group)
         if g is None:
-            return self.all_gather(x, dim, total, group, out, async_op)
-        res = self.buffer(out, with_dim(x.shape, dim, total), x.dtype)
+            return self.all_gather(x, dim, total, group, out, async_op, into, deferrable)
+        res = into if into is not None else self.buffer(out, with_dim(x.shape, dim, total), x.dtype)
         xt = x.movedim(dim, 0)
         flat = xt.reshape(-1) if xt.is_contiguous() else xt.contiguous().reshape(-1)
         row = flat.numel() // x.shape[dim] if x.shape[dim] else math.prod(xt.shape[1:])
@@ -461,10 +490,11 @@ class RankContext:
         ring.ring_reduce_scatter(x, dim, op, group, res)
         return res
 
-    def ring_all_gather(self, x: torch.Tensor, dim: int, total: int, group: Any, out: Any) -> torch.Tensor:
-        if (alone := self._alone(x, out, False)) is not None:
+    def ring_all_gather(self, x: torch.Tensor, dim: int, total: int, group: Any, out: Any,
+                        into: torch.Tensor | None = None, deferrable: bool = False) -> torch.Tensor:
+        if (alone := self._alone(x, out, False, into)) is not None:
             return alone
-        res = self.buffer(out, with_dim(x.shape, dim, total), x.dtype)
+        res = into if into is not None else self.buffer(out, with_dim(x.shape, dim, total), x.dtype)
         ring.ring_all_gather(x, dim, group, res)
         return res
 
