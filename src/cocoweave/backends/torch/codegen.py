@@ -366,7 +366,7 @@ def _launch(em: Emitter) -> list[str]:
     em.lines = []
     em.emit(f"{em.var(x)} = I[\"{x.name}\"]")
     em.emit(f'with ctx.span("{stage.label}", {first}):')
-    em.emit(f'ctx.early("{head.name}", {em.communicate(head, async_op=True)})', 2)
+    em.emit(f'ctx.early("{head.name}", lambda: {em.communicate(head, async_op=True)})', 2)
     doc = f'    """Issue stage {first} ({stage.label}) asynchronously, ahead of the step."""'
     return ["", "", "def launch(ctx, I):", doc, *em.lines]
 

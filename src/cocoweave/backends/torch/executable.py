@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import hashlib
 import json
+import math
 import os
 from collections.abc import Generator, Mapping
 from pathlib import Path
@@ -18,11 +19,12 @@ from ...errors import BackendError, InputError
 from ...ir.graph import Program
 from ...ir.layout import slice_bounds
 from ...ir.semantics import Place, dropout_index
-from ...ir.types import bind_shape
+from ...ir.types import DTYPES, bind_shape
 from ...launch import agree
-from ...plan.plan import Plan
+from ...plan import Collective, FusedCollective, Plan
 from ..inputs import RankInputs, bound_sizes, check_rank_inputs, local_shape
 from ..results import RankResult
+from . import shm
 from .codegen import generate
 from .runtime import RankContext
 
@@ -206,9 +208,40 @@ class Executable:
         communicate, it returns `result`."""
         self.ctx.provided[value] = result
 
+    def shared_input(self, name: str) -> torch.Tensor | None:
+        """Where to put input `name` so that the step's opening shared-memory collective reads it without a copy:
+        this rank's slot of that collective (a gradient bucket can live there, filled by backward). None when the
+        step does not open with a shm reduce-scatter or all-reduce of `name` in its own dtype on this host."""
+        stage = next((s for s in self.plan.stages if self.plan.view(self.rank, self.world_size, self.sizes)
+                      .takes_part(s)), None)
+        head = stage.values[0] if isinstance(stage, Collective | FusedCollective) else None
+        if head is None or stage.algorithm != "shm" or head.op not in ("all_reduce", "reduce_scatter") or \
+                head.args[0].name != name or head.args[0].op != "input" or self.world_size == 1:
+            return None
+        x = head.args[0]
+        if x.dtype in ("float16", "bfloat16") and self.ctx.backend == "gloo":  # reduced in float32: a copy anyway
+            return None
+        if head.op == "reduce_scatter" and head.attrs["dim"] != 0:
+            return None
+        g = shm.group_for(self.ctx.group(x.group.name))
+        if g is None:
+            return None
+        shape = local_shape(x, self.sizes, *self.plan.view(self.rank, self.world_size, self.sizes).group_rank(x))
+        numel = math.prod(shape)
+        return self.ctx.shm_buffers.get(g, head.name, numel, DTYPES[x.dtype])[g.me][:numel].view(shape)
+
     def wait(self) -> None:
         """Complete the all-gathers a deferred step left in flight (their state tensors are then final)."""
         self.ctx.wait_deferred()
+
+    def cancel(self) -> None:
+        """Complete and drop a collective launched ahead of a step that will not run (its result is stale)."""
+        self.ctx.drop_early()
+
+    def local_shape(self, name: str) -> tuple[int, ...]:
+        """The shape of this rank's part of input `name` in the plan's layouts (a state kept sliced: its slice)."""
+        v = self.program.inputs[name]
+        return local_shape(v, self.sizes, *self.plan.view(self.rank, self.world_size, self.sizes).group_rank(v))
 
     def gather_state(self, name: str) -> torch.Tensor:
         """The whole tensor of state kept sliced (a collective: every rank of its group calls it)."""

@@ -150,7 +150,7 @@ class RankContext:
         self.rank, self.world_size, self.device = rank, world_size, device
         self.compiled = compiled  # fused stages run as one compiled loop (else op by op)
         self._stages: dict[str, Callable[..., Any]] = {}
-        self._shm = shm.ShmBuffers()  # slots of the shared-memory collectives, by output key
+        self.shm_buffers = shm.ShmBuffers()  # slots of the shared-memory collectives, by output key
         self._early: dict[Any, Pending] = {}  # collectives launched ahead of the step (Executable.launch)
         self.provided: dict[Any, torch.Tensor] = {}  # results the caller gives for collectives (Executable.provide)
         self.defer = False  # leave deferrable all-gathers in flight when the step returns (Executable.run)
@@ -237,12 +237,18 @@ class RankContext:
         res.copy_(x)
         return self._done(None, lambda: res, async_op)
 
-    def early(self, out: Any, pending: Pending) -> None:
-        """Keep a collective issued ahead of the step (generated `launch`): the step's call of it returns it."""
+    def early(self, out: Any, issue: Callable[[], Pending]) -> None:
+        """Issue a collective ahead of the step (generated `launch`) and keep it: the step's call of it returns it.
+        Launched again before a step (gradient accumulation), the first completes before the second is issued
+        (both write the same buffer) and only the second counts."""
         old = self._early.pop(out, None)
-        if old is not None:  # launched twice without a step between: complete the first
+        if old is not None:
             old.wait()
-        self._early[out] = pending
+        self._early[out] = issue()
+
+    def drop_early(self) -> None:
+        while self._early:
+            self._early.pop(next(iter(self._early))).wait()
 
     def wait_deferred(self) -> None:
         """Complete the all-gathers a step left in flight."""
@@ -253,8 +259,9 @@ class RankContext:
         if (alone := self._alone(x, out, async_op)) is not None:
             return alone
         n = dist.get_world_size(group)
-        if op == "adasum":
-            return self._adasum(x, group, out)
+        if op == "adasum":  # synchronous: point-to-point rounds
+            res = self._adasum(x, group, out)
+            return self._done(None, lambda: res, async_op)
         wire = self._wire(x)
         key = (out, "wire") if wire is not x else out
         buf = self.buffer(key, wire.shape, wire.dtype)
@@ -401,7 +408,7 @@ class RankContext:
         if g is None:
             return self.all_reduce(x, op, group, out, async_op)
         wire = self._wire(x).reshape(-1)
-        slots = self._shm.get(g, out, wire.numel(), wire.dtype)
+        slots = self.shm_buffers.get(g, out, wire.numel(), wire.dtype)
         res = self.buffer((out, "wire") if wire.dtype != x.dtype else out, x.shape, wire.dtype)
         parts = self._rows(wire.numel(), 1, g.size)
         shm.all_reduce(g, slots, wire if wire.is_contiguous() else wire.contiguous(), op, parts, res.view(-1))
@@ -420,7 +427,7 @@ class RankContext:
         flat = wire.reshape(-1) if wire.is_contiguous() else wire.contiguous().reshape(-1)
         rows = x.shape[dim]
         parts = self._rows(rows, flat.numel() // rows if rows else 0, g.size)
-        slots = self._shm.get(g, out, flat.numel(), flat.dtype)
+        slots = self.shm_buffers.get(g, out, flat.numel(), flat.dtype)
         mine = slice_bounds(rows, g.size, g.me)
         part = self.buffer((out, "part"), (mine[1] - mine[0], *wire.shape[1:]), flat.dtype)
         shm.reduce_scatter(g, slots, flat, op, parts, part.view(-1))
@@ -440,7 +447,7 @@ class RankContext:
         flat = xt.reshape(-1) if xt.is_contiguous() else xt.contiguous().reshape(-1)
         row = flat.numel() // x.shape[dim] if x.shape[dim] else math.prod(xt.shape[1:])
         biggest = max(stop - start for start, stop in (slice_bounds(total, g.size, r) for r in range(g.size)))
-        slots = self._shm.get(g, out, biggest * row, x.dtype)
+        slots = self.shm_buffers.get(g, out, biggest * row, x.dtype)
         rt_ = res.movedim(dim, 0)
         outs = [rt_[start:stop] for start, stop in (slice_bounds(total, g.size, r) for r in range(g.size))]
         if dim == 0 and res.is_contiguous():
