@@ -39,7 +39,7 @@ import triton.language as tl
 
 from .. import rng
 from ..backends.torch.codegen import RankView, _live_outs
-from ..backends.torch.executable import write_source
+from ..codecache import source_file
 from ..errors import BackendError
 from ..ir import ops
 from ..ir.graph import Value
@@ -488,7 +488,7 @@ class FusedKernel:
         self.spec = spec
         self.inputs, self.outputs, self.source = spec.inputs, spec.outputs, spec.source
         self.stage, self.name = spec.stage, spec.name
-        self.path = write_source(spec.source, key)
+        self.path = source_file(spec.source, key)
         self._fn = getattr(_load_module(self.path, spec.source), spec.name)
         self._grid = (triton.cdiv(spec.numel, spec.block),)
         self._outs = [torch.empty(0 if j in spec.in_place else s, dtype=DTYPES[v.dtype], device=device)

@@ -7,13 +7,12 @@ import hashlib
 import json
 import os
 from collections.abc import Mapping
-from pathlib import Path
 from typing import Any
 
 import torch
 import torch.distributed as dist
 
-from ...atomic import write_text
+from ...codecache import write_source
 from ...errors import BackendError, InputError
 from ...ir.graph import Program
 from ...ir.layout import slice_bounds
@@ -28,19 +27,6 @@ from .codegen import generate
 from .runtime import RankContext
 
 _GROUPS: dict[tuple[int, ...], Any] = {}
-
-
-def cache_dir() -> Path:
-    """Where generated modules are kept: $COCOWEAVE_CACHE or ~/.cache/cocoweave/plans."""
-    return Path(os.environ.get("COCOWEAVE_CACHE", Path.home() / ".cache" / "cocoweave")) / "plans"
-
-
-def write_source(source: str, key: str) -> Path:
-    """Write generated source once, atomically (a crash never leaves half a module)."""
-    path = cache_dir() / f"{key}.py"
-    if path.exists() and path.read_text() == source:
-        return path
-    return write_text(path, source, durable=False)  # a cache: regenerated if lost
 
 
 def process_groups(program: Program, world_size: int) -> dict[str, Any]:
@@ -79,7 +65,7 @@ class Executable:
         key = key.hexdigest()[:16]
         self.path = write_source(self.source, f"{plan.fingerprint}-r{rank}-w{world_size}-{key}")
         namespace: dict[str, Any] = {}
-        exec(compile(self.source, str(self.path), "exec"), namespace)  # noqa: S102 - our own generated code
+        exec(compile(self.source, str(self.path or "<cocoweave step>"), "exec"), namespace)  # noqa: S102
         self._step = namespace["step"]
         backend = dist.get_backend() if dist.is_initialized() else "gloo"
         if world_size > 1 and not dist.is_initialized():
