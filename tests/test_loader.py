@@ -72,3 +72,22 @@ def test_parse_sizes():
         parse_sizes(["N"])
     with pytest.raises(LoadError, match="size N must be an integer"):
         parse_sizes(["N=x"])
+
+
+def test_import_module_file_loads_once_by_name_and_cleans_up_a_failure(tmp_path):
+    import sys
+
+    from cocoweave.loader import import_module_file
+
+    path = write(tmp_path, "VALUE = 41\n", "mod_by_path.py")
+    module = import_module_file("cocoweave_test_mod_by_path", path)
+    try:
+        assert module.VALUE == 41 and import_module_file("cocoweave_test_mod_by_path", path) is module
+    finally:
+        sys.modules.pop("cocoweave_test_mod_by_path", None)
+    bad = write(tmp_path, "raise RuntimeError('boom')\n", "bad_mod.py")
+    with pytest.raises(RuntimeError, match="boom"):
+        import_module_file("cocoweave_test_bad_mod", bad)
+    assert "cocoweave_test_bad_mod" not in sys.modules
+    with pytest.raises(ImportError):
+        import_module_file("cocoweave_test_no_such_module", None)

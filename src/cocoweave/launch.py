@@ -11,8 +11,6 @@ Functions sent to ranks must be module-level (ranks import them by module name, 
 from __future__ import annotations
 
 import functools
-import importlib
-import importlib.util
 import multiprocessing as mp
 import multiprocessing.util as mp_util
 import os
@@ -34,6 +32,7 @@ import torch.distributed as dist
 
 from . import faults
 from .errors import BackendError
+from .loader import import_module_file
 
 _ENV_VARS = ("RANK", "WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT")
 _ERROR_GRACE_S = 2.0  # after a rank raises, how long the others may take to finish before teardown
@@ -186,32 +185,6 @@ def _fn_spec(fn: Callable[..., Any]) -> tuple[Any, ...]:
     return ("value", fn)
 
 
-def _import(module_name: str, path: str | None) -> Any:
-    module = sys.modules.get(module_name)
-    if module is not None:
-        return module
-    try:
-        module = importlib.import_module(module_name)
-        found = getattr(module, "__file__", None) or path
-        if not path or os.path.realpath(found) == os.path.realpath(path):
-            return module
-    except ImportError:
-        if not path:
-            raise
-    # A module imported under a name this process cannot import (pytest's importlib mode, loaded files).
-    file_spec = importlib.util.spec_from_file_location(module_name, path)  # type: ignore[arg-type]
-    if file_spec is None or file_spec.loader is None:
-        raise ImportError(f"cannot load {path}")
-    module = importlib.util.module_from_spec(file_spec)
-    sys.modules[module_name] = module
-    try:
-        file_spec.loader.exec_module(module)
-    except BaseException:
-        del sys.modules[module_name]
-        raise
-    return module
-
-
 def _resolve(spec: tuple[Any, ...]) -> Callable[..., Any]:
     """The function a `_fn_spec` names, imported in this rank."""
     if spec[0] == "value":
@@ -220,7 +193,7 @@ def _resolve(spec: tuple[Any, ...]) -> Callable[..., Any]:
         return functools.partial(_resolve(spec[1]), *spec[2], **spec[3])
     _, module_name, qualname, path = spec
     try:
-        obj: Any = _import(module_name, path)
+        obj: Any = import_module_file(module_name, path)
         for part in qualname.split("."):
             obj = getattr(obj, part)
     except Exception as exc:  # noqa: BLE001

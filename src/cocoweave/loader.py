@@ -4,6 +4,7 @@ program raised) with one sentence naming the file and, where known, the line."""
 
 from __future__ import annotations
 
+import importlib
 import importlib.util
 import inspect
 import os
@@ -56,6 +57,34 @@ def _describe(exc: BaseException, path: str) -> str:
             and getattr(exc.obj, "__name__", "") == "cocoweave":
         return f"{where}: unknown operation `{exc.name}` (not part of the cocoweave DSL)"
     return f"{where}: {type(exc).__name__}: {exc}"
+
+
+def import_module_file(name: str, path: str | None) -> ModuleType:
+    """The module `name`: already imported, importable by name (from `path`, when given), or else loaded
+    from the file `path` under that name (a module pytest or `load_module` imported under a name this
+    process cannot import, a generated kernel). Raises ImportError."""
+    module = sys.modules.get(name)
+    if module is not None:
+        return module
+    try:
+        module = importlib.import_module(name)
+        found = getattr(module, "__file__", None) or path
+        if not path or os.path.realpath(found) == os.path.realpath(path):
+            return module
+    except ImportError:
+        if not path:
+            raise
+    file_spec = importlib.util.spec_from_file_location(name, path)  # type: ignore[arg-type]
+    if file_spec is None or file_spec.loader is None:
+        raise ImportError(f"cannot load {path}")
+    module = importlib.util.module_from_spec(file_spec)
+    sys.modules[name] = module
+    try:
+        file_spec.loader.exec_module(module)
+    except BaseException:
+        del sys.modules[name]
+        raise
+    return module
 
 
 def load_module(path: str) -> ModuleType:

@@ -46,7 +46,7 @@ from ..ir.graph import Value
 from ..ir.layout import slice_bounds
 from ..ir.printer import operand
 from ..ir.types import DTYPES, bind_shape, promote
-from ..launch import _import as import_module_file  # by name if imported before, else from its file
+from ..loader import import_module_file
 from ..plan.plan import Kernel, Plan
 
 OPS = frozenset(ops.ELEMENTWISE) | {"slice"}
