@@ -1,4 +1,4 @@
-"""The process runtime: live local worlds, failures as BackendErrors within the timeout, agree, torchrun init,
+"""The process runtime: live local worlds, failures as BackendErrors within the timeout, torchrun init,
 and the trace recorder. Rank functions are module-level so that ranks can import them."""
 
 from __future__ import annotations
@@ -20,7 +20,6 @@ from cocoweave import launch
 from cocoweave.errors import BackendError
 from cocoweave.launch import (
     LocalWorld,
-    agree,
     in_torchrun,
     init_from_env,
     rank_device,
@@ -75,12 +74,6 @@ def _sleep_on_1(rank: int, world_size: int, seconds: float) -> int:
     if rank == 1:
         time.sleep(seconds)
     return rank
-
-
-def _agree(rank: int, world_size: int, odd_rank: int | None) -> str:
-    value = agree("fp-odd" if rank == odd_rank else "fp-1234", "program fingerprint")
-    _all_reduce(rank, world_size)
-    return value
 
 
 def _traced(rank: int, world_size: int) -> list[dict]:
@@ -153,16 +146,6 @@ def test_unpicklable_result_is_an_error_naming_the_ranks(world4):
     with pytest.raises(BackendError, match=r"^ranks 0, 1, 2, 3 failed: its result cannot be pickled: "):
         world4.run(_unpicklable_result)
     assert world4.broken is None
-
-
-def test_agree_detects_a_mismatch_on_every_rank(world4):
-    assert world4.run(_agree, None) == ["fp-1234"] * 4
-    with pytest.raises(BackendError) as info:
-        world4.run(_agree, 2)
-    assert str(info.value) == ("ranks 0, 1, 2, 3 failed: BackendError: ranks disagree on program "
-                               "fingerprint: rank 0 has 'fp-1234', rank 2 has 'fp-odd'")
-    assert world4.broken is None  # every rank raised before any other collective: the world is consistent
-    assert torch.equal(world4.run(_all_reduce)[3], torch.full((3,), 10.0))
 
 
 def test_trace_of_a_world_has_one_track_per_rank_and_stream(world4, tmp_path):
@@ -280,7 +263,8 @@ def test_bad_arguments_are_rejected():
 
 _SCRIPT = textwrap.dedent("""
     import torch, torch.distributed as dist
-    from cocoweave.launch import agree, in_torchrun, init_from_env
+    from cocoweave.backends.torch.agreement import agree
+    from cocoweave.launch import in_torchrun, init_from_env
     assert in_torchrun()
     rank, world_size, device = init_from_env(timeout_s=30)
     agree("fp", "program fingerprint")

@@ -17,12 +17,12 @@ from ...errors import BackendError, InputError
 from ...ir.graph import Program
 from ...ir.layout import slice_bounds
 from ...ir.types import bind_shape
-from ...launch import agree
 from ...plan.plan import Plan
 from ..inputs import RankInputs, bound_sizes, check_rank_inputs, local_shape
 from ..local_ops import RankContext as LocalContext
 from ..local_ops import dropout_index
 from ..reference import RankResult
+from .agreement import agree
 from .codegen import generate
 from .runtime import RankContext
 
