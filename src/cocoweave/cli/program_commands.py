@@ -21,9 +21,7 @@ from ..loader import load_program, parse_sizes, symbolic_sizes
 from ..plan.plan import Plan
 from ..schedule.schedule import Schedule
 from .common import console, user_errors
-
-SizeOpt = Annotated[list[str] | None, typer.Option("--size", "-s", help="A size as NAME=INT (repeatable).")]
-SpecArg = Annotated[str, typer.Argument(help="A program: FILE.py:FUNCTION.")]
+from .options import SizeOpt, SpecArg, select
 
 
 @user_errors
@@ -46,8 +44,6 @@ def show(spec: SpecArg, size: SizeOpt = None,
         console.print(f"fingerprint {program.fingerprint()}", style="dim")
         return
     from ..plan import lower
-    from .schedule_commands import select
-
     s = select(program, schedule)[0] if schedule is not None else Schedule(program)
     if code:
         print(_step_code(lower(s), rank, world_size, bound_sizes(program, symbolic_sizes(program, sizes)), triton),
@@ -129,8 +125,6 @@ def run(
     program = load_program(spec, sizes)
     bound = symbolic_sizes(program, sizes)
     if schedule is not None:
-        from .schedule_commands import select
-
         chosen = select(program, schedule)[0]
     else:
         chosen = Schedule(program)

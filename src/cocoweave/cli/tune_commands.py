@@ -16,8 +16,7 @@ from ..errors import LoadError
 from ..loader import load_program, parse_sizes, symbolic_sizes
 from ..schedule.schedule import Schedule
 from .common import console, err_console, user_errors
-from .program_commands import SizeOpt, SpecArg
-from .schedule_commands import parse_world_sizes, select
+from .options import SizeOpt, SpecArg, parse_world_sizes, select
 
 BACKEND = "torch"
 DeviceOpt = Annotated[str, typer.Option(help="Device of the ranks: cpu (Gloo) or cuda.")]
