@@ -88,6 +88,17 @@ def max_local_ranks() -> int:
     return max(16, 4 * _cores())
 
 
+def check_local_ranks(world_size: int) -> int:
+    """`world_size` if a LocalWorld may start that many ranks here, else BackendError with a sentence."""
+    if world_size < 1:
+        raise BackendError(f"a local world needs at least one rank, got world_size={world_size}")
+    if world_size > max_local_ranks():
+        raise BackendError(f"a local world of {world_size} ranks is more than this machine should start "
+                           f"(at most {max_local_ranks()}: 4 per core, at least 16; set {MAX_RANKS_ENV} "
+                           "to allow more)")
+    return world_size
+
+
 def _cores() -> int:
     try:
         return len(os.sched_getaffinity(0))
@@ -422,12 +433,7 @@ class LocalWorld:
         """`timeout_s`: how long a rank may wait for the others (each collective; the parent, for the last
         ranks of a call once one has finished); `wall_timeout_s`: the longest a call may take (default: no
         limit); `start_timeout_s`: the longest starting the ranks may take (default max(120, timeout_s))."""
-        if world_size < 1:
-            raise BackendError(f"a local world needs at least one rank, got world_size={world_size}")
-        if world_size > max_local_ranks():
-            raise BackendError(f"a local world of {world_size} ranks is more than this machine should start "
-                               f"(at most {max_local_ranks()}: 4 per core, at least 16; set {MAX_RANKS_ENV} "
-                               "to allow more)")
+        check_local_ranks(world_size)
         timeout_s = check_seconds(timeout_s, "timeout_s")
         wall_timeout_s = None if wall_timeout_s is None else check_seconds(wall_timeout_s, "wall_timeout_s")
         start_timeout_s = max(120.0, timeout_s) if start_timeout_s is None else \
