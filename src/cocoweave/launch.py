@@ -108,7 +108,8 @@ def _cores() -> int:
 
 def listening_store(host: str, port: int, timeout_s: float, world_size: int | None = None) -> dist.TCPStore:
     """A master TCPStore whose socket listens on `host` only (torch's own binds every interface)."""
-    family, kind, proto, _, address = socket.getaddrinfo(host, port, type=socket.SOCK_STREAM)[0]
+    infos = socket.getaddrinfo(host, port, type=socket.SOCK_STREAM)
+    family, kind, proto, _, address = next((i for i in infos if i[0] == socket.AF_INET), infos[0])
     sock = socket.socket(family, kind, proto)
     try:
         sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
@@ -168,8 +169,9 @@ def init_from_env(timeout_s: float = 60.0, backend: str | None = None) -> tuple[
     if dist.is_initialized():
         return dist.get_rank(), dist.get_world_size(), device
     host = os.environ["MASTER_ADDR"]
-    if chosen == "gloo" and "GLOO_SOCKET_IFNAME" not in os.environ and _is_loopback(host):
-        _use_loopback_for_gloo()  # a world on one host: Gloo's pairs listen on 127.0.0.1 too
+    if chosen == "gloo" and "GLOO_SOCKET_IFNAME" not in os.environ and local_size == world_size \
+            and _is_loopback(host):
+        _use_loopback_for_gloo()  # the whole world on this host, met at a loopback address: Gloo stays there too
     try:
         store = _rank_store(rank, world_size, timeout_s)
         dist.init_process_group(chosen, store=store, rank=rank, world_size=world_size,

@@ -67,6 +67,8 @@ def test_world_sizes_timeouts_outputs_and_sizes_are_checked(tmp_path):
     (["measure", ADAM, "-s", "N=1000000000000000"], "needs 56.8 PiB"),
     (["run", ADAM, "-n", "2,3", "--backend", "torch", "--trace", "t.json"], "--trace writes one world's trace"),
     (["run", ADAM, "-n", "10000", "--backend", "torch"], "a local world of 10000 ranks is more than"),
+    (["demo", "-n", "2,10000"], "a local world of 10000 ranks is more than"),
+    (["demo", "--wall-timeout", "inf"], "--wall-timeout must be a finite number"),
 ])
 def test_bad_input_exits_2_with_one_sentence_before_any_rank_starts(args, words, no_ranks):
     r = invoke(*args)

@@ -118,3 +118,18 @@ def test_tune_refuses_a_broken_cache_before_measuring(spawned, tmp_path):
     r = invoke("tune", ROOT / "examples/adam.py:adam", "-s", "N=16", "-n", 2, "--cache", cache)
     assert r.exit_code == 2 and "is not UTF-8 text" in r.stderr, r.output
     assert spawned == []
+
+
+def test_measure_writes_its_rows_as_json_and_records_them(spawned, tmp_path):
+    from cocoweave.perf.store import MeasurementStore
+
+    r = invoke("measure", ROOT / "examples/adam.py:adam", "-s", "N=16", "-n", "1,2", "--schedule", "AR-c",
+               "--schedule", "RS-C-AG", "--iters", 1, "--warmup", 0, "--rounds", 1, "--store", tmp_path / "store",
+               "--json", "-")
+    assert r.exit_code == 0, r.output
+    doc = json.loads(r.stdout)  # only the JSON: no table
+    assert [(row["world_size"], row["schedule"]) for row in doc["rows"]] == \
+        [(1, "AR-c"), (1, "RS-C-AG"), (2, "AR-c"), (2, "RS-C-AG")]
+    assert all(row["measured_ms"] > 0 for row in doc["rows"])
+    assert len(MeasurementStore(tmp_path / "store").load()) == 4
+    assert spawned == [(1, "gloo", "cpu", 60.0), (2, "gloo", "cpu", 60.0)]

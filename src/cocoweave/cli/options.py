@@ -39,7 +39,8 @@ TimeoutOpt = Annotated[float, typer.Option(help="Seconds a rank may wait for the
 WallTimeoutOpt = Annotated[float | None, typer.Option(
     "--wall-timeout", help="Seconds the whole run of one world may take (default: no limit).")]
 JsonOpt = Annotated[str | None, typer.Option(
-    "--json", metavar="PATH", help="Write the results as JSON to PATH; '-' prints them instead of the table.")]
+    "--json", metavar="PATH", help="Write the results as JSON to PATH ('-': print them instead of the table); "
+                                   "a list of results when several world sizes run.")]
 
 
 def parse_world_sizes(text: str) -> list[int]:
