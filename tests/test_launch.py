@@ -71,6 +71,12 @@ def _exit_on_1(rank: int, world_size: int) -> torch.Tensor:
     return _all_reduce(rank, world_size)
 
 
+def _exit_0_on_1(rank: int, world_size: int) -> int:
+    if rank == 1:
+        os._exit(0)  # a clean exit code, but no result: still a failed rank
+    return rank
+
+
 def _sleep_on_1(rank: int, world_size: int, seconds: float) -> int:
     if rank == 1:
         time.sleep(seconds)
@@ -235,6 +241,14 @@ def test_dead_rank_is_named_quickly_and_restart_works(fragile):
     fragile.restart()
     assert fragile.broken is None
     assert [t.tolist() for t in fragile.run(_all_reduce)] == [[3.0] * 3] * 2
+
+
+def test_a_rank_that_exits_0_without_a_result_is_a_failure(fragile):
+    _ensure_live(fragile)
+    with pytest.raises(BackendError, match=r"^rank 1 exited with code 0 without returning a result during run of "
+                                           r"`_exit_0_on_1`$") as info:
+        fragile.run(_exit_0_on_1)
+    assert info.value.ranks == [1] and fragile.broken
 
 
 def test_hung_rank_is_named_within_the_timeout(fragile):
