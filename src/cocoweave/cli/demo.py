@@ -64,8 +64,23 @@ def demo(
     worlds = parse_world_sizes(world_size)
     check_local_worlds(worlds)
     check_output(as_json, "--json")
-    docs = []
     console.quiet = as_json == "-"  # the JSON is the output
+    try:
+        docs, bad = _demo_worlds(worlds, keys, dev, timeout_s, wall_s, quick, iters, warmup, out)
+    finally:
+        console.quiet = False
+    write_json(docs[0] if len(docs) == 1 else docs, as_json)
+    if bad:
+        size, folder, first = bad
+        raise fail(f"{first[2]} schedules differ from their program as written on {size} ranks (first: "
+                   f"{first[1]} of {first[0]}); see {folder / 'report.md'}", EXIT_MISMATCH)
+
+
+def _demo_worlds(worlds: list[int], keys: list[str], dev: str, timeout_s: float, wall_s: float | None, quick: bool,
+                 iters: int, warmup: int, out: Path) -> tuple[list[dict], tuple | None]:
+    """The demo on a world of each size in turn, until one finds a schedule that differs from its program:
+    each world's results.json (with its folder), and (size, folder, (workload, schedule, count)) of a failure."""
+    docs = []
     for size in worlds:
         t0 = time.perf_counter()
         with console.status(f"starting {size} ranks ({dev})"):
@@ -76,11 +91,8 @@ def demo(
         docs.append(json.loads((folder / "results.json").read_text()) | {"folder": str(folder)})
         bad = [(w.key, r.schedule) for w in result.workloads for r in w.rows if not r.checked]
         if bad:
-            write_json(docs[0] if len(docs) == 1 else docs, as_json)
-            raise fail(f"{len(bad)} schedules differ from their program as written on {size} ranks (first: "
-                       f"{bad[0][1]} of {bad[0][0]}); see {folder / 'report.md'}", EXIT_MISMATCH)
-    write_json(docs[0] if len(docs) == 1 else docs, as_json)
-
+            return docs, (size, folder, (*bad[0], len(bad)))
+    return docs, None
 
 def demo_on(world: LocalWorld, keys: list[str], *, quick: bool, iters: int, warmup: int, out: Path,
             start_s: float = 0.0, command: str | None = None) -> tuple[Path, DemoResult]:
