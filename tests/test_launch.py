@@ -284,7 +284,7 @@ def test_the_wall_timeout_caps_a_whole_call(fragile):
     with pytest.raises(BackendError, match=r"^ranks 0, 1 did not finish `_sleep_then_all_reduce` within the wall "
                                            r"timeout of 1 s$"):
         fragile.call(_sleep_then_all_reduce, (30.0,), wall_timeout_s=1.0)
-    assert time.monotonic() - t0 < 2.5 and fragile.broken
+    assert time.monotonic() - t0 < 5.0 and fragile.broken  # 1 s, then the teardown
 
 
 def test_a_stopped_rank_is_named_as_the_one_that_stopped_answering(fragile):
@@ -298,7 +298,7 @@ def test_a_stopped_rank_is_named_as_the_one_that_stopped_answering(fragile):
                           "stopped by a signal); rank 0 gave up waiting: "), msg
     assert "stage" not in msg and "Timed out" in msg  # rank 1 never entered a stage of this call
     assert info.value.ranks == [1, 0] and fragile.broken
-    assert time.monotonic() - t0 < 3.0 + 2.0 + 1.5  # Gloo's 3 s wait, the error grace, teardown
+    assert time.monotonic() - t0 < 3.0 + 2.0 + 5.0  # Gloo's 3 s wait, the error grace, teardown (loaded CPUs)
 
 
 def test_communication_failures_break_the_world():
