@@ -8,23 +8,22 @@ import json
 import math
 import os
 from collections.abc import Generator, Mapping
-from pathlib import Path
 from typing import Any
 
 import torch
 import torch.distributed as dist
 
-from ...atomic import write_text
+from ...codecache import write_source
 from ...errors import BackendError, InputError
 from ...ir.graph import Program
 from ...ir.layout import slice_bounds
 from ...ir.semantics import Place, dropout_index
 from ...ir.types import DTYPES, bind_shape
-from ...launch import agree
 from ...plan import Collective, FusedCollective, Plan
 from ..inputs import RankInputs, bound_sizes, check_rank_inputs, local_shape
 from ..results import RankResult
 from . import shm
+from .agreement import agree
 from .codegen import generate
 from .runtime import RankContext
 
@@ -39,19 +38,6 @@ KERNELS_ENV = "COCOWEAVE_KERNELS"  # the default route of every executable (e.g.
 def default_kernels() -> str:
     """The route fused stages take unless an executable is told otherwise: $COCOWEAVE_KERNELS, else "auto"."""
     return os.environ.get(KERNELS_ENV, "auto")
-
-
-def cache_dir() -> Path:
-    """Where generated modules are kept: $COCOWEAVE_CACHE or ~/.cache/cocoweave/plans."""
-    return Path(os.environ.get("COCOWEAVE_CACHE", Path.home() / ".cache" / "cocoweave")) / "plans"
-
-
-def write_source(source: str, key: str) -> Path:
-    """Write generated source once, atomically (a crash never leaves half a module)."""
-    path = cache_dir() / f"{key}.py"
-    if path.exists() and path.read_text() == source:
-        return path
-    return write_text(path, source, durable=False)  # a cache: regenerated if lost
 
 
 def process_groups(program: Program, world_size: int) -> dict[str, Any]:
@@ -91,7 +77,7 @@ class Executable:
         key = key.hexdigest()[:16]
         self.path = write_source(self.source, f"{plan.fingerprint}-r{rank}-w{world_size}-{key}")
         namespace: dict[str, Any] = {}
-        exec(compile(self.source, str(self.path), "exec"), namespace)  # noqa: S102 - our own generated code
+        exec(compile(self.source, str(self.path or "<cocoweave step>"), "exec"), namespace)  # noqa: S102
         self._step, self._launch = namespace["step"], namespace["launch"]
         backend = dist.get_backend() if dist.is_initialized() else "gloo"
         if world_size > 1 and not dist.is_initialized():
