@@ -128,10 +128,18 @@ class MeshLayout(Layout):
         return any(p.is_sliced for p in self.placements)
 
     def __eq__(self, other: object) -> bool:
-        return isinstance(other, MeshLayout) and (self.axes, self.placements) == (other.axes, other.placements)
+        """Equal placements on every axis (an axis a named layout leaves out is Replicated)."""
+        if not isinstance(other, MeshLayout):
+            return False
+        if self.axes is not None and other.axes is not None:
+            return self._named() == other._named()
+        return self.placements == other.placements
+
+    def _named(self) -> dict[str, Placement]:
+        return {a: p for a, p in zip(self.axes, self.placements) if not p.is_replicated}
 
     def __hash__(self) -> int:
-        return hash((self.axes, self.placements))
+        return hash(tuple(sorted(repr(p) for p in self.placements if not p.is_replicated)))
 
     def __repr__(self) -> str:
         if self.axes is None:
