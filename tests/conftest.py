@@ -2,10 +2,16 @@
 
 from __future__ import annotations
 
+import os
 from collections.abc import Callable, Iterator
 from typing import TYPE_CHECKING
 
 import pytest
+
+# Fused stages run op by op in the suite unless a test asks for a route (kernels="compiled" / "triton"): compiling
+# every schedule of every example at every world size would take most of the suite's time. The compiled route (the
+# CPU default for users) has its own equivalence tests: tests/backends/test_compiled_route.py.
+os.environ.setdefault("COCOWEAVE_KERNELS", "torch")
 
 # ---------------------------------------------------------------------------------------------------------
 # Local worlds of live rank processes (cocoweave.launch), shared by every test of the session.

@@ -50,14 +50,15 @@ def reference_runner(schedule: Schedule, inputs: list, sizes: Mapping[str, int])
     return reference.run(schedule, inputs, sizes, whole_state=True)
 
 
-def torch_runner(world: Any, device: str = "cpu") -> BatchRunner:
-    """Runs every schedule on the live ranks of `world` (a cocoweave.launch.LocalWorld) in one call;
-    a failing rank raises BackendError (the ranks' collectives cannot go on after one rank fails)."""
+def torch_runner(world: Any, device: str = "cpu", kernels: str | None = None) -> BatchRunner:
+    """Runs every schedule on the live ranks of `world` (a cocoweave.launch.LocalWorld) in one call, fused stages
+    on route `kernels` (the executables' default when None); a failing rank raises BackendError (the ranks'
+    collectives cannot go on after one rank fails)."""
 
     def run(schedules: Sequence[Schedule], inputs: list, sizes: Mapping[str, int]) -> list[list]:
         from .backends.torch.worker import run_schedules
 
-        per_rank = world.run(run_schedules, list(schedules), inputs, dict(sizes), device)
+        per_rank = world.run(run_schedules, list(schedules), inputs, dict(sizes), device, kernels)
         return [[r[i] for r in per_rank] for i in range(len(schedules))]
 
     return run

@@ -34,3 +34,15 @@ def test_random_schedules_of_random_programs_equal_the_program_on_the_torch_back
                            batch=torch_runner(local_world(world_size)))
     bad = [(r.schedule, r.max_abs, r.error) for r in rows if not r.ok]
     assert not bad, f"{program}\n{[s.steps for s in chosen]}\n{bad}"
+
+
+@settings(max_examples=8, deadline=None, suppress_health_check=list(HealthCheck))
+@given(data=st.data())
+def test_random_schedules_of_random_programs_equal_the_program_compiled(local_world, data):
+    """The same, with every fused stage compiled into one loop (the CPU default for users)."""
+    program = data.draw(programs())
+    chosen = [data.draw(schedules(program)) for _ in range(2)]
+    rows = check_schedules(program, chosen, 2, seed=data.draw(st.integers(0, 100)),
+                           batch=torch_runner(local_world(2), kernels="compiled"))
+    bad = [(r.schedule, r.max_abs, r.error) for r in rows if not r.ok]
+    assert not bad, f"{program}\n{[s.steps for s in chosen]}\n{bad}"

@@ -32,7 +32,8 @@ def _table(fast: dict[str, float], default: float = 10.0) -> dict[str, float]:
 
 def test_measures_the_k_best_predicted_and_the_baseline_and_picks_the_fastest_measured():
     names = [s.name for s in SCHEDULES]
-    predicted = dict(zip(names, [9.0, 1.0, 2.0, 3.0, 4.0, 5.0, 6.0, 7.0, 8.0, 8.5, 8.7][:len(names)], strict=False))
+    ranked = [9.0, 1.0, 2.0, 3.0, 4.0, 5.0, 6.0, 7.0, 8.0, 8.5, 8.7] + [9.5 + i for i in range(len(names))]
+    predicted = dict(zip(names, ranked[:len(names)], strict=False))
     truth = _table({names[1]: 6.0, names[2]: 4.0, names[3]: 5.0, BASE: 8.0}, default=1.0)  # the 4th is best
     timer = FakeTimer(truth)
     result = tune(PROGRAM, {}, 4, measure=timer, predict=lambda s: predicted[s.name], k=3)

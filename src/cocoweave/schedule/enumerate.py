@@ -6,8 +6,9 @@
 3. Groupings on each rewrite: fuse every computation stage into one kernel (`C`); fuse
    ReduceScatter + computation + AllGather; overlap matmul -> collective (-> epilogue) chains and
    collective -> computation -> send chains with 2, 4 or 8 chunks.
-4. Algorithms: the program as written with its AllReduces on the ring (`AR@ring`), and every fused
-   ReduceScatter + computation + AllGather on CoCoNet's fused ring (`fuse(RS-C-AG)@ring`).
+4. Algorithms: the program as written with its AllReduces on the ring (`AR@ring`), every fused
+   ReduceScatter + computation + AllGather on CoCoNet's fused ring (`fuse(RS-C-AG)@ring`), and every fused
+   schedule with all its communication through shared memory (`@shm`, for ranks of one host).
 """
 
 from __future__ import annotations
@@ -152,22 +153,24 @@ def enumerate_schedules(program: Program) -> list[Schedule]:
                     refs = [c.anchor for c in chain]
                     add(_try(lambda base=base, refs=refs, n=n: _overlapped(program, base, refs, n)))
         if not steps:
-            add(_on_ring(program, bases[0], "collective"))
+            add(_on(program, bases[0], ("collective",), "ring"))
         if bases[1] is not None:
-            add(_on_ring(program, bases[1], "fused"))
+            add(_on(program, bases[1], ("fused",), "ring"))
+        for base in [b for b in bases if b is not None]:
+            add(_on(program, base, ("collective", "fused", "p2p"), "shm"))
     return list(found.values())
 
 
-def _on_ring(program: Program, base: Schedule, kind: str) -> Schedule | None:
-    """`base` with every stage of `kind` that can run on the ring moved onto it; None if none can."""
+def _on(program: Program, base: Schedule, kinds: tuple[str, ...], algorithm: str) -> Schedule | None:
+    """`base` with every stage of `kinds` that can run on `algorithm` moved onto it; None if none can."""
     s, changed = Schedule(program, base.steps), False
-    for stage in [x for x in s.stages if x.kind == kind]:
-        changed |= _try(lambda stage=stage: _ring_step(s, stage)) is not None
+    for stage in [x for x in s.stages if x.kind in kinds]:
+        changed |= _try(lambda stage=stage: _algorithm_step(s, stage, algorithm)) is not None
     return s if changed else None
 
 
-def _ring_step(s: Schedule, stage: Stage) -> Schedule:
-    s.algorithm(stage, "ring")
+def _algorithm_step(s: Schedule, stage: Stage, algorithm: str) -> Schedule:
+    s.algorithm(stage, algorithm)
     return s
 
 

@@ -25,7 +25,9 @@ COMPUTE_OPS = R.names(*R.COMPUTE_GROUPS)
 ELEMENTWISE_OPS = R.names(*R.ELEMENTWISE_GROUPS)
 TOKENS = {"all_reduce": "AR", "reduce_scatter": "RS", "all_gather": "AG", "broadcast": "BC", "reduce": "R"}
 CHUNKABLE_COMM = ("all_reduce", "reduce_scatter", "all_gather", "send")
-ALGORITHMS = ("library", "ring")  # torch.distributed's call; a ring over point-to-point messages
+# How a communication stage moves its data: torch.distributed's call; a ring over point-to-point messages; shared
+# memory between the ranks of one host (backends/torch/shm.py; the library's call where ranks do not share one).
+ALGORITHMS = ("library", "ring", "shm")
 RING_COLLECTIVES = ("all_reduce", "reduce_scatter", "all_gather")
 RING_OPS = ("sum", "avg", "max", "min")
 
@@ -106,13 +108,15 @@ class Collective(Stage):
 
 @dataclass(frozen=True)
 class P2P(Stage):
-    """Send to the next process group: group rank i of the sender's group sends to group rank i of the other."""
+    """Send to the next process group: group rank i of the sender's group sends to group rank i of the other
+    ("library": torch.distributed's send; "shm": through shared memory)."""
 
+    algorithm: str = "library"
     kind: ClassVar[str] = "p2p"
 
     @property
     def label(self) -> str:
-        return "P2P"
+        return "P2P" + ("" if self.algorithm == "library" else f"@{self.algorithm}")
 
 
 @dataclass(frozen=True)
@@ -304,17 +308,19 @@ def _library_only(group: list[Stage], verb: str) -> None:
 
 
 def set_algorithm(program: Program, stages: list[Stage], ref: str | Stage, algorithm: str) -> list[Stage]:
-    """Run one collective stage (AR, RS, AG) or fused RS-C-AG stage on `algorithm`. The ring needs a
-    sum/avg/max/min reduction, and a fused ring applies its computation piece by piece along the
+    """Run one collective stage (AR, RS, AG), fused RS-C-AG stage or (shm only) P2P stage on `algorithm`. The ring
+    and shm need a sum/avg/max/min reduction, and a fused ring applies its computation piece by piece along the
     scattered dimension, so every computed value must be elementwise and sliced along that dimension."""
     if algorithm not in ALGORITHMS:
         raise ScheduleError(f"unknown collective algorithm {algorithm!r}; choose one of {', '.join(ALGORITHMS)}")
     i = locate(stages, ref)
     s = stages[i]
     lab = s.label
+    if isinstance(s, P2P) and algorithm in ("library", "shm"):
+        return stages[:i] + [replace(s, algorithm=algorithm)] + stages[i + 1:]
     if not isinstance(s, Collective | FusedCollective):
         raise ScheduleError(f"cannot choose an algorithm for stage {lab} (`{s.anchor}`): only collective stages "
-                            "(AR, RS, AG) and fused RS-C-AG stages have one")
+                            "(AR, RS, AG), fused RS-C-AG stages and (on shm) P2P stages have one")
     head = value(program, s.anchor)
     if head.op not in RING_COLLECTIVES and algorithm != "library":
         raise ScheduleError(f"cannot run {lab} (`{s.anchor}`) as a {algorithm}: only {', '.join(RING_COLLECTIVES)} "
@@ -323,7 +329,7 @@ def set_algorithm(program: Program, stages: list[Stage], ref: str | Stage, algor
     if op is not None and op not in RING_OPS and algorithm != "library":
         raise ScheduleError(f"cannot run {lab} (`{s.anchor}`) as a {algorithm}: it reduces with {op!r}, and a ring "
                             f"reduces with one of {', '.join(RING_OPS)}")
-    if isinstance(s, FusedCollective) and algorithm != "library":
+    if isinstance(s, FusedCollective) and algorithm == "ring":
         dim = head.attrs["dim"]
         axis, count = axis_of(head)
         for n in (n for p in s.parts if isinstance(p, Compute) for n in p.names):

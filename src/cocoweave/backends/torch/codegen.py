@@ -12,6 +12,7 @@ from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
 from typing import Any
 
+from ... import rng
 from ...ir.graph import Value
 from ...ir.layout import slice_bounds
 from ...ir.printer import operand
@@ -36,6 +37,9 @@ class Emitter:
     used: set[str] = field(default_factory=set)
     scratch: dict[int, int] = field(default_factory=dict)  # temporary of this stage -> its last reader (in place)
     algorithm: str = "library"  # the collective algorithm of the stage being emitted
+    defs: list[str] = field(default_factory=list)  # module-level functions (fused stages), before `step`
+    in_function: bool = False  # emitting the body of a fused stage's function (no ctx there)
+    extra: dict[str, str] = field(default_factory=dict)  # function parameter -> its argument at the call (host)
 
     # -- naming -------------------------------------------------------------------------------
     def var(self, v: Value) -> str:
@@ -132,6 +136,13 @@ class Emitter:
         seed = v.attrs["seed"] if v.attrs["seed"] is not None else f"int({a[1]})"
         rank = self.view.group_rank(v)[0] if v.args[0].layout.is_local else 0
         key, p = f"rt.dropout_key({seed}, {rank})", v.attrs["p"]
+        if self.in_function:  # a fused loop: the logical index is arithmetic on the element's position
+            if v.attrs["seed"] is not None:
+                key = str(rng.dropout_key(v.attrs["seed"], rank))
+            else:  # the key of a runtime seed is hashed on the host, before the call
+                key = f"{self.var(v)}_key"
+                self.extra[key] = f"rt.dropout_key(int({a[1]}), {rank})"
+            return f"rt.dropout({a[0]}, {self.logical_index(v.args[0], a[0])}, {p!r}, {key})"
         bits = f'ctx.keep("{v.name}", {p!r}, {key})' if v.attrs["seed"] is not None else f'ctx.index("{v.name}")'
         if self.chunk is not None:
             dim, nd, se = self.chunk
@@ -139,6 +150,15 @@ class Emitter:
         if v.attrs["seed"] is not None:
             return f"rt.apply_dropout({a[0]}, {bits}, {p!r})"
         return f"rt.dropout({a[0]}, {bits}, {p!r}, {key})"
+
+    def logical_index(self, x: Value, expr: str) -> str:
+        """An expression of the logical indices of this rank's part of `x` (its slice of the whole tensor)."""
+        full = bind_shape(x.shape, self.view.sizes)
+        dim, start = None, 0
+        if x.layout.is_sliced:
+            gr, gs = self.view.group_rank(x)
+            dim, start = x.layout.dim, slice_bounds(full[x.layout.dim], gs, gr)[0]
+        return f"rt.logical_index({full}, {self.view.local_shape(x)}, {dim}, {start}, {expr}.device)"
 
     def slice(self, v: Value, a: list[str]) -> str:
         full = bind_shape(v.args[0].shape, self.view.sizes)
@@ -167,12 +187,13 @@ class Emitter:
         if self.chunk is not None:
             dim, nd, se = self.chunk
             shape = f"rt.with_dim({shape}, {dim - (nd - v.ndim)}, {se}[1])"
-        return (f"ctx.send_recv({x if sending else 'None'}, peer={peer}, sending={sending}, shape={shape}, "
-                f"dtype=torch.{v.dtype}{tail})")
+        return (f"ctx.{self.prefix()}send_recv({x if sending else 'None'}, peer={peer}, sending={sending}, "
+                f"shape={shape}, dtype=torch.{v.dtype}{tail})")
 
-    def ring(self) -> str:
-        """The ring algorithm (ring.py: point-to-point, synchronous, never chunked) takes the library's arguments."""
-        return "ring_" if self.algorithm == "ring" else ""
+    def prefix(self) -> str:
+        """The runtime method's prefix for the stage's algorithm: ring_ (ring.py) and shm_ (shm.py) take the
+        library's arguments (both synchronous, never chunked)."""
+        return "" if self.algorithm == "library" else f"{self.algorithm}_"
 
 
 HALF = ("float16", "bfloat16")
@@ -242,11 +263,11 @@ HOST: dict[str, Callable[[Value, list[str]], str]] = {
 
 # communication -> (emitter, value, operand, group, tail arguments) -> runtime call
 COMM: dict[str, Callable[[Emitter, Value, str, str, str], str]] = {
-    "all_reduce": lambda em, v, x, g, t: f"ctx.{em.ring()}all_reduce({x}, {v.attrs['op']!r}, {g}{t})",
+    "all_reduce": lambda em, v, x, g, t: f"ctx.{em.prefix()}all_reduce({x}, {v.attrs['op']!r}, {g}{t})",
     "reduce_scatter": lambda em, v, x, g, t:
-        f"ctx.{em.ring()}reduce_scatter({x}, {v.attrs['op']!r}, {v.attrs['dim']}, {g}{t})",
+        f"ctx.{em.prefix()}reduce_scatter({x}, {v.attrs['op']!r}, {v.attrs['dim']}, {g}{t})",
     "all_gather": lambda em, v, x, g, t:
-        f"ctx.{em.ring()}all_gather({x}, {v.attrs['dim']}, {em.view.local_shape(v)[v.attrs['dim']]}, {g}{t})",
+        f"ctx.{em.prefix()}all_gather({x}, {v.attrs['dim']}, {em.view.local_shape(v)[v.attrs['dim']]}, {g}{t})",
     "broadcast": lambda em, v, x, g, t: f"ctx.broadcast({x}, {v.attrs['root']}, {g}{t})",
     "reduce": lambda em, v, x, g, t: f"ctx.reduce({x}, {v.attrs['op']!r}, {v.attrs['root']}, {g}{t})",
     "send": lambda em, v, x, g, t: em.send(v, x, t),
@@ -296,12 +317,19 @@ def generate(plan: Plan, rank: int, world_size: int, sizes: Mapping[str, int],
                 em.emit("# it writes new state over the state tensors: their copies at the end are no-ops", 2)
             outs = ", ".join(em.var(v) for v in k.outputs) + ("," if len(k.outputs) == 1 else "")
             em.emit(f"{outs} = ctx.fused({i})({', '.join(em.ref(a) for a in k.inputs)})", 2)
+        elif isinstance(stage, Compute) and stage.fused:
+            em.emit(f'with ctx.span("{stage.label}", {i}):')
+            _emit_fused_call(em, stage, i, indent=2)
         else:
             em.emit(f'with ctx.span("{stage.label}", {i}):')
             em.algorithm = getattr(stage, "algorithm", "library")
-            em.scratch = _scratch(em, stage)
-            for v in stage.values:
-                _emit_value(em, v, indent=2)
+            for part in stage.parts if isinstance(stage, FusedCollective) else (stage,):
+                if isinstance(part, Compute) and part.fused:
+                    _emit_fused_call(em, part, i, indent=2)
+                    continue
+                em.scratch = _scratch(em, part)
+                for v in part.values:
+                    _emit_value(em, v, indent=2)
             em.algorithm, em.scratch = "library", {}
     em.emit("")
     em.emit("# results: state is written in place, outputs are returned")
@@ -311,7 +339,8 @@ def generate(plan: Plan, rank: int, world_size: int, sizes: Mapping[str, int],
     outs = ", ".join(f'"{n}": ' + (f"OUT[{n!r}]" if n in before else em.var(v))
                      for n, v in plan.outputs if view.in_group(v))
     em.emit(f"return {{{outs}}}")
-    return "\n".join(em.lines) + "\n"
+    head, body = em.lines[:em.lines.index("def step(ctx, I):")], em.lines[em.lines.index("def step(ctx, I):"):]
+    return "\n".join(head + em.defs + body) + "\n"
 
 
 def _emit_value(em: Emitter, v: Value, indent: int, async_op: bool = False) -> bool:
@@ -326,6 +355,56 @@ def _emit_value(em: Emitter, v: Value, indent: int, async_op: bool = False) -> b
                 f"({', '.join(operand(a) for a in v.args)})", indent)
         return True
     return False
+
+
+def _emit_fused_call(em: Emitter, stage: Compute, index: int, indent: int) -> None:
+    """A fused computation becomes a module-level function of its inputs that returns its live-outs, and one call:
+    `ctx.stage(i, fn)` runs it as one loop (torch.compile, Inductor's C++ on CPU) or op by op, as the executable's
+    route says. New state is written over the state tensor inside the function where nothing later reads the old
+    contents (the copy at the end of the step is then a no-op)."""
+    view, plan = em.view, em.plan
+    vals = [v for v in stage.values if view.in_group(v)]
+    inside = {id(v) for v in vals}
+    params: dict[int, Value] = {}
+    for v in vals:
+        for a in v.args:
+            a = a.args[1] if a.op == "update" else a
+            if id(a) not in inside and a.op != "const":
+                params.setdefault(id(a), a)
+    outs = [v for v in vals if any(v is o for o in stage.live_outs)]
+    if not outs:
+        return
+    writes = _state_in_place(em, index, outs, list(params.values()))
+    name = f"stage{index}" + ("" if stage is plan.stages[index] else f"_{vals[0].id}")
+    body = Emitter(plan, view, names=em.names, used=em.used, live_out=em.live_out, in_function=True)
+    body.scratch = _scratch(body, stage)
+    for v in vals:
+        _emit_value(body, v, indent=1)
+    written = {id(v): t for t, v in writes}
+    for t, v in writes:
+        body.emit(f"{em.var(t)}.copy_({em.var(v)})  # new `{t.name}` over the old: nothing later reads it")
+    ret = [em.var(written[id(v)]) if id(v) in written else em.var(v) for v in outs]
+    body.emit(f"return {', '.join(ret)}{',' if len(ret) == 1 else ''}")
+    params_ = [em.ref(a) for a in params.values()] + list(body.extra)
+    args = [em.ref(a) for a in params.values()] + list(body.extra.values())
+    doc = f'"""stage {index}: {stage.label} [{", ".join(stage.names)}], one function of its inputs."""'
+    em.defs += ["", "", f"def {name}({', '.join(params_)}):", f"    {doc}", *body.lines]
+    em.emit(f"{', '.join(em.var(v) for v in outs)}{',' if len(outs) == 1 else ''} = ctx.stage({index}, {name})"
+            f"({', '.join(args)})", indent)
+
+
+def _state_in_place(em: Emitter, index: int, outs: list[Value], params: list[Value]) -> list[tuple[Value, Value]]:
+    """(state input, its new value) pairs a fused stage may write in place: the new value is a live-out of the
+    stage with the state's local shape, and no later stage reads the old state."""
+    plan, view = em.plan, em.view
+    later = {id(a) for s in plan.stages[index + 1:] for v in s.values for a in v.args}
+    out = []
+    for name, new in plan.state.items():
+        t = plan.program.inputs[name]
+        if any(v is new for v in outs) and any(p is t for p in params) and id(t) not in later and \
+                view.in_group(t) and view.local_shape(t) == view.local_shape(new):
+            out.append((t, new))
+    return out
 
 
 def _emit_chunked(em: Emitter, stage: Overlap, index: int) -> None:
@@ -397,8 +476,9 @@ def _scratch(em: Emitter, stage: Stage) -> dict[int, int]:
     arithmetic (INPLACE ops or sqrt/exp/neg/rsqrt in float32/64), read by nothing after it, not live out."""
     if not isinstance(stage, Compute):
         return {}
+    live = em.live_out | {id(v) for v in stage.live_outs}
     fresh = {id(v) for v in stage.values if (v.op in INPLACE or v.op in ("neg", "sqrt", "rsqrt", "exp"))
-             and v.dtype in ("float32", "float64") and id(v) not in em.live_out and em.view.in_group(v)}
+             and v.dtype in ("float32", "float64") and id(v) not in live and em.view.in_group(v)}
     last: dict[int, int] = {}
     for v in stage.values:
         for a in v.args:

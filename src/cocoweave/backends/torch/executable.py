@@ -27,6 +27,16 @@ from .codegen import generate
 from .runtime import RankContext
 
 _GROUPS: dict[tuple[int, ...], Any] = {}
+# How fused computation stages run: "auto" (CUDA: generated Triton kernels, the rest compiled; CPU: compiled),
+# "triton" (generated Triton kernels where a stage has one, else torch ops), "compiled" (torch.compile: one loop
+# per stage, Inductor's C++ on CPU), "torch" (torch ops one by one).
+KERNELS = ("auto", "triton", "compiled", "torch")
+KERNELS_ENV = "COCOWEAVE_KERNELS"  # the default route of every executable (e.g. "torch" where no C++ compiler is)
+
+
+def default_kernels() -> str:
+    """The route fused stages take unless an executable is told otherwise: $COCOWEAVE_KERNELS, else "auto"."""
+    return os.environ.get(KERNELS_ENV, "auto")
 
 
 def cache_dir() -> Path:
@@ -60,7 +70,7 @@ class Executable:
     """Runs one rank's part of a plan inside an initialised torch.distributed process group."""
 
     def __init__(self, plan: Plan, rank: int, world_size: int, sizes: Mapping[str, int] | None = None,
-                 device: str | torch.device = "cpu", kernels: str = "auto", group: Any = None):
+                 device: str | torch.device = "cpu", kernels: str | None = None, group: Any = None):
         """`group`: a torch.distributed process group that plays the program's world (e.g. the data-parallel
         group of a data x tensor parallel grid); `rank` and `world_size` are then this rank's place in it."""
         self.plan, self.rank, self.world_size = plan, rank, world_size
@@ -72,6 +82,7 @@ class Executable:
         self.device = torch.device(device)
         for g in self.program.groups:
             g.ranks(world_size)
+        kernels = kernels or default_kernels()
         fused = self._fused_kernels(kernels)
         self.source = generate(plan, rank, world_size, self.sizes, fused)
         key = hashlib.sha256(json.dumps([plan.fingerprint, rank, world_size, self.sizes, sorted(fused)]).encode())
@@ -93,16 +104,17 @@ class Executable:
             groups = process_groups(self.program, world_size)
         else:
             groups = {g.name: None for g in self.program.groups}
-        self.ctx = RankContext(rank, world_size, groups, self.device, self._dropout_indices(), backend)
+        compiled = kernels == "compiled" or kernels == "auto"
+        self.ctx = RankContext(rank, world_size, groups, self.device, self._dropout_indices(), backend, compiled)
         self.ctx.kernels = dict(fused)
         self.kept: dict[str, torch.Tensor] = {}  # state the schedule stores sliced, between calls
 
     def _fused_kernels(self, kernels: str) -> dict[int, Any]:
         """Generated Triton kernels for fused computation stages: on CUDA by default ("auto"), on any
-        device with "triton" (CPU runs them under TRITON_INTERPRET=1), never with "torch"."""
-        if kernels not in ("auto", "triton", "torch"):
-            raise BackendError(f"kernels must be 'auto', 'triton' or 'torch', got {kernels!r}")
-        if kernels == "torch" or (kernels == "auto" and self.device.type != "cuda"):
+        device with "triton" (CPU runs them under TRITON_INTERPRET=1), never with "torch" or "compiled"."""
+        if kernels not in KERNELS:
+            raise BackendError(f"kernels must be one of {', '.join(map(repr, KERNELS))}, got {kernels!r}")
+        if kernels in ("torch", "compiled") or (kernels == "auto" and self.device.type != "cuda"):
             return {}
         if self.device.type != "cuda" and os.environ.get("TRITON_INTERPRET") != "1":
             raise BackendError(f"rank {self.rank}: kernels='triton' on {self.device.type} needs TRITON_INTERPRET=1 "

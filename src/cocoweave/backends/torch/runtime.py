@@ -9,7 +9,9 @@ tensors are used as they are, without copies.
 
 from __future__ import annotations
 
+import math
 import time
+import warnings
 from collections.abc import Callable, Sequence
 from contextlib import contextmanager
 from typing import Any
@@ -20,10 +22,11 @@ import torch.distributed as dist
 from ... import faults, rng
 from ...ir.layout import slice_bounds
 from ...ir.semantics import reduce_local
-from . import ring
+from . import ring, shm
 from .ring import with_dim  # generated code calls rt.with_dim
 
 _REDUCE = {"sum": dist.ReduceOp.SUM, "avg": dist.ReduceOp.SUM, "max": dist.ReduceOp.MAX, "min": dist.ReduceOp.MIN}
+KERNELS_HINT = "COCOWEAVE_KERNELS=torch (op by op) or =compiled"
 # torch 2.13 renamed the tensor collectives; older releases (the GPU machine's 2.11) have the old names
 _ALL_GATHER = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
 _REDUCE_SCATTER = getattr(dist, "reduce_scatter_single", None) or dist.reduce_scatter_tensor
@@ -71,6 +74,62 @@ def concat(parts: Sequence[torch.Tensor], dim: int) -> torch.Tensor:
     return torch.cat(list(parts), dim=dim)
 
 
+def logical_index(full: Sequence[int], local: Sequence[int], dim: int | None, start: int,
+                  device: torch.device) -> torch.Tensor:
+    """Row-major indices in a tensor of shape `full` of the elements of its part of shape `local` that starts at
+    `start` along `dim` (None: the whole tensor), as a sum of broadcast aranges: inside a compiled stage this is
+    index arithmetic in the loop, no tensor in memory (cocoweave.rng.logical_index, narrowed, gives the same)."""
+    nd = len(full)
+    index = torch.zeros((), dtype=torch.int64, device=device)
+    stride = 1
+    for d in range(nd - 1, -1, -1):
+        part = torch.arange(local[d], dtype=torch.int64, device=device) + (start if d == dim else 0)
+        index = index + (part * stride).view([local[d] if j == d else 1 for j in range(nd)])
+        stride *= full[d]
+    return index
+
+
+class CompiledStage:
+    """A fused stage's function run as one loop: torch.compile (Inductor: C++ on CPU, Triton on CUDA), compiled
+    once per executable. Python numbers (learning rate, step, dropout keys) are passed as 0-dim tensors kept here,
+    so that a new value each step does not recompile."""
+
+    def __init__(self, fn: Callable[..., Any]):
+        import torch._inductor.config as inductor
+
+        inductor.compile_threads = 1  # ranks share the machine's cores: no pool of compile workers per rank
+        self.name, self.eager = fn.__name__, fn
+        self.fn: Callable[..., Any] | None = torch.compile(fn, fullgraph=True, dynamic=False)
+        self.numbers: dict[int, torch.Tensor] = {}
+        self.compiled = False
+
+    def __call__(self, *args: Any) -> Any:
+        if self.fn is None:
+            return self.eager(*args)
+        call = []
+        for i, a in enumerate(args):
+            if isinstance(a, bool | int | float):
+                dtype = torch.bool if isinstance(a, bool) else torch.int64 if isinstance(a, int) else torch.float64
+                t = self.numbers.get(i)
+                if t is None or t.dtype != dtype:
+                    t = self.numbers[i] = torch.empty((), dtype=dtype)
+                t.fill_(a)
+                a = t
+            call.append(a)
+        if self.compiled:
+            return self.fn(*call)
+        try:  # the first call compiles; a machine without a working C++ compiler runs the ops one by one
+            out = self.fn(*call)
+        except Exception as exc:  # noqa: BLE001 - torch.compile raises many types; the stage still runs
+            warnings.warn(f"fused stage {self.name} could not be compiled ({type(exc).__name__}: "
+                          f"{str(exc).strip().splitlines()[0][:200] if str(exc).strip() else ''}); it runs op by op. "
+                          f"Set {KERNELS_HINT} to choose the route.", RuntimeWarning, stacklevel=2)
+            self.fn = None
+            return self.eager(*args)
+        self.compiled = True
+        return out
+
+
 class Pending:
     """An asynchronous collective: `wait()` completes it and returns its result."""
 
@@ -87,8 +146,12 @@ class RankContext:
     """One rank's runtime state for one executable: process groups, buffers, dropout indices, trace."""
 
     def __init__(self, rank: int, world_size: int, groups: dict[str, Any], device: torch.device,
-                 indices: dict[str, torch.Tensor], backend: str):
+                 indices: dict[str, torch.Tensor], backend: str, compiled: bool = False):
         self.rank, self.world_size, self.device = rank, world_size, device
+        self.compiled = compiled  # fused stages run as one compiled loop (else op by op)
+        self._stages: dict[str, Callable[..., Any]] = {}
+        self._shm = shm.ShmBuffers()  # slots of the shared-memory collectives, by output key
+        self._pairs: dict[Any, shm.Pair] = {}
         self.groups, self.indices, self.backend = groups, indices, backend
         self.buffers: dict[Any, torch.Tensor] = {}
         self._masks: dict[tuple[str, int], torch.Tensor] = {}  # dropout masks of constant seeds
@@ -102,6 +165,13 @@ class RankContext:
 
     def fused(self, stage: int) -> Any:
         return self.kernels[stage]
+
+    def stage(self, index: int, fn: Callable[..., Any]) -> Callable[..., Any]:
+        """How fused stage `fn` runs: compiled into one loop (CompiledStage), or its torch ops one by one."""
+        f = self._stages.get(fn.__name__)
+        if f is None:
+            f = self._stages[fn.__name__] = CompiledStage(fn) if self.compiled else fn
+        return f
 
     def index(self, name: str) -> torch.Tensor:
         return self.indices[name]
@@ -281,6 +351,94 @@ class RankContext:
         buf = self.buffer(out, shape, dtype)
         work = dist.irecv(buf, src=peer)
         return self._done(work, lambda: buf, async_op)
+
+    # -- the shared-memory algorithm (shm.py): synchronous, ranks of one host --------------------------------
+    def _shm_group(self, group: Any) -> shm.ShmGroup | None:
+        g = shm.group_for(group)
+        if g is None and dist.get_world_size(group) > 1 and not getattr(self, "_shm_warned", False):
+            self._shm_warned = True
+            warnings.warn(f"rank {self.rank}: the ranks of a group do not share this host's memory (or this processor "
+                          "does not order stores); shm collectives run as the library's", RuntimeWarning, stacklevel=3)
+        return g
+
+    def _rows(self, rows: int, row: int, n: int) -> list[tuple[int, int]]:
+        """(flat start, length) of each rank's part of a tensor of `rows` rows of `row` elements."""
+        return [(start * row, (stop - start) * row) for start, stop in (slice_bounds(rows, n, r) for r in range(n))]
+
+    def shm_all_reduce(self, x: torch.Tensor, op: str, group: Any, out: Any, async_op: bool = False) -> Any:
+        if (alone := self._alone(x, out, async_op)) is not None:
+            return alone
+        g = self._shm_group(group) if op != "adasum" else None
+        if g is None:
+            return self.all_reduce(x, op, group, out, async_op)
+        wire = self._wire(x).reshape(-1)
+        slots = self._shm.get(g, out, wire.numel(), wire.dtype)
+        res = self.buffer((out, "wire") if wire.dtype != x.dtype else out, x.shape, wire.dtype)
+        parts = self._rows(wire.numel(), 1, g.size)
+        shm.all_reduce(g, slots, wire if wire.is_contiguous() else wire.contiguous(), op, parts, res.view(-1))
+        if res.dtype != x.dtype:
+            res = self.buffer(out, x.shape, x.dtype).copy_(res)
+        return self._done(None, lambda: res, async_op)
+
+    def shm_reduce_scatter(self, x: torch.Tensor, op: str, dim: int, group: Any, out: Any,
+                           async_op: bool = False) -> Any:
+        if (alone := self._alone(x, out, async_op)) is not None:
+            return alone
+        g = self._shm_group(group)
+        if g is None:
+            return self.reduce_scatter(x, op, dim, group, out, async_op)
+        wire = self._wire(x).movedim(dim, 0)
+        flat = wire.reshape(-1) if wire.is_contiguous() else wire.contiguous().reshape(-1)
+        rows = x.shape[dim]
+        parts = self._rows(rows, flat.numel() // rows if rows else 0, g.size)
+        slots = self._shm.get(g, out, flat.numel(), flat.dtype)
+        mine = slice_bounds(rows, g.size, g.me)
+        part = self.buffer((out, "part"), (mine[1] - mine[0], *wire.shape[1:]), flat.dtype)
+        shm.reduce_scatter(g, slots, flat, op, parts, part.view(-1))
+        res = self.buffer(out, with_dim(x.shape, dim, mine[1] - mine[0]), x.dtype)
+        res.movedim(dim, 0).copy_(part)
+        return self._done(None, lambda: res, async_op)
+
+    def shm_all_gather(self, x: torch.Tensor, dim: int, total: int, group: Any, out: Any,
+                       async_op: bool = False) -> Any:
+        if (alone := self._alone(x, out, async_op)) is not None:
+            return alone
+        g = self._shm_group(group)
+        if g is None:
+            return self.all_gather(x, dim, total, group, out, async_op)
+        res = self.buffer(out, with_dim(x.shape, dim, total), x.dtype)
+        xt = x.movedim(dim, 0)
+        flat = xt.reshape(-1) if xt.is_contiguous() else xt.contiguous().reshape(-1)
+        row = flat.numel() // x.shape[dim] if x.shape[dim] else math.prod(xt.shape[1:])
+        biggest = max(stop - start for start, stop in (slice_bounds(total, g.size, r) for r in range(g.size)))
+        slots = self._shm.get(g, out, biggest * row, x.dtype)
+        rt_ = res.movedim(dim, 0)
+        outs = [rt_[start:stop] for start, stop in (slice_bounds(total, g.size, r) for r in range(g.size))]
+        if dim == 0 and res.is_contiguous():
+            shm.all_gather(g, slots, flat, outs)
+        else:  # gather flat pieces, then place them along `dim`
+            tmp = [self.buffer((out, "piece", j), o.shape, x.dtype) for j, o in enumerate(outs)]
+            shm.all_gather(g, slots, flat, tmp)
+            for o, t in zip(outs, tmp):
+                o.copy_(t)
+        return self._done(None, lambda: res, async_op)
+
+    def shm_send_recv(self, x: torch.Tensor | None, peer: int, sending: bool, shape: Sequence[int],
+                      dtype: torch.dtype, out: Any, async_op: bool = False) -> Any:
+        """Group rank i of the sending stage hands its tensor to group rank i of the receiving stage through shared
+        memory (the library's send where the two do not share this host)."""
+        if not shm.same_host(peer):
+            return self.send_recv(x, peer, sending, shape, dtype, out, async_op)
+        numel = math.prod(shape)
+        pair = self._pairs.get(out)
+        if pair is None:
+            sender, receiver = (self.rank, peer) if sending else (peer, self.rank)
+            pair = self._pairs[out] = shm.Pair(sender, receiver, str(out), numel, dtype)
+        if sending:
+            pair.send(x)
+            return self._done(None, lambda: None, async_op)
+        buf = pair.recv(self.buffer(out, shape, dtype))
+        return self._done(None, lambda: buf, async_op)
 
     # -- ring algorithms (ring.py): synchronous, point-to-point ---------------------------------
     def ring_all_reduce(self, x: torch.Tensor, op: str, group: Any, out: Any) -> torch.Tensor:

@@ -22,9 +22,9 @@ def _to(inputs: RankInputs, device: torch.device) -> dict[str, Any]:
 
 
 def run_schedules(rank: int, world_size: int, schedules: Sequence[Schedule], inputs: Sequence[RankInputs],
-                  sizes: Mapping[str, int], device: str = "cpu", kernels: str = "auto") -> list[RankResult]:
+                  sizes: Mapping[str, int], device: str = "cpu", kernels: str | None = None) -> list[RankResult]:
     """Run each schedule once on this rank's inputs; results on the CPU, sliced state gathered whole.
-    `kernels` picks how fused stages compute (Executable's "auto", "triton" or "torch")."""
+    `kernels` picks how fused stages compute (Executable's "auto", "triton", "compiled" or "torch")."""
     dev = torch.device(device)
     return [_run_once(Executable(lower(s), rank, world_size, sizes, dev, kernels=kernels), inputs[rank])
             for s in schedules]

@@ -1,0 +1,83 @@
+"""The compiled route, the CPU default for users: every fused computation stage runs as one loop compiled by
+torch.compile (Inductor's C++ on CPU). Every schedule of every example, run that way on live Gloo ranks, equals the
+unscheduled program on the reference backend (random programs x random schedules: test_torch_properties.py); a
+stage that cannot be compiled still runs (op by op) with a warning."""
+
+from __future__ import annotations
+
+import warnings
+
+import pytest
+import torch
+
+import cocoweave as cw
+from cocoweave.backends import reference
+from cocoweave.backends.inputs import make_inputs
+from cocoweave.backends.torch import runtime
+from cocoweave.backends.torch.executable import Executable
+from cocoweave.check import check_schedules, torch_runner
+from cocoweave.loader import load_example
+from cocoweave.plan import lower
+from cocoweave.schedule.enumerate import enumerate_schedules
+from cocoweave.schedule.schedule import Schedule
+from cocoweave.testing import compare
+
+EXAMPLES = [("adam.py:adam", {"N": 13}), ("lamb.py:lamb", {"N": 13}),
+            ("model_parallel.py:layer", {"B": 3, "S": 4, "H": 8}),
+            ("pipeline_parallel.py:boundary", {"B": 2, "S": 5, "H": 8})]
+
+
+@pytest.mark.parametrize("spec, sizes", EXAMPLES, ids=[e[0].split(".")[0] for e in EXAMPLES])
+def test_every_schedule_of_every_example_equals_the_reference_compiled(local_world, spec, sizes):
+    program = load_example(spec, **sizes)
+    schedules = enumerate_schedules(program)
+    assert any(s.name.count("C") for s in schedules)  # fused stages are among them
+    with warnings.catch_warnings():
+        warnings.simplefilter("error", RuntimeWarning)  # a stage falling back to op by op fails the test
+        rows = check_schedules(program, schedules, 2, {}, seed=2,
+                               batch=torch_runner(local_world(2), kernels="compiled"))
+    bad = [r for r in rows if not r.ok]
+    assert len(rows) == len(schedules) and not bad, bad
+
+
+def _dropout_program() -> cw.Program:
+    p = cw.Program("drop")
+    x = p.tensor("x", (6, 40), "float32", cw.Sliced(1))
+    r = p.tensor("r", (6, 40), "float32", cw.Sliced(1))
+    seed = p.scalar("seed", "int64")
+    p.output(cw.dropout(x * 2.0, 0.3, seed=seed) + r, "y")
+    return p
+
+
+def test_a_compiled_stage_draws_the_dropout_mask_of_the_reference_bit_for_bit():
+    """Fresh seeds every step, indices computed inside the loop: the mask is the counter-based hash's."""
+    program = _dropout_program()
+    s = Schedule(program)
+    s.fuse(*s.stages)
+    exe = Executable(lower(s), 0, 1, {}, "cpu", kernels="compiled")
+    for seed in (1, 2, 12345):
+        inputs = make_inputs(program, 1, {}, seed=seed, scalars={"seed": seed})
+        want = reference.run(program, inputs, {})[0].outputs["y"]
+        got = exe.run(dict(inputs[0])).outputs["y"]
+        assert torch.equal(got, want), seed
+    assert isinstance(exe.ctx.stage(0, lambda: None), runtime.CompiledStage)
+
+
+def test_a_stage_that_cannot_be_compiled_runs_op_by_op_with_a_warning(monkeypatch):
+    program = load_example("adam.py:adam", N=16)
+    s = Schedule(program)
+    for stage in [x for x in s.stages if x.kind == "compute"]:
+        s.fuse(stage)
+
+    def broken(fn, **kwargs):
+        def fail(*args):
+            raise RuntimeError("no C++ compiler found")
+        return fail
+
+    monkeypatch.setattr(torch, "compile", broken)
+    exe = Executable(lower(s), 0, 1, {}, "cpu", kernels="compiled")
+    inputs = make_inputs(program, 1, {}, seed=0)
+    want = reference.run(program, inputs, {})[0].state
+    with pytest.warns(RuntimeWarning, match="could not be compiled .*no C\\+\\+ compiler found.*op by op"):
+        got = exe.run({k: v.clone() if isinstance(v, torch.Tensor) else v for k, v in inputs[0].items()}).state
+    assert all(compare(got[n], want[n]).ok for n in want)

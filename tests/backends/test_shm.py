@@ -1,0 +1,125 @@
+"""The shared-memory collective algorithm: every collective and the point-to-point send through /dev/shm equal
+the reference on live ranks (uneven parts, other dims, half types), nothing is left in /dev/shm, a rank that
+stops answering is named within the timeout, and ranks that do not share a host fall back to the library."""
+
+from __future__ import annotations
+
+import os
+import time
+from pathlib import Path
+
+import pytest
+import torch.distributed as dist
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
+
+import cocoweave as cw
+from cocoweave.backends import reference
+from cocoweave.backends.inputs import make_inputs
+from cocoweave.backends.torch import shm
+from cocoweave.backends.torch.executable import Executable
+from cocoweave.backends.torch.worker import run_schedules
+from cocoweave.errors import BackendError
+from cocoweave.launch import LocalWorld
+from cocoweave.plan import lower
+from cocoweave.schedule.schedule import Schedule
+from cocoweave.testing import compare_results
+
+
+def _collectives(n: int, m: int, dtype: str, op: str, dim: int) -> cw.Program:
+    p = cw.Program("collectives")
+    g = p.tensor("g", (n, m), dtype, cw.Local)
+    x = p.tensor("x", (n, m), dtype, cw.Sliced(dim))
+    p.output(cw.all_reduce(g, op), "ar")
+    p.output(cw.reduce_scatter(g, op, dim), "rs")
+    p.output(cw.all_gather(x), "ag")
+    return p
+
+
+def _on_shm(program: cw.Program) -> Schedule:
+    s = Schedule(program)
+    for stage in [x for x in s.stages if x.kind == "collective"]:
+        s.algorithm(stage, "shm")
+    return s
+
+
+@settings(max_examples=10, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
+@given(n=st.integers(1, 9), m=st.integers(1, 4), world_size=st.sampled_from([2, 3, 4]),
+       dtype=st.sampled_from(["float32", "float16", "bfloat16", "float64"]), op=st.sampled_from(["sum", "avg", "max"]),
+       dim=st.sampled_from([0, 1]))
+def test_shm_collectives_equal_the_reference(local_world, n, m, world_size, dtype, op, dim):
+    program = _collectives(n, m, dtype, op, dim)
+    s = _on_shm(program)
+    assert s.name == "AR@shm-RS@shm-AG@shm"
+    inputs = make_inputs(program, world_size, {}, seed=n * 11 + m)
+    want = reference.run(program, inputs, {}, whole_state=True)
+    got = [r[0] for r in local_world(world_size).run(run_schedules, [s], inputs, {})]
+    assert compare_results(program, got, want).ok
+
+
+def _pipeline() -> cw.Program:
+    p = cw.Program("pipe")
+    first, second = p.pipeline(2)
+    x = p.tensor("x", (5, 3), "float32", cw.Replicated, group=first)
+    y = cw.send(x * 2.0, second)
+    p.output(y + 1.0, "y")
+    return p
+
+
+def test_shm_send_equals_the_reference_step_after_step(local_world):
+    program = _pipeline()
+    s = Schedule(program)
+    s.algorithm(s.find("send")[0], "shm")
+    assert "P2P@shm" in s.name
+    inputs = make_inputs(program, 4, {}, seed=3)
+    want = reference.run(program, inputs, {}, whole_state=True)
+    per_rank = local_world(4).run(run_schedules, [s, s, s], inputs, {})  # three executables, one after the other
+    for i in range(3):
+        assert compare_results(program, [r[i] for r in per_rank], want).ok
+
+
+def _leftovers(rank: int, world_size: int) -> list[str]:
+    return sorted(p.name for p in Path("/dev/shm").glob(f"cocoweave-{os.getpid()}-*"))
+
+
+def test_no_segment_outlives_its_mapping(local_world):
+    program = _collectives(4, 2, "float32", "sum", 0)
+    inputs = make_inputs(program, 2, {}, seed=0)
+    world = local_world(2)
+    world.run(run_schedules, [_on_shm(program)], inputs, {})
+    assert world.run(_leftovers) == [[], []]
+
+
+def _stall(rank: int, world_size: int, program: cw.Program, inputs: list) -> None:
+    os.environ[shm.TIMEOUT_ENV] = "2"
+    exe = Executable(lower(_on_shm(program)), rank, world_size, {}, "cpu")
+    exe.run(dict(inputs[rank]))  # both ranks set the segments up
+    if rank == 1:
+        time.sleep(8)
+    exe.run(dict(inputs[rank]))
+
+
+def test_a_rank_that_stops_answering_is_named_within_the_timeout():
+    program = _collectives(4, 2, "float32", "sum", 0)
+    inputs = make_inputs(program, 2, {}, seed=0)
+    with LocalWorld(2, timeout_s=30) as world:
+        start = time.monotonic()
+        with pytest.raises(BackendError, match=r"shared-memory barrier of ranks \[0, 1\] waited 2 s for rank 1"):
+            world.run(_stall, program, inputs)
+        assert time.monotonic() - start < 20
+
+
+def _other_hosts(rank: int, world_size: int, program: cw.Program, inputs: list) -> tuple:
+    shm.socket.gethostname = lambda: f"host{rank}"  # each rank on a host of its own
+    with pytest.warns(RuntimeWarning, match="do not share this host's memory"):
+        out = run_schedules(rank, world_size, [_on_shm(program)], inputs, {})
+    return out[0], dist.get_world_size()
+
+
+def test_ranks_on_different_hosts_fall_back_to_the_library():
+    program = _collectives(6, 2, "float32", "avg", 1)
+    inputs = make_inputs(program, 2, {}, seed=1)
+    want = reference.run(program, inputs, {}, whole_state=True)
+    with LocalWorld(2) as world:  # its own world: the patched host name must not reach other tests
+        got = [r[0] for r in world.run(_other_hosts, program, inputs)]
+    assert compare_results(program, got, want).ok
