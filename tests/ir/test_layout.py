@@ -5,7 +5,14 @@ from hypothesis import given
 from hypothesis import strategies as st
 
 import cocoweave as cw
-from cocoweave.ir.layout import Position, largest_position, part_bounds, share_bounds, split_sizes
+from cocoweave.ir.layout import (
+    Position,
+    largest_position,
+    part_bounds,
+    share_bounds,
+    shares_from_speeds,
+    split_sizes,
+)
 
 
 @given(st.integers(0, 40), st.integers(1, 9))
@@ -34,3 +41,9 @@ def test_parts_nest_in_mesh_order():
     assert bounds == {(0, 0): (0, 2), (0, 1): (2, 8), (1, 0): (8, 10), (1, 1): (10, 16)}
     assert largest_position(layout, (16, 4), (2, 2)).coords == (0, 1)
     assert part_bounds(cw.Sliced(1), (3, 5), Position((1,), (2,))) == [(0, 3), (3, 5)]
+
+
+def test_shares_follow_measured_speeds():
+    assert shares_from_speeds([2.0, 1.0], resolution=3) == (2, 1)
+    assert shares_from_speeds([1 / 0.011, 1 / 0.022]) == (43, 21)
+    assert shares_from_speeds([1.0, 1e-9], resolution=10) == (10, 1)  # every rank keeps a part

@@ -49,3 +49,15 @@ def test_every_schedule_of_the_mesh_examples_is_equivalent(spec, world, want):
     assert want <= {s.name for s in schedules}
     rows = check_schedules(program, schedules, world)
     assert all(r.ok for r in rows), [r for r in rows if not r.ok]
+
+
+def test_adam_can_weight_the_gradient_average_by_batch_size():
+    import torch
+
+    p = workloads.adam(6, weights=(3, 1))
+    ins = make_inputs(p, 2, seed=1)
+    g = (3 * ins[0]["g"] + ins[1]["g"]) / 4
+    plain = workloads.adam(6, grad="reduced")
+    want = reference.run(plain, [{**ins[0], "g": g}])[0].state["w"]
+    got = reference.run(p, ins)
+    assert all(torch.allclose(r.state["w"], want) for r in got)

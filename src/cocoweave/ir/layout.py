@@ -158,6 +158,16 @@ def check_shares(shares: Any, what: str) -> tuple[int, ...]:
     return out
 
 
+def shares_from_speeds(speeds: Sequence[float], resolution: int = 64) -> tuple[int, ...]:
+    """Shares in proportion to measured speeds (e.g. 1 / seconds per step of each rank), as positive ints of
+    about `resolution` in total: what `Sliced(dim, shares=...)`, `Schedule.split(..., shares=...)` and
+    `all_reduce(..., weights=...)` take."""
+    if not speeds or not all(s > 0 for s in speeds):
+        raise ProgramError(f"shares need a positive speed per rank, got {list(speeds)}")
+    total = sum(speeds)
+    return tuple(max(1, round(resolution * s / total)) for s in speeds)
+
+
 def placements(layout: Layout, n_axes: int = 1) -> tuple[Placement, ...]:
     """The placement per axis: a mesh layout's own, or a bare Replicated/Local on every one of `n_axes`."""
     if isinstance(layout, MeshLayout):

@@ -7,7 +7,8 @@ needs and a user can print, check or tune any of them:
 - `grad="local"`: the program averages the per-rank gradients itself (its all_reduce is what the
   schedules split, reorder and fuse); `grad="reduced"`: the gradient is given already reduced
   (Replicated), as after clipping by global norm or on a single rank.
-- `reduction`: the all_reduce's op ("avg", "sum" or "adasum").
+- `reduction`: the all_reduce's op ("avg", "sum" or "adasum"); `weights` (Adam, AdamW: one positive int per
+  rank, e.g. its batch size, HetSeq's per-rank batch) make "avg" the weighted average sum(w_r g_r) / sum(w_r).
 - `param_dtype`: "float32", or "bfloat16"/"float16" for low-precision parameters `p` with float32
   master weights `w`: the update runs on the masters and writes `p = cast(w)`, so sliced schedules
   can keep the masters sliced and all-gather only the half-size parameters.

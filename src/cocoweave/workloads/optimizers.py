@@ -21,8 +21,10 @@ _PARAM_DTYPES = ("float32", "bfloat16", "float16")
 _REDUCTIONS = ("avg", "sum", "adasum")
 
 
-def _gradient(p: Program, shape: tuple[Dim, ...], grad: str, reduction: str) -> Value:
-    """The reduced gradient: all_reduce of a Local input, or a Replicated input already reduced."""
+def _gradient(p: Program, shape: tuple[Dim, ...], grad: str, reduction: str,
+              weights: tuple[int, ...] | None = None) -> Value:
+    """The reduced gradient: all_reduce of a Local input (weighted by `weights`), or a Replicated input already
+    reduced."""
     if grad not in GRADS:
         raise ProgramError(f"program `{p.name}`: grad must be one of {', '.join(GRADS)}, got {grad!r}")
     if reduction not in _REDUCTIONS:
@@ -30,7 +32,7 @@ def _gradient(p: Program, shape: tuple[Dim, ...], grad: str, reduction: str) -> 
                            f"got {reduction!r}")
     if grad == "reduced":
         return p.tensor("g", shape, "float32", Replicated)
-    return all_reduce(p.tensor("g", shape, "float32", Local), reduction)
+    return all_reduce(p.tensor("g", shape, "float32", Local), reduction, weights=weights)
 
 
 def _weights(p: Program, shape: tuple[Dim, ...], param_dtype: str) -> tuple[Value, Callable[[Value], Value]]:
@@ -76,10 +78,12 @@ def _moments(p: Program, shape: tuple[Dim, ...], g: Value, b1: Value, b2: Value,
     return p.update(m, m_new), p.update(v, b2 * v + (1 - b2) * (g * g))
 
 
-def adam(N: int = 1 << 20, grad: str = "local", reduction: str = "avg", param_dtype: str = "float32") -> Program:
-    """Data-parallel Adam (CoCoNet's first workload): average the gradients, then update w, m, v."""
+def adam(N: int = 1 << 20, grad: str = "local", reduction: str = "avg", param_dtype: str = "float32",
+         weights: tuple[int, ...] | None = None) -> Program:
+    """Data-parallel Adam (CoCoNet's first workload): average the gradients (weighted by `weights`, one positive
+    int per rank such as its batch size: HetSeq's per-rank batch), then update w, m, v."""
     p = Program("adam")
-    g = _gradient(p, (N,), grad, reduction)
+    g = _gradient(p, (N,), grad, reduction, weights)
     w, write = _weights(p, (N,), param_dtype)
     lr, b1, b2, eps, step = p.scalars("lr beta1 beta2 eps step")
     m1, v1 = _moments(p, (N,), g, b1, b2, torch_order=False)
@@ -87,11 +91,13 @@ def adam(N: int = 1 << 20, grad: str = "local", reduction: str = "avg", param_dt
     return p
 
 
-def adamw(N: int = 1 << 20, grad: str = "local", reduction: str = "avg", param_dtype: str = "float32") -> Program:
+def adamw(N: int = 1 << 20, grad: str = "local", reduction: str = "avg", param_dtype: str = "float32",
+          weights: tuple[int, ...] | None = None) -> Program:
     """torch.optim.AdamW: decoupled weight decay w *= 1 - lr * wd, then the bias-corrected Adam
-    step w -= (lr / bc1) * m / (sqrt(v) / sqrt(bc2) + eps), in torch's order of operations."""
+    step w -= (lr / bc1) * m / (sqrt(v) / sqrt(bc2) + eps), in torch's order of operations. `weights` weight the
+    gradient average by rank (e.g. by batch size)."""
     p = Program("adamw")
-    g = _gradient(p, (N,), grad, reduction)
+    g = _gradient(p, (N,), grad, reduction, weights)
     w, write = _weights(p, (N,), param_dtype)
     lr, b1, b2, eps, wd, step = p.scalars("lr beta1 beta2 eps weight_decay step")
     m1, v1 = _moments(p, (N,), g, b1, b2)
