@@ -66,6 +66,29 @@ def test_weighted_average_and_uneven_parts_on_a_mesh(world4):
     assert not _bad(rows), rows
 
 
+def test_state_kept_sliced_along_one_mesh_axis_is_cut_and_gathered_back(world4):
+    p = cw.Program("adam2d")
+    p.mesh(dp=2, tp=2)
+    cols = cw.Layout(tp=cw.Sliced(1))
+    g = p.tensor("g", (7, 6), "float32", cw.Layout(dp=cw.Local, tp=cw.Sliced(1)))
+    w, m = p.tensor("w", (7, 6), "float32", cols), p.tensor("m", (7, 6), "float32", cols)
+    lr, b1 = p.scalars("lr beta1")
+    m1 = p.update(m, b1 * m + (1 - b1) * cw.all_reduce(g, "avg", axis="dp"))
+    p.update(w, w - lr * m1)
+    s = Schedule(p)
+    s.reorder(s.split(s.find("all_reduce")[0], 0, shares=(1, 2))[1])
+    s.as_slice("m", "w")
+    rows = check_schedules(p, [s], 4, batch=torch_runner(world4))
+    assert not _bad(rows), rows
+
+
+def test_fused_stages_of_mesh_programs_fall_back_from_triton_to_torch_ops(world4):
+    program = load_example("tp2d.py:mlp")
+    chosen = [s for s in enumerate_schedules(program) if s.name == "AG-MM-C-MM-AR-C"]
+    rows = check_schedules(program, chosen, 4, batch=torch_runner(world4, kernels="triton"))
+    assert len(rows) == 1 and not _bad(rows)
+
+
 # -- properties: the 2-D example on the torch backend ---------------------------------------------------------------
 def _schedules_strategy():
     path = Path(__file__).parents[1] / "schedule" / "test_mesh_schedules.py"
