@@ -379,3 +379,14 @@ def test_mesh_inputs_are_parts_of_one_logical_tensor_per_local_rank():
     assert torch.equal(ins[0]["l"], ins[1]["l"]) and not torch.equal(ins[0]["l"], ins[2]["l"])
     v, res = run(p, 4)
     assert_close(output(p, res), v["a"] + 1)
+
+
+def test_logical_value_of_a_local_and_sliced_mesh_tensor_stacks_every_rank():
+    p = cw.Program("t")
+    p.mesh(x=2, y=2)
+    v = p.tensor("g", (5, 2), "float32", cw.Layout(x=cw.Local, y=cw.Sliced(0, shares=(2, 3))))
+    ins = make_inputs(p, 4)
+    whole = gather_logical(v, [i["g"] for i in ins])
+    assert whole.shape == (4, 5, 2)
+    assert torch.equal(whole[0], whole[1]) and torch.equal(whole[0, :2], ins[0]["g"])
+    assert torch.equal(whole[2, 2:], ins[3]["g"])

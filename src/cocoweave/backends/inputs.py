@@ -158,16 +158,18 @@ def gather_axes(v: Value, parts: Sequence[torch.Tensor | None], world_size: int)
 
 def gather_logical(v: Value, parts: Sequence[torch.Tensor]) -> torch.Tensor:
     """Rebuild a logical tensor from its group's per-rank parts (in group order): put Sliced parts together,
-    take rank 0's copy of a Replicated tensor, stack Local values along a new leading rank dimension."""
-    if v.layout.is_local:
-        return torch.stack(list(parts))
+    take rank 0's copy of a Replicated tensor, stack Local values along a new leading rank dimension (on a mesh,
+    every rank's value with its sliced axes put together)."""
+    parts = list(parts)
     if v.layout.is_sliced:
         world = len(parts) * v.group.count
         offset = v.group.ranks(world)[0]
         by_rank: list[torch.Tensor | None] = [None] * world
         for i, t in enumerate(parts):
             by_rank[offset + i] = t
-        return gather_axes(v, by_rank, world)[offset]
+        parts = gather_axes(v, by_rank, world)[offset:offset + len(parts)]
+    if v.layout.is_local:
+        return torch.stack(parts)
     return parts[0]
 
 
