@@ -61,3 +61,11 @@ def test_adam_can_weight_the_gradient_average_by_batch_size():
     want = reference.run(plain, [{**ins[0], "g": g}])[0].state["w"]
     got = reference.run(p, ins)
     assert all(torch.allclose(r.state["w"], want) for r in got)
+
+
+def test_check_skips_world_sizes_the_mesh_does_not_fit():
+    from cocoweave.check import world_applicable
+
+    p = load_example("tp2d.py:mlp")
+    assert world_applicable(p, 4) is None
+    assert "does not fit the mesh x=2, y=2" in world_applicable(p, 8)
