@@ -273,6 +273,12 @@ class RankContext:
         c = max(stop - start for start, stop in bounds)
         wire = self._wire(x).movedim(dim, 0)
         rest = tuple(wire.shape[1:])
+        mine = bounds[me][1] - bounds[me][0]
+        if shares is not None and self.backend == "gloo":  # Gloo reduces uneven parts as they are: no padding
+            part = self.buffer((out, "part"), (mine, *rest), wire.dtype)
+            pieces = [wire[start:stop].contiguous() for start, stop in bounds]
+            work = dist.reduce_scatter(part, pieces, op=_REDUCE[op], group=group, async_op=async_op)
+            return self._done(work if async_op else None, self._scattered(x, dim, mine, part, op, n, out), async_op)
         if size % n == 0 and dim == 0 and wire.is_contiguous() and shares is None:
             inp = wire
         else:  # pad each rank's segment to c rows so that equal-size reduce_scatter applies
@@ -281,7 +287,12 @@ class RankContext:
                 inp[r * c:r * c + stop - start].copy_(wire[start:stop])
         part = self.buffer((out, "part"), (c, *rest), wire.dtype)
         work = _REDUCE_SCATTER(part, inp, op=_REDUCE[op], group=group, async_op=async_op)
-        mine = bounds[me][1] - bounds[me][0]
+
+        return self._done(work if async_op else None, self._scattered(x, dim, mine, part, op, n, out), async_op)
+
+    def _scattered(self, x: torch.Tensor, dim: int, mine: int, part: torch.Tensor, op: str, n: int,
+                   out: Any) -> Callable[[], torch.Tensor]:
+        """What completes a reduce_scatter: this rank's `mine` rows of `part` into its buffer, averaged for avg."""
 
         def finish() -> torch.Tensor:
             res = self.buffer(out, with_dim(x.shape, dim, mine), x.dtype)
@@ -290,7 +301,7 @@ class RankContext:
                 res.div_(n)
             return res
 
-        return self._done(work if async_op else None, finish, async_op)
+        return finish
 
     def all_gather(self, x: torch.Tensor, dim: int, total: int, group: Any, out: Any, async_op: bool = False,
                    shares: Sequence[int] | None = None) -> Any:
