@@ -2,13 +2,15 @@
 Adam program and a training step with equal and with capacity-weighted shares; the goal is weighted <= 0.8x equal.
 
     PYTHONPATH=src python benchmarks/hetero.py                   # 20 timed steps of each configuration
-    PYTHONPATH=src python benchmarks/hetero.py --slow 0.5 --iters 40
+    PYTHONPATH=src python benchmarks/hetero.py --slowdown 2 --iters 40
 
-The slow rank: the benchmark (which started the ranks) stops rank 1 with SIGSTOP and resumes it with SIGCONT on
-a fixed duty cycle (`--slow 0.5`: stopped half of every 10 ms), so it gets half the CPU time of a rank running
-freely: every kernel and its share of every collective run at half speed, like a device half as fast. On a
-machine with fewer free cores than ranks the two ranks also compete with each other; run it on a quiet machine
-(the load average is recorded).
+The slow rank (a documented artificial load, `Dilation`): rank 1 computes `--slowdown` times slower. Before
+each collective, and at the end of the step, it sleeps (slowdown - 1) times what its computation took since the
+last one: the computation stages of the generated step (c, C and MM, timed by the executable's trace; the sleep
+happens at the entry of the next communication stage, through the stage-entry hook of `cocoweave.faults`) and,
+in the training step, its forward and backward pass. So its computation takes twice as long and delays the
+collectives that follow it, as on a device half as fast, while its communication runs at the network's speed.
+Other load on the machine slows both ranks; run it on a quiet machine (the load average is recorded).
 
 Capacity: each rank times the same Adam step on its own; shares are proportional to the measured speeds
 (`cocoweave.ir.layout.shares_from_speeds`). Configurations, each equal vs weighted:
@@ -31,11 +33,11 @@ import argparse
 import datetime as dt
 import json
 import os
-import signal
 import statistics
 import sys
-import threading
 import time
+from collections.abc import Iterator
+from contextlib import contextmanager
 from pathlib import Path
 from typing import Any
 
@@ -43,7 +45,7 @@ import torch
 from rich.console import Console
 from rich.table import Table
 
-from cocoweave import workloads
+from cocoweave import faults, workloads
 from cocoweave.ir.layout import share_bounds, shares_from_speeds
 from cocoweave.launch import LocalWorld
 from cocoweave.schedule.schedule import Schedule
@@ -53,36 +55,66 @@ from schedules import machine  # noqa: E402 - the benchmarks' one description of
 
 SCALARS = {"lr": 1e-3, "beta1": 0.9, "beta2": 0.999, "eps": 1e-8}
 WIDTH, DEPTH, FEATURES = 512, 3, 256  # the MLP of the training step
+SLOW_RANK = 1
 # (row name, shared-memory collectives, w kept sliced too) of the Adam program alone
 ADAMS = (("adam", False, False), ("adam", True, False), ("adam-sharded", True, True))
 
 
-class Throttle:
-    """Stop process `pid` for `slow` of every `period_s` seconds (SIGSTOP, then SIGCONT), from a thread of this
-    process, until the block ends (the process is always left running)."""
+COMPUTE = ("c", "C", "MM")  # labels of the computation stages of a generated step
 
-    def __init__(self, pid: int, slow: float, period_s: float = 0.01):
-        self.pid, self.slow, self.period = pid, slow, period_s
-        self._stop = threading.Event()
-        self._thread = threading.Thread(target=self._run, daemon=True)
 
-    def _run(self) -> None:
-        while not self._stop.is_set():
-            os.kill(self.pid, signal.SIGSTOP)
-            time.sleep(self.period * self.slow)
-            os.kill(self.pid, signal.SIGCONT)
-            time.sleep(self.period * (1 - self.slow))
+class Dilation:
+    """This rank computes `factor` times slower: `add` what computation took, `pay` sleeps the extra time owed."""
 
-    def __enter__(self) -> Throttle:
-        if self.slow > 0:
-            self._thread.start()
-        return self
+    def __init__(self, factor: float):
+        self.factor, self.owed = factor, 0.0
 
-    def __exit__(self, *exc: Any) -> None:
-        self._stop.set()
-        if self._thread.is_alive():
-            self._thread.join()
-        os.kill(self.pid, signal.SIGCONT)
+    def add(self, seconds: float) -> None:
+        self.owed += (self.factor - 1) * seconds
+
+    def add_trace(self, exe: Any) -> None:
+        """The computation stages of `exe`'s last step, from its trace spans ("3:C", or a chunk's "C")."""
+        events, exe.ctx.events = exe.ctx.events, []
+        self.add(sum(t1 - t0 for name, _, t0, t1, _ in events if name.split(":")[-1] in COMPUTE) / 1e9)
+
+    def pay(self) -> None:
+        if self.owed > 0:
+            time.sleep(self.owed)
+        self.owed = 0.0
+
+
+def _dilation(rank: int, slowdown: float) -> Dilation:
+    return Dilation(slowdown if rank == SLOW_RANK else 1.0)
+
+
+@contextmanager
+def before_collectives(slow: Dilation, exe: Any) -> Iterator[None]:
+    """Pay what the computation owes at the entry of every communication stage of `exe`'s generated step (the
+    runtime calls `faults.enter` at each stage entry while `faults.ACTIVE` is set); restored afterwards."""
+    if slow.factor == 1:
+        yield
+        return
+    exe.trace(True)
+    old_enter, old_active = faults.enter, faults.ACTIVE
+
+    def enter(rank: int, stage: int, label: str) -> None:
+        if label not in COMPUTE:  # RS, AG, RS@shm, ...: the computation before it has finished and been traced
+            slow.add_trace(exe)
+            slow.pay()
+        old_enter(rank, stage, label)
+
+    faults.enter, faults.ACTIVE = enter, True
+    try:
+        yield
+    finally:
+        faults.enter, faults.ACTIVE = old_enter, old_active
+
+
+def _slow_step(exe: Any, slow: Dilation, inputs: dict[str, Any]) -> None:
+    """One step of `exe`, its computation dilated (inside `before_collectives`)."""
+    exe.run(inputs)
+    slow.add_trace(exe)
+    slow.pay()
 
 
 def adam_schedule(n: int, shares: tuple[int, ...] | None, shm: bool, weights: tuple[int, ...] | None = None,
@@ -105,9 +137,9 @@ def _state(n: int) -> dict[str, torch.Tensor]:
     return {"w": torch.randn(n, generator=g), "m": torch.zeros(n), "v": torch.zeros(n)}
 
 
-def profile(rank: int, world_size: int, n: int, repeats: int) -> float:
+def profile(rank: int, world_size: int, n: int, repeats: int, slowdown: float) -> float:
     """Seconds this rank takes for one Adam step on n parameters, alone (median of `repeats`; the ranks take
-    turns)."""
+    turns, round after round)."""
     import torch.distributed as dist
 
     from cocoweave.backends.torch import Executable
@@ -115,18 +147,21 @@ def profile(rank: int, world_size: int, n: int, repeats: int) -> float:
 
     exe = Executable(lower(Schedule(workloads.adam(n, grad="reduced"))), 0, 1, {}, "cpu")
     inputs = {"g": torch.randn(n), **_state(n), **SCALARS, "step": 1.0}
+    exe.run(inputs)  # warm-up
+    slow = _dilation(rank, slowdown)
     times = []
-    for turn in range(world_size):  # one rank at a time: the others wait, so the ranks do not share cores
-        if turn == rank:
-            for _ in range(repeats + 1):
-                t0 = time.perf_counter()
-                exe.run(inputs)
-                times.append(time.perf_counter() - t0)
-        dist.barrier()
-    return statistics.median(times[1:])
+    with before_collectives(slow, exe):
+        for _ in range(repeats):  # rounds of turns, one rank at a time (the others wait, so no two share cores);
+            for turn in range(world_size):  # interleaved, so that a passing load weighs on every rank alike
+                if turn == rank:
+                    t0 = time.perf_counter()
+                    _slow_step(exe, slow, inputs)
+                    times.append(time.perf_counter() - t0)
+                dist.barrier()
+    return statistics.median(times)
 
 
-def time_adam(rank: int, world_size: int, schedule: Schedule, n: int, iters: int) -> list[float]:
+def time_adam(rank: int, world_size: int, schedule: Schedule, n: int, iters: int, slowdown: float) -> list[float]:
     """Milliseconds of each timed step of the Adam schedule on this rank."""
     from cocoweave.backends.torch import Executable
     from cocoweave.backends.torch.worker import timed_steps
@@ -139,7 +174,9 @@ def time_adam(rank: int, world_size: int, schedule: Schedule, n: int, iters: int
     inputs = {"g": g, **SCALARS, "step": 2.0}  # m and v (and w when sliced) stay in the executable
     if "w" not in schedule.sliced_state:
         inputs["w"] = given["w"]
-    return timed_steps(lambda: exe.run(inputs), world_size, torch.device("cpu"), iters, 3)
+    slow = _dilation(rank, slowdown)
+    with before_collectives(slow, exe):
+        return timed_steps(lambda: _slow_step(exe, slow, inputs), world_size, torch.device("cpu"), iters, 3)
 
 
 def _mlp() -> torch.nn.Module:
@@ -154,7 +191,7 @@ def _mlp() -> torch.nn.Module:
 
 
 def time_train(rank: int, world_size: int, batches: tuple[int, ...], shares: tuple[int, ...] | None, shm: bool,
-               iters: int) -> dict[str, Any]:
+               iters: int, slowdown: float) -> dict[str, Any]:
     """A training step of the MLP on this rank's batch, then Adam through the cocoweave program with the gradient
     average weighted by the batch sizes; parameters and gradients are views of the program's flat w and g."""
     from cocoweave.backends.torch import Executable
@@ -177,15 +214,20 @@ def time_train(rank: int, world_size: int, batches: tuple[int, ...], shares: tup
     x, y = torch.randn(batches[rank], FEATURES, generator=gen), torch.randn(batches[rank], 1, generator=gen)
     state = {"m": torch.zeros(n), "v": torch.zeros(n)}
     count = [0]
+    slow = _dilation(rank, slowdown)
 
     def step() -> None:
+        t0 = time.perf_counter()
         g.zero_()
         torch.nn.functional.mse_loss(model(x), y).backward()
+        slow.add(time.perf_counter() - t0)
+        slow.pay()  # the forward and backward, slowed, before the gradient's reduce-scatter
         count[0] += 1
-        exe.run({"g": g, "w": w, **SCALARS, "step": float(count[0]), **state})
+        _slow_step(exe, slow, {"g": g, "w": w, **SCALARS, "step": float(count[0]), **state})
         state.clear()  # given once; the executable keeps its part of m and v
 
-    times = timed_steps(step, world_size, torch.device("cpu"), iters, 3)
+    with before_collectives(slow, exe):
+        times = timed_steps(step, world_size, torch.device("cpu"), iters, 3)
     return {"times_ms": times, "parameters": n, "batch": batches[rank]}
 
 
@@ -196,27 +238,28 @@ def _step_ms(per_rank: list[list[float]]) -> tuple[float, list[float]]:
 
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    ap.add_argument("--slow", type=float, default=0.5, help="fraction of time rank 1 is stopped (0.5: ~2x slower)")
+    ap.add_argument("--slowdown", type=float, default=2.0, help="how many times slower rank 1 computes")
     ap.add_argument("--n", type=int, default=1 << 22, help="parameters of the Adam program")
     ap.add_argument("--batch", type=int, default=512, help="global batch of the training step")
     ap.add_argument("--iters", type=int, default=20)
     ap.add_argument("--timeout", type=float, default=900.0)
     args = ap.parse_args(argv)
-    if not 0 <= args.slow < 1:
-        ap.error("--slow must be in [0, 1)")
+    if args.slowdown < 1:
+        ap.error("--slowdown must be at least 1")
     console = Console(width=max(120, Console().width))
     info = machine("cpu", 2)
     started = dt.datetime.now(dt.UTC)
     results: list[dict[str, Any]] = []
-    with LocalWorld(2, timeout_s=args.timeout) as world, Throttle(world.pids[1], args.slow):
+    with LocalWorld(2, timeout_s=args.timeout) as world:
         info["threads_per_rank"] = world.threads_per_rank
-        seconds = world.run(profile, args.n, 5)
+        seconds = world.run(profile, args.n, 7, args.slowdown)
         shares = shares_from_speeds([1 / s for s in seconds])
         console.print(f"measured Adam step alone: {[f'{s * 1e3:.1f} ms' for s in seconds]} -> shares {shares}",
                       highlight=False)
         for workload, shm, sharded in ADAMS:
             for label, sh in (("equal", None), ("weighted", shares)):
-                per_rank = world.run(time_adam, adam_schedule(args.n, sh, shm, sharded=sharded), args.n, args.iters)
+                per_rank = world.run(time_adam, adam_schedule(args.n, sh, shm, sharded=sharded), args.n, args.iters,
+                                     args.slowdown)
                 median, steps = _step_ms(per_rank)
                 results.append({"workload": workload, "algorithm": "shm" if shm else "library", "shares": label,
                                 "split": sh, "parts": [share_bounds(args.n, sh or 2, r) for r in range(2)],
@@ -225,14 +268,14 @@ def main(argv: list[str] | None = None) -> int:
                               highlight=False)
         for label, sh in (("equal", None), ("weighted", shares)):
             batches = tuple(b - a for a, b in (share_bounds(args.batch, sh or 2, r) for r in range(2)))
-            per_rank = world.run(time_train, batches, sh, True, args.iters)
+            per_rank = world.run(time_train, batches, sh, True, args.iters, args.slowdown)
             median, steps = _step_ms([r["times_ms"] for r in per_rank])
             results.append({"workload": "train", "algorithm": "shm", "shares": label, "split": sh, "batches": batches,
                             "parameters": per_rank[0]["parameters"], "median_ms": median, "steps_ms": steps})
             console.print(f"  train   {label:<8} batches {batches} {median:8.2f} ms", highlight=False)
     if hasattr(os, "getloadavg"):
         info["load_average_at_end"] = os.getloadavg()
-    t = Table(title=f"measured: step time with rank 1 stopped {args.slow:.0%} of the time, median of {args.iters} "
+    t = Table(title=f"measured: step time with rank 1 computing {args.slowdown:g}x slower, median of {args.iters} "
                     f"steps (max over 2 ranks), {info['cpu']}", title_justify="left")
     for col in ("workload", "collectives", "equal ms", "weighted ms", "weighted / equal", "goal <= 0.8"):
         t.add_column(col, justify="left" if col in ("workload", "collectives") else "right")
@@ -245,10 +288,11 @@ def main(argv: list[str] | None = None) -> int:
     console.print(t)
     doc = {"benchmark": "hetero", "date": started.isoformat(timespec="seconds"),
            "command": " ".join([Path(sys.executable).name, *sys.argv]), "machine": info,
-           "slow_rank": 1, "stopped_fraction": args.slow, "profile_s": seconds, "shares": shares,
+           "slow_rank": SLOW_RANK, "slowdown": args.slowdown, "profile_s": seconds, "shares": shares,
            "n": args.n, "batch": args.batch, "iters": args.iters,
-           "method": "rank 1 stopped (SIGSTOP/SIGCONT) for the given fraction of every 10 ms; every step after a "
-                     "barrier; a step's time is the slower rank's; median over steps (all numbers measured)",
+           "method": "rank 1 sleeps (slowdown - 1) x its computation time (traced c/C/MM stages, forward and backward) "
+                     "at the end of each step; every step after a barrier; a step's time is the slower rank's; median "
+                     "over steps (all numbers measured)",
            "rows": results}
     out_dir = Path(os.environ["OUT"]) if os.environ.get("OUT") else Path(__file__).parent / "results"
     out_dir.mkdir(parents=True, exist_ok=True)
