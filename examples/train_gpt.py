@@ -353,7 +353,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
 
 def main(argv: list[str] | None = None) -> int:
     args = parse_args(argv)
-    from cocoweave.launch import in_torchrun, init_from_env
+    from cocoweave.launch import in_torchrun, init_from_env, shutdown
 
     try:
         if in_torchrun():
@@ -361,11 +361,10 @@ def main(argv: list[str] | None = None) -> int:
             cfg = Config(steps=args.steps, tensor_parallel=args.tensor_parallel, world_size=world_size,
                          seed=args.seed).validate()
             parallel = train_parallel(rank, world_size, asdict(cfg), args.ckpt_dir, args.ckpt_every, args.log_file)
+            shutdown()  # every rank leaves the group together (a live Gloo group can abort the exit)
             if rank != 0:
-                dist.destroy_process_group()
                 return 0
             result = compare(cfg, parallel, train_reference(cfg))
-            dist.destroy_process_group()
         else:
             cfg = Config(steps=args.steps, tensor_parallel=args.tensor_parallel, world_size=args.world_size,
                          seed=args.seed).validate()

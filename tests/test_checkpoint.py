@@ -4,6 +4,8 @@ results identical to an uninterrupted run."""
 
 from __future__ import annotations
 
+import os
+from dataclasses import dataclass
 from pathlib import Path
 
 import pytest
@@ -158,3 +160,193 @@ def test_incomplete_or_mismatched_checkpoints_are_refused(tmp_path):
     with pytest.raises(CheckpointError, match=r"is incomplete \(no COMPLETE.json\): its save was interrupted"):
         ck.load(tmp_path / "c", {"w": torch.zeros(4)})
     assert ck.latest(tmp_path) is None
+
+
+# -- integrity: a manifest of sizes and sha256, checked before anything is read ------------------------------
+
+
+def _saved(tmp_path: Path) -> Path:
+    path = tmp_path / "c"
+    ck.save(path, {"w": torch.arange(8.0), "x": ck.Shard(torch.ones(6), 0, 6, 0, 1), "step": 4, "lr": 0.5})
+    return path
+
+
+def _shard_file(path: Path) -> Path:
+    return next(f for f in path.iterdir() if f.suffix == ".distcp")
+
+
+def _flip(f: Path) -> None:
+    data = bytearray(f.read_bytes())
+    data[len(data) // 2] ^= 0x01
+    f.write_bytes(bytes(data))
+
+
+@pytest.mark.parametrize("damage, words", [
+    (lambda p: _flip(_shard_file(p)), r"file __0_0.distcp does not match its sha256 checksum \(damaged\)"),
+    (lambda p: _shard_file(p).write_bytes(_shard_file(p).read_bytes()[:-10]), r"has \d+ bytes, its manifest says"),
+    (lambda p: _shard_file(p).write_bytes(b""), r"file __0_0.distcp has 0 bytes"),
+    (lambda p: _shard_file(p).unlink(), r"lacks its file __0_0.distcp"),
+    (lambda p: (p / ".metadata").unlink(), r"lacks its file .metadata"),
+    (lambda p: (p / "__1_0.distcp").write_bytes(b"x"), r"has a file __1_0.distcp that its manifest does not list"),
+])
+def test_a_damaged_checkpoint_is_refused_before_anything_is_read(tmp_path, damage, words):
+    path = _saved(tmp_path)
+    damage(path)
+    w = torch.full((8,), -1.0)
+    with pytest.raises(CheckpointError, match=words):
+        ck.load(path, {"w": w, "step": 0})
+    assert torch.equal(w, torch.full((8,), -1.0))  # untouched
+
+
+def test_plain_values_round_trip_as_json_and_state_is_checked(tmp_path):
+    values = {"step": 7, "big": 2**70, "lr": float("nan"), "name": "ünï", "none": None, "flag": True,
+              "nested": {1: [0.25, "a", (None, False)]}}
+    ck.save(tmp_path / "c", {"v": values, "t": torch.ones(2)})
+    record = ck.verify(tmp_path / "c")
+    assert record["format"] == ck.FORMAT and set(record["files"]) == {".metadata", "__0_0.distcp"}
+    out = ck.load(tmp_path / "c", {"v": {}})["v"]
+    assert out["lr"] != out["lr"] and {k: v for k, v in out.items() if k != "lr"} == \
+        {k: v for k, v in values.items() if k != "lr"}
+
+
+# -- trust: loading never runs code from a checkpoint unless asked to -----------------------------------------
+
+
+class _Evil:
+    def __reduce__(self):
+        return (os.system, (f"touch {os.environ.get('EVIL_MARKER', '/nonexistent/x')}",))
+
+
+def _rewrite_manifest(path: Path) -> None:
+    import json
+
+    record = json.loads((path / ck.MARKER).read_text())
+    record["files"] = {f.name: {"size": f.stat().st_size, "sha256": ck._sha256(f)}
+                       for f in path.iterdir() if f.name != ck.MARKER}
+    (path / ck.MARKER).write_text(json.dumps(record))
+
+
+def test_crafted_metadata_does_not_run_code_on_load(tmp_path, monkeypatch):
+    import pickle
+
+    marker = tmp_path / "ran"
+    monkeypatch.setenv("EVIL_MARKER", str(marker))
+    path = _saved(tmp_path)
+    (path / ".metadata").write_bytes(pickle.dumps(_Evil()))
+    _rewrite_manifest(path)  # an attacker writes a matching manifest too
+    with pytest.raises(CheckpointError, match=r"is refused: its DCP metadata refers to `posix.system`, which a safe "
+                                              r"load does not allow; load it with trusted=True only if you trust"):
+        ck.load(path, {"w": torch.zeros(8)})
+    assert not marker.exists()
+
+
+@dataclass
+class Point:
+    """A value of a class of the user's: DCP pickles it."""
+
+    x: int
+
+
+def test_pickled_objects_load_only_when_trusted(tmp_path):
+    ck.save(tmp_path / "c", {"p": Point(3), "w": torch.ones(2)})
+    with pytest.raises(CheckpointError, match=r"holds a pickled object at `p`; load it with trusted=True only if"):
+        ck.load(tmp_path / "c", {"p": None, "w": torch.zeros(2)})
+    assert ck.load(tmp_path / "c", {"p": None}, trusted=True)["p"] == Point(3)
+
+
+def test_dcp_failures_become_checkpoint_errors(tmp_path, monkeypatch):
+    import traceback
+
+    from torch.distributed.checkpoint.api import CheckpointException
+
+    path = _saved(tmp_path)
+
+    def broken(*args, **kwargs):
+        raise CheckpointException("failed", {0: (OSError(5, "Input/output error"), traceback.StackSummary())})
+
+    monkeypatch.setattr(ck.dcp, "load", broken)
+    with pytest.raises(CheckpointError, match=r"loading checkpoint .* failed: OSError: \[Errno 5\] Input/output"):
+        ck.load(path, {"w": torch.zeros(8)})
+    monkeypatch.setattr(ck.dcp, "save", broken)
+    with pytest.raises(CheckpointError, match=r"saving checkpoint .* failed: OSError"):
+        ck.save(tmp_path / "d", {"w": torch.zeros(8)})
+
+
+# -- missing or extra state ----------------------------------------------------------------------------------
+
+
+def _exe_state(schedule: Schedule) -> dict:
+    from cocoweave.backends.torch import Executable
+    from cocoweave.plan import lower
+
+    return ck.executable_state(Executable(lower(schedule), 0, 1, {}, "cpu"))
+
+
+def test_state_the_checkpoint_lacks_or_has_too_much_of_is_refused(tmp_path):
+    from cocoweave.schedule.enumerate import enumerate_schedules
+
+    program = load_example("adam.py:adam", N=N)
+    mv = sliced_adam()
+    mvw = next(s for s in enumerate_schedules(program) if s.sliced_state == ["m", "v", "w"])
+    ck.save(tmp_path / "mv", {"exe": _exe_state(mv)})
+    ck.save(tmp_path / "mvw", {"exe": _exe_state(mvw)})
+    with pytest.raises(CheckpointError, match=r"has no entry `exe/w`, which the state to load into has"):
+        ck.load(tmp_path / "mv", {"exe": _exe_state(mvw)})  # schedule="auto" chose one that keeps w sliced too
+    with pytest.raises(CheckpointError, match=r"holds sliced state `exe/w` that the state to load into lacks"):
+        ck.load(tmp_path / "mvw", {"exe": _exe_state(mv)})
+    ck.load(tmp_path / "mv", {"exe": _exe_state(mv)})  # the same schedule loads
+    ck.save(tmp_path / "v", {"w": 3})
+    with pytest.raises(CheckpointError, match=r"`w` is a plain value there, the state to load into has a tensor"):
+        ck.load(tmp_path / "v", {"w": torch.zeros(2)})
+
+
+# -- re-saving over a checkpoint: never a moment without one -------------------------------------------------
+
+
+@pytest.mark.parametrize("swap", [True, False], ids=["atomic swap", "two renames"])
+def test_re_saving_a_step_never_leaves_latest_without_a_checkpoint(tmp_path, monkeypatch, swap):
+    import threading
+
+    if not swap:
+        monkeypatch.setattr(ck, "_exchange", lambda a, b: False)
+    root = tmp_path / "ckpt"
+    ck.save(ck.step_path(root, 1), {"w": torch.zeros(4), "step": 1})
+    seen, done = [], threading.Event()
+
+    def watch() -> None:
+        while not done.is_set():
+            seen.append(ck.latest(root))
+
+    watcher = threading.Thread(target=watch)
+    watcher.start()
+    try:
+        for k in range(15):
+            ck.save(ck.step_path(root, 1), {"w": torch.full((4,), float(k)), "step": 1})
+    finally:
+        done.set()
+        watcher.join()
+    assert seen and None not in seen
+    w = torch.zeros(4)
+    ck.load(ck.latest(root), {"w": w})
+    assert torch.equal(w, torch.full((4,), 14.0)) and sorted(p.name for p in root.iterdir()) == ["step-00000001"]
+
+
+@pytest.mark.parametrize("swap", [True, False], ids=["atomic swap", "two renames"])
+def test_a_crash_while_replacing_a_checkpoint_leaves_one_that_loads(tmp_path, monkeypatch, swap):
+    if not swap:
+        monkeypatch.setattr(ck, "_exchange", lambda a, b: False)
+    root = tmp_path / "ckpt"
+    ck.save(ck.step_path(root, 2), {"w": torch.ones(4)}, step=2)
+    faults.configure("stage=2,label=checkpoint,action=raise")  # between the swap (or renames) and the cleanup
+    try:
+        with pytest.raises(faults.InjectedFault):
+            ck.save(ck.step_path(root, 2), {"w": torch.full((4,), 2.0)}, step=2)
+    finally:
+        faults.configure(None)
+    found = ck.latest(root)
+    assert found == (ck.step_path(root, 2) if swap else root / "step-00000002.old")
+    w = torch.zeros(4)
+    ck.load(found, {"w": w})
+    assert torch.equal(w, torch.full((4,), 2.0 if swap else 1.0))  # the new one, or the old one intact
+    ck.save(ck.step_path(root, 2), {"w": torch.full((4,), 3.0)}, step=2)  # the next save cleans up
+    assert sorted(p.name for p in root.iterdir()) == ["step-00000002"]

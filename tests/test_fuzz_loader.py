@@ -108,7 +108,7 @@ def test_cli_on_bad_programs_sizes_and_worlds_exits_2_with_one_line(sandbox, cas
     if command == "run":
         if any(isinstance(v, int) and v > 64 or v == "99999999999999999" for v in sizes.values()):
             return  # large sizes would allocate real inputs; `show` covers them
-        args += ["--world-size", world, "--json"]
+        args += ["--world-size", world, "--json", "-"]
     r = runner.invoke(app, args)
     assert r.exit_code in (0, 2), (args, r.output)
     assert "Traceback" not in r.output and r.exception is None or isinstance(r.exception, SystemExit)

@@ -1,4 +1,4 @@
-"""The process runtime: live local worlds, failures as BackendErrors within the timeout, agree, torchrun init,
+"""The process runtime: live local worlds, failures as BackendErrors within the timeout, torchrun init,
 and the trace recorder. Rank functions are module-level so that ranks can import them."""
 
 from __future__ import annotations
@@ -6,6 +6,7 @@ from __future__ import annotations
 import functools
 import json
 import os
+import signal
 import socket
 import subprocess
 import sys
@@ -20,7 +21,6 @@ from cocoweave import launch
 from cocoweave.errors import BackendError
 from cocoweave.launch import (
     LocalWorld,
-    agree,
     in_torchrun,
     init_from_env,
     rank_device,
@@ -71,16 +71,16 @@ def _exit_on_1(rank: int, world_size: int) -> torch.Tensor:
     return _all_reduce(rank, world_size)
 
 
+def _exit_0_on_1(rank: int, world_size: int) -> int:
+    if rank == 1:
+        os._exit(0)  # a clean exit code, but no result: still a failed rank
+    return rank
+
+
 def _sleep_on_1(rank: int, world_size: int, seconds: float) -> int:
     if rank == 1:
         time.sleep(seconds)
     return rank
-
-
-def _agree(rank: int, world_size: int, odd_rank: int | None) -> str:
-    value = agree("fp-odd" if rank == odd_rank else "fp-1234", "program fingerprint")
-    _all_reduce(rank, world_size)
-    return value
 
 
 def _traced(rank: int, world_size: int) -> list[dict]:
@@ -91,6 +91,40 @@ def _traced(rank: int, world_size: int) -> list[dict]:
         with tracer.span("all_reduce", stream="comm", chunk=chunk):
             _all_reduce(rank, world_size)
     return tracer.events()
+
+
+def _sleep_then_all_reduce(rank: int, world_size: int, seconds: float) -> torch.Tensor:
+    time.sleep(seconds)
+    return _all_reduce(rank, world_size)
+
+
+def _pid(rank: int, world_size: int) -> int:
+    return os.getpid()
+
+
+def listening_addresses(pids: list[int] | None = None, port: int | None = None) -> list[str]:
+    """Local addresses (hex, as /proc/net/tcp writes them) of the TCP sockets listening on `port` or owned by
+    `pids` (Linux)."""
+    inodes = set()
+    for pid in pids or []:
+        for fd in os.listdir(f"/proc/{pid}/fd"):
+            try:
+                target = os.readlink(f"/proc/{pid}/fd/{fd}")
+            except OSError:
+                continue
+            if target.startswith("socket:["):
+                inodes.add(target[8:-1])
+    found = []
+    for table in ("/proc/net/tcp", "/proc/net/tcp6"):
+        for line in open(table).read().splitlines()[1:]:
+            fields = line.split()
+            address, hexport = fields[1].rsplit(":", 1)
+            if fields[3] == "0A" and (fields[9] in inodes or int(hexport, 16) == port):
+                found.append(address)
+    return found
+
+
+LOOPBACK = ("0100007F", "00000000000000000000000001000000", "0000000000000000FFFF00000100007F")
 
 
 # -- shared worlds -----------------------------------------------------------------------------------------
@@ -155,16 +189,6 @@ def test_unpicklable_result_is_an_error_naming_the_ranks(world4):
     assert world4.broken is None
 
 
-def test_agree_detects_a_mismatch_on_every_rank(world4):
-    assert world4.run(_agree, None) == ["fp-1234"] * 4
-    with pytest.raises(BackendError) as info:
-        world4.run(_agree, 2)
-    assert str(info.value) == ("ranks 0, 1, 2, 3 failed: BackendError: ranks disagree on program "
-                               "fingerprint: rank 0 has 'fp-1234', rank 2 has 'fp-odd'")
-    assert world4.broken is None  # every rank raised before any other collective: the world is consistent
-    assert torch.equal(world4.run(_all_reduce)[3], torch.full((3,), 10.0))
-
-
 def test_trace_of_a_world_has_one_track_per_rank_and_stream(world4, tmp_path):
     per_rank = world4.run(_traced)
     path = tmp_path / "trace.json"
@@ -219,6 +243,14 @@ def test_dead_rank_is_named_quickly_and_restart_works(fragile):
     assert [t.tolist() for t in fragile.run(_all_reduce)] == [[3.0] * 3] * 2
 
 
+def test_a_rank_that_exits_0_without_a_result_is_a_failure(fragile):
+    _ensure_live(fragile)
+    with pytest.raises(BackendError, match=r"^rank 1 exited with code 0 without returning a result during run of "
+                                           r"`_exit_0_on_1`$") as info:
+        fragile.run(_exit_0_on_1)
+    assert info.value.ranks == [1] and fragile.broken
+
+
 def test_hung_rank_is_named_within_the_timeout(fragile):
     _ensure_live(fragile)
     t0 = time.monotonic()
@@ -238,6 +270,35 @@ def test_raise_before_a_collective_tears_down_the_stuck_ranks(fragile):
         fragile.run(_raise_then_collective)
     assert time.monotonic() - t0 < 3.0
     assert fragile.broken
+
+
+def test_a_run_longer_than_the_timeout_is_fine_when_no_rank_waits_that_long(fragile):
+    _ensure_live(fragile)  # timeout 3 s: each rank waits at most that long for the others
+    results = fragile.run(_sleep_then_all_reduce, 4.0)
+    assert [t.tolist() for t in results] == [[3.0] * 3] * 2
+
+
+def test_the_wall_timeout_caps_a_whole_call(fragile):
+    _ensure_live(fragile)
+    t0 = time.monotonic()
+    with pytest.raises(BackendError, match=r"^ranks 0, 1 did not finish `_sleep_then_all_reduce` within the wall "
+                                           r"timeout of 1 s$"):
+        fragile.call(_sleep_then_all_reduce, (30.0,), wall_timeout_s=1.0)
+    assert time.monotonic() - t0 < 5.0 and fragile.broken  # 1 s, then the teardown
+
+
+def test_a_stopped_rank_is_named_as_the_one_that_stopped_answering(fragile):
+    _ensure_live(fragile)
+    os.kill(fragile.pids[1], signal.SIGSTOP)  # stopped while idle: it never starts the next call
+    t0 = time.monotonic()
+    with pytest.raises(BackendError) as info:
+        fragile.run(_all_reduce)
+    msg = str(info.value)
+    assert msg.startswith("rank 1 stopped answering and did not finish the run of `_all_reduce` (rank 1 is "
+                          "stopped by a signal); rank 0 gave up waiting: "), msg
+    assert "stage" not in msg and "Timed out" in msg  # rank 1 never entered a stage of this call
+    assert info.value.ranks == [1, 0] and fragile.broken
+    assert time.monotonic() - t0 < 3.0 + 2.0 + 5.0  # Gloo's 3 s wait, the error grace, teardown (loaded CPUs)
 
 
 def test_communication_failures_break_the_world():
@@ -269,6 +330,14 @@ def test_closed_world_refuses_work_and_can_restart():
 def test_bad_arguments_are_rejected():
     with pytest.raises(BackendError, match="at least one rank"):
         LocalWorld(0)
+    with pytest.raises(BackendError, match=r"a local world of 10000 ranks is more than this machine should start "
+                                           r"\(at most \d+: 4 per core, at least 16; set COCOWEAVE_MAX_LOCAL_RANKS"):
+        LocalWorld(10000)
+    for bad in (float("inf"), float("nan"), 0, -1, 1e9):
+        with pytest.raises(BackendError, match="timeout_s must be a finite number of seconds above 0"):
+            LocalWorld(2, timeout_s=bad)
+    with pytest.raises(BackendError, match="wall_timeout_s must be a finite number"):
+        LocalWorld(2, wall_timeout_s=float("inf"))
     with pytest.raises(BackendError, match="backend must be"):
         LocalWorld(2, backend="mpi")
     if not torch.cuda.is_available():
@@ -276,18 +345,53 @@ def test_bad_arguments_are_rejected():
             LocalWorld(2, device="cuda")
 
 
+def test_every_listening_socket_of_a_world_is_on_loopback():
+    with LocalWorld(2) as world:
+        parent = listening_addresses(port=world._store.port)
+        ranks = listening_addresses(world.pids)
+    assert parent and all(a in LOOPBACK for a in parent), parent  # the rendezvous store
+    assert ranks and all(a in LOOPBACK for a in ranks), ranks  # Gloo's pairs
+
+
+def test_a_failure_to_start_a_rank_stops_the_ones_already_started(monkeypatch):
+    import multiprocessing.context as mp_context
+
+    started = []
+    original = mp_context.SpawnProcess.start
+
+    def start(self):
+        if len(started) == 2:
+            raise BlockingIOError(11, "Resource temporarily unavailable")
+        original(self)
+        started.append(self)
+
+    monkeypatch.setattr(mp_context.SpawnProcess, "start", start)
+    t0 = time.monotonic()
+    with pytest.raises(BackendError, match=r"^could not start rank 2 of a local world of 3: BlockingIOError: "
+                                           r"\[Errno 11\] Resource temporarily unavailable; the 2 ranks already "
+                                           r"started were stopped$") as info:
+        LocalWorld(3)
+    assert time.monotonic() - t0 < 10 and info.value.ranks == [2]
+    assert len(started) == 2 and all(p._closed for p in started)  # killed, joined and closed
+
+
 # -- torchrun-style start ----------------------------------------------------------------------------------
 
 _SCRIPT = textwrap.dedent("""
-    import torch, torch.distributed as dist
-    from cocoweave.launch import agree, in_torchrun, init_from_env
+    import os, sys, torch, torch.distributed as dist
+    from cocoweave.backends.torch.agreement import agree
+    from cocoweave.launch import in_torchrun, init_from_env, shutdown
+    sys.path.insert(0, os.environ["TEST_DIR"])
+    from test_launch import listening_addresses
     assert in_torchrun()
     rank, world_size, device = init_from_env(timeout_s=30)
     agree("fp", "program fingerprint")
     t = torch.full((2,), float(rank + 1))
     dist.all_reduce(t)
     print(f"RESULT {rank} {world_size} {device} {t.tolist()}", flush=True)
-    dist.destroy_process_group()
+    print("LISTEN " + " ".join(listening_addresses([os.getpid()])), flush=True)
+    shutdown()
+    assert not dist.is_initialized()
 """)
 
 
@@ -300,7 +404,8 @@ def test_init_from_env_under_torchrun_style_env(tmp_path):
     procs = []
     for rank in range(2):
         env = {**os.environ, "RANK": str(rank), "LOCAL_RANK": str(rank), "WORLD_SIZE": "2",
-               "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(port), "OMP_NUM_THREADS": "1"}
+               "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(port), "OMP_NUM_THREADS": "1",
+               "TEST_DIR": os.path.dirname(__file__)}
         procs.append(subprocess.Popen([sys.executable, str(script)], env=env, stdout=subprocess.PIPE,
                                       stderr=subprocess.STDOUT, text=True))
     try:
@@ -311,6 +416,8 @@ def test_init_from_env_under_torchrun_style_env(tmp_path):
     for rank, (p, out) in enumerate(zip(procs, outputs)):
         assert p.returncode == 0, out
         assert f"RESULT {rank} 2 cpu [3.0, 3.0]" in out
+        listening = out.split("LISTEN", 1)[1].split()
+        assert listening and all(a in LOOPBACK for a in listening), out  # rank 0's store, Gloo's pairs
 
 
 def test_init_from_env_names_missing_variables(monkeypatch):

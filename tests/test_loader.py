@@ -72,3 +72,42 @@ def test_parse_sizes():
         parse_sizes(["N"])
     with pytest.raises(LoadError, match="size N must be an integer"):
         parse_sizes(["N=x"])
+
+
+def test_import_module_file_loads_once_by_name_and_cleans_up_a_failure(tmp_path):
+    import sys
+
+    from cocoweave.loader import import_module_file
+
+    path = write(tmp_path, "VALUE = 41\n", "mod_by_path.py")
+    module = import_module_file("cocoweave_test_mod_by_path", path)
+    try:
+        assert module.VALUE == 41 and import_module_file("cocoweave_test_mod_by_path", path) is module
+    finally:
+        sys.modules.pop("cocoweave_test_mod_by_path", None)
+    bad = write(tmp_path, "raise RuntimeError('boom')\n", "bad_mod.py")
+    with pytest.raises(RuntimeError, match="boom"):
+        import_module_file("cocoweave_test_bad_mod", bad)
+    assert "cocoweave_test_bad_mod" not in sys.modules
+    with pytest.raises(ImportError):
+        import_module_file("cocoweave_test_no_such_module", None)
+
+
+@pytest.mark.parametrize("text, func, pattern", [
+    ("import os\n\ndef f():\n    os._exit(0)\n", "f", r"prog.py:4: the program called os._exit\(0\); a program file "
+                                                    r"must return a Program, not end the process"),
+    ("from os import _exit\n_exit(3)\n", "f", r"prog.py:2: the program called os._exit\(3\)"),
+    ("def f():\n    while True:\n        pass\n", "f", r"prog.py:[23]: still running after 0.5 s of loading"),
+    ("import time\ntry:\n    time.sleep(60)\nexcept Exception:\n    pass\n", "f", r"prog.py:3: still running after"),
+])
+def test_a_program_that_ends_the_process_or_never_returns_is_stopped(tmp_path, text, func, pattern):
+    import os
+    import time
+
+    path = write(tmp_path, text)
+    t0 = time.monotonic()
+    with pytest.raises(LoadError, match=pattern):
+        load_program(f"{path}:{func}", timeout_s=0.5)
+    assert time.monotonic() - t0 < 5
+    assert os._exit.__module__ in ("posix", "nt")  # the real os._exit is back
+    assert load_program(f"{write(tmp_path, GOOD, 'good.py')}:prog", {"N": 2}, timeout_s=0.5).name == "good"

@@ -13,16 +13,29 @@ own DCP entry `NAME.part-I-of-N`, plus a small layout record `NAME.layout` (dim,
 load each rank computes the bounds of its part for the *current* group size and shares and reads only the
 saved parts that overlap them, so a checkpoint written by 4 ranks loads on 2 or 3 ranks (or 1), or with
 other shares, with identical values.
-Other values (ints, floats, strings, lists) are pickled by DCP. Keys are joined with "/".
+None, bools, ints, floats and strings are kept as JSON in the skeleton; other objects are pickled by DCP
+(and load only with `trusted=True`). Keys are joined with "/".
+
+Integrity and trust: `COMPLETE.json` lists every file of the checkpoint with its size and sha256, and `load`
+checks them all before reading anything: a truncated, emptied, deleted, added or changed file is refused
+with a sentence. `load` never runs code from a checkpoint: DCP's metadata is unpickled with an allow-list of
+DCP's own classes and other entries are read with `torch.load(weights_only=True)` (cocoweave.safe_dcp);
+`trusted=True` lifts that, for checkpoints you trust, as torch.load's `weights_only=False` does. State the
+template has and the checkpoint lacks (a tensor or a Shard) is refused, so is sliced state the checkpoint
+has and the template lacks (e.g. after a schedule that keeps other state sliced).
 
 Atomicity: ranks write into `PATH.partial`; after DCP has gathered every rank's writes and written its
 metadata, rank 0 writes the completion marker `COMPLETE.json` (fsync'ed) and renames the directory to
-`PATH`. A save that crashes at any point leaves at most a `.partial` directory, which `load` refuses
-and `latest` ignores. Ranks on several hosts need a filesystem they all see at `PATH`.
+`PATH`; over an existing checkpoint it swaps the two directories in one step (Linux renameat2
+RENAME_EXCHANGE; elsewhere two renames, and `latest` finds `PATH.old` in between). A save that crashes at
+any point leaves at most a `.partial` directory, which `load` refuses and `latest` ignores. Ranks on
+several hosts need a filesystem they all see at `PATH`.
 """
 
 from __future__ import annotations
 
+import ctypes
+import hashlib
 import json
 import os
 import re
@@ -41,12 +54,15 @@ import torch.distributed.checkpoint as dcp
 from . import faults
 from .errors import CheckpointError
 from .ir.layout import share_bounds
+from .safe_dcp import SafePlanner, SafeReader, UnsafeCheckpoint, first_failure
 
 MARKER = "COMPLETE.json"
 PARTIAL = ".partial"
-FORMAT = 1
+OLD = ".old"
+FORMAT = 2  # 2: a manifest of sizes and sha256 per file, JSON leaves in the skeleton
 SKELETON = "__skeleton__"  # per rank: the nested structure of what it saved (JSON)
-_STEP_DIR = re.compile(r"^step-(\d+)$")
+_STEP_DIR = re.compile(r"^step-(\d+)(\.old)?$")
+_CHUNK = 1 << 20
 
 
 @dataclass
@@ -111,7 +127,9 @@ def _encode(value: Any, key: str, entries: dict[str, Any]) -> Any:
     if isinstance(value, list | tuple):
         kind = "l" if isinstance(value, list) else "u"
         return {kind: [_encode(v, f"{key}/{i}", entries) for i, v in enumerate(value)]}
-    entries[key] = value  # pickled by DCP
+    if value is None or isinstance(value, bool | int | float | str):
+        return {"v": value}  # JSON in the skeleton
+    entries[key] = value  # pickled by DCP: loads only with trusted=True
     return {"o": key}
 
 
@@ -130,7 +148,7 @@ def save(path: str | os.PathLike[str], state: Mapping[str, Any], *, step: int | 
          meta: Mapping[str, Any] | None = None, group: Any = None) -> Path:
     """Write `state` as a complete checkpoint at `path` (every rank of `group` calls it); returns the path.
 
-    An existing checkpoint at `path` is replaced only once the new one is complete."""
+    An existing checkpoint at `path` is replaced only once the new one is complete, in one step."""
     final = Path(path)
     tmp = final.with_name(final.name + PARTIAL)
     rank = _rank(group)
@@ -145,26 +163,78 @@ def save(path: str | os.PathLike[str], state: Mapping[str, Any], *, step: int | 
         with warnings.catch_warnings():  # DCP warns when it runs in one process, which is what we ask for
             warnings.simplefilter("ignore", UserWarning)
             dcp.save(entries, checkpoint_id=str(tmp), process_group=group, no_dist=not _is_dist(group))
-    except Exception as exc:  # noqa: BLE001 - DCP wraps rank failures in CheckpointException
-        raise CheckpointError(f"saving checkpoint {final} failed: {type(exc).__name__}: "
-                              f"{str(exc).strip().splitlines()[0] if str(exc).strip() else ''}") from None
+    except (Exception, dcp.api.CheckpointException) as exc:  # noqa: BLE001 - DCP's is a BaseException
+        raise CheckpointError(f"saving checkpoint {final} failed: {_describe(first_failure(exc))}") from None
     faults.maybe_fault(dist.get_rank() if _is_dist(group) else 0, 1, "checkpoint")
+    error = None
     if rank == 0:
-        record = {"format": FORMAT, "step": step, "world_size": dist.get_world_size(group) if _is_dist(group) else 1,
-                  "time": time.time(), "meta": dict(meta or {})}
-        with open(tmp / MARKER, "w") as f:
-            json.dump(record, f)
-            f.flush()
-            os.fsync(f.fileno())
-        old = final.with_name(final.name + ".old")
-        if final.exists():
-            shutil.rmtree(old, ignore_errors=True)
-            os.replace(final, old)
+        try:
+            _complete(tmp, final, step, dist.get_world_size(group) if _is_dist(group) else 1, meta)
+        except OSError as exc:
+            error = f"saving checkpoint {final} failed: {exc.strerror or exc}"
+    error = _from_rank0(error, group)  # no rank returns before the checkpoint is complete
+    if error is not None:
+        raise CheckpointError(error)
+    return final
+
+
+def _describe(exc: BaseException) -> str:
+    text = str(exc).strip()
+    return f"{type(exc).__name__}: {text.splitlines()[0] if text else ''}"
+
+
+def _from_rank0(value: Any, group: Any) -> Any:
+    """Rank 0's `value` on every rank of `group` (a barrier that carries rank 0's outcome)."""
+    if not _is_dist(group):
+        return value
+    box = [value]
+    dist.broadcast_object_list(box, src=dist.get_global_rank(group, 0) if group is not None else 0, group=group)
+    return box[0]
+
+
+def _complete(tmp: Path, final: Path, step: int | None, world_size: int, meta: Mapping[str, Any] | None) -> None:
+    """Rank 0: write the manifest and completion marker into `tmp`, then put it at `final` in one step."""
+    files = {f.name: {"size": f.stat().st_size, "sha256": _sha256(f)} for f in sorted(tmp.iterdir()) if f.is_file()}
+    record = {"format": FORMAT, "step": step, "world_size": world_size, "time": time.time(),
+              "meta": dict(meta or {}), "files": files}
+    with open(tmp / MARKER, "w") as f:
+        json.dump(record, f)
+        f.flush()
+        os.fsync(f.fileno())
+    _fsync_dir(tmp)
+    if not final.exists():
+        os.replace(tmp, final)
+    elif _exchange(tmp, final):  # the new checkpoint is at `final`, the old one at `tmp`
+        faults.maybe_fault(0, 2, "checkpoint")
+        shutil.rmtree(tmp, ignore_errors=True)
+    else:  # no atomic swap here: `latest` finds PATH.old between the two renames
+        old = final.with_name(final.name + OLD)
+        shutil.rmtree(old, ignore_errors=True)
+        os.replace(final, old)
+        faults.maybe_fault(0, 2, "checkpoint")
         os.replace(tmp, final)
         shutil.rmtree(old, ignore_errors=True)
-        _fsync_dir(final.parent)
-    _barrier(group)  # no rank returns before the checkpoint is complete
-    return final
+    shutil.rmtree(final.with_name(final.name + OLD), ignore_errors=True)  # left by a crash in an earlier save
+    _fsync_dir(final.parent)
+
+
+def _exchange(a: Path, b: Path) -> bool:
+    """Swap two directories atomically (Linux renameat2 RENAME_EXCHANGE); False where that is not possible."""
+    try:
+        renameat2 = ctypes.CDLL(None, use_errno=True).renameat2
+    except (OSError, AttributeError):
+        return False
+    renameat2.argtypes = [ctypes.c_int, ctypes.c_char_p, ctypes.c_int, ctypes.c_char_p, ctypes.c_uint]
+    at_fdcwd, rename_exchange = -100, 2
+    return renameat2(at_fdcwd, os.fsencode(a), at_fdcwd, os.fsencode(b), rename_exchange) == 0
+
+
+def _sha256(path: Path) -> str:
+    digest = hashlib.sha256()
+    with open(path, "rb") as f:
+        while chunk := f.read(_CHUNK):
+            digest.update(chunk)
+    return digest.hexdigest()
 
 
 def _fsync_dir(path: Path) -> None:
@@ -181,7 +251,7 @@ def _fsync_dir(path: Path) -> None:
 
 
 def info(path: str | os.PathLike[str]) -> dict[str, Any]:
-    """The completion record of the checkpoint at `path` (step, world size, meta); CheckpointError if
+    """The completion record of the checkpoint at `path` (step, world size, meta, files); CheckpointError if
     `path` is missing or incomplete."""
     p = Path(path)
     if not p.is_dir():
@@ -189,28 +259,65 @@ def info(path: str | os.PathLike[str]) -> dict[str, Any]:
         why = "only an interrupted save was found there" if partial.exists() else "no such directory"
         raise CheckpointError(f"checkpoint {p} cannot be loaded: {why}")
     try:
-        with open(p / MARKER) as f:
+        with open(p / MARKER, encoding="utf-8") as f:
             record = json.load(f)
     except FileNotFoundError:
         raise CheckpointError(f"checkpoint {p} is incomplete (no {MARKER}): its save was interrupted") from None
     except (OSError, ValueError) as exc:
         raise CheckpointError(f"checkpoint {p} has an unreadable {MARKER}: {exc}") from None
-    if record.get("format") != FORMAT:
-        raise CheckpointError(f"checkpoint {p} has format {record.get('format')!r}; this cocoweave reads {FORMAT}")
+    if not isinstance(record, dict) or record.get("format") not in (1, FORMAT):
+        got = record.get("format") if isinstance(record, dict) else record
+        raise CheckpointError(f"checkpoint {p} has format {got!r}; this cocoweave reads {FORMAT}")
+    return record
+
+
+def verify(path: str | os.PathLike[str]) -> dict[str, Any]:
+    """Check every file of the checkpoint at `path` against its manifest (size, then sha256), and that no
+    other file is there; returns the completion record, or raises CheckpointError naming the first bad file."""
+    p = Path(path)
+    record = info(p)
+    files = record.get("files")
+    if record["format"] < FORMAT or not isinstance(files, dict):
+        raise CheckpointError(f"checkpoint {p} has no manifest of its files (format {record['format']}, written "
+                              "by an older cocoweave); load it with trusted=True if you trust it")
+    present = {f.name for f in p.iterdir()} - {MARKER}
+    for name in sorted(set(files) | present):
+        f, want = p / name, files.get(name)
+        if not isinstance(want, dict):
+            raise CheckpointError(f"checkpoint {p} has a file {name} that its manifest does not list")
+        if name not in present:
+            raise CheckpointError(f"checkpoint {p} lacks its file {name}")
+        size = f.stat().st_size
+        if size != want.get("size"):
+            raise CheckpointError(f"checkpoint {p}: file {name} has {size} bytes, its manifest says "
+                                  f"{want.get('size')} (truncated or damaged)")
+        if _sha256(f) != want.get("sha256"):
+            raise CheckpointError(f"checkpoint {p}: file {name} does not match its sha256 checksum (damaged)")
     return record
 
 
 def latest(root: str | os.PathLike[str]) -> Path | None:
-    """The complete checkpoint `root/step-N` with the largest N, or None (interrupted saves are skipped)."""
-    best: tuple[int, Path] | None = None
+    """The complete checkpoint `root/step-N` with the largest N, or None (interrupted saves are skipped).
+    Where a re-save of step N was cut between its two renames (systems without an atomic swap), the
+    previous `root/step-N.old` stands in for it. A directory listing is no snapshot: a rename running while it
+    is read can hide both names, so a listing that finds only save-in-progress entries is read again."""
     rootp = Path(root)
-    if not rootp.is_dir():
-        return None
-    for child in rootp.iterdir():
-        m = _STEP_DIR.match(child.name)
-        if m and (child / MARKER).is_file() and (best is None or int(m.group(1)) > best[0]):
-            best = (int(m.group(1)), child)
-    return best[1] if best else None
+    for _ in range(50):
+        if not rootp.is_dir():
+            return None
+        best: tuple[int, bool, Path] | None = None
+        in_progress = False
+        for child in rootp.iterdir():
+            m = _STEP_DIR.match(child.name)
+            if m and (child / MARKER).is_file():
+                key = (int(m.group(1)), m.group(2) is None, child)  # step-N beats step-N.old
+                if best is None or key[:2] > best[:2]:
+                    best = key
+            in_progress |= child.name.endswith((PARTIAL, ".old"))
+        if best is not None or not in_progress:
+            return best[2] if best else None
+        time.sleep(0.001)
+    return None
 
 
 def step_path(root: str | os.PathLike[str], step: int) -> Path:
@@ -218,22 +325,31 @@ def step_path(root: str | os.PathLike[str], step: int) -> Path:
     return Path(root) / f"step-{step:08d}"
 
 
-def load(path: str | os.PathLike[str], state: Mapping[str, Any], *, group: Any = None) -> dict[str, Any]:
+def load(path: str | os.PathLike[str], state: Mapping[str, Any], *, group: Any = None,
+         trusted: bool = False) -> dict[str, Any]:
     """Read the entries of `state`'s top-level keys from the checkpoint at `path` (every rank of `group`
     calls it); returns them as a nested dict.
 
-    Tensors and Shards in `state` are filled in place (a Shard may be for another group size than the
-    saved parts); everything else comes back as saved (new tensors, on the CPU), so that a template like
-    an optimizer's state dict before its first step loads whatever state was saved."""
+    Every file is checked against the checkpoint's manifest before anything is read. Tensors and Shards in
+    `state` are filled in place (a Shard may be for another group size than the saved parts); everything
+    else comes back as saved (new tensors, on the CPU), so that a template like an optimizer's state dict
+    before its first step loads whatever state was saved. A tensor or Shard of `state` the checkpoint lacks,
+    or sliced state it has that `state` lacks, is refused. `trusted=True` (only for checkpoints you trust:
+    code in them can run) also loads pickled objects and checkpoints without a manifest."""
     p = Path(path)
-    info(p)
+    if not (trusted and info(p)["format"] < FORMAT):
+        verify(p)
+    reader = dcp.FileSystemReader if trusted else SafeReader
     try:
-        saved = dcp.FileSystemReader(str(p)).read_metadata().state_dict_metadata
+        saved = reader(str(p)).read_metadata().state_dict_metadata
+    except UnsafeCheckpoint as exc:
+        raise CheckpointError(f"checkpoint {p} is refused: {exc}; load it with trusted=True only if you trust "
+                              "where it came from") from None
     except Exception as exc:  # noqa: BLE001
         raise CheckpointError(f"checkpoint {p} has unreadable DCP metadata: {type(exc).__name__}: {exc}") from None
     # First read the small records: every rank's skeleton and the saved split of every sliced tensor.
     records = {k: "" for k in saved if k.startswith(SKELETON + "/") or k.endswith(".layout")}
-    _dcp_load(p, records, group)
+    _dcp_load(p, records, group, reader, trusted)
     skeleton: dict[str, Any] = {"d": []}
     for key, text in records.items():
         if key.startswith(SKELETON + "/"):
@@ -244,11 +360,12 @@ def load(path: str | os.PathLike[str], state: Mapping[str, Any], *, group: Any =
         raise CheckpointError(f"checkpoint {p} has no entry `{missing[0]}`; it has: {', '.join(map(str, top))}")
     request: dict[str, Any] = {}
     shards: list[tuple[str, Shard]] = []
-    tree = {k: _plan(p, top[k], state[k], saved, request, shards) for k in state}
+    plan = _Planner(p, saved, request, shards, trusted)
+    tree = {k: plan.node(top[k], state[k], str(k)) for k in state}
     copies: list[tuple[torch.Tensor, torch.Tensor]] = []
     for name, shard in shards:  # read only the saved parts that overlap this rank's part
         copies += _plan_shard(p, name, shard, json.loads(records[f"{name}.layout"]), saved, request)
-    _dcp_load(p, request, group)
+    _dcp_load(p, request, group, reader, trusted)
     for dst, src in copies:
         dst.copy_(src)
     return _resolve(tree, request)
@@ -262,40 +379,85 @@ class _Ref:
     key: str
 
 
-def _plan(p: Path, node: Any, template: Any, saved: Mapping[str, Any], request: dict[str, Any],
-          shards: list[tuple[str, Shard]]) -> Any:
-    """What to read for one saved skeleton node into `template`; returns the result tree with _Refs."""
-    if "s" in node:
-        if not isinstance(template, Shard):
-            raise CheckpointError(f"checkpoint {p}: `{node['s']}` is sliced there; load it into a "
-                                  "checkpoint.Shard of this rank's part")
-        shards.append((node["s"], template))
-        return template
-    if "t" in node:
-        key, md = node["t"], saved.get(node["t"])
+def _holds_state(template: Any) -> bool:
+    """Whether a template value is, or contains, a tensor or a Shard (state that must be loaded)."""
+    if isinstance(template, torch.Tensor | Shard):
+        return True
+    if isinstance(template, Mapping):
+        return any(_holds_state(v) for v in template.values())
+    if isinstance(template, list | tuple):
+        return any(_holds_state(v) for v in template)
+    return False
+
+
+_KINDS = {"d": "a dict", "l": "a list", "u": "a tuple", "v": "a plain value", "o": "an object"}
+
+
+@dataclass
+class _Planner:
+    """What to read for each saved skeleton node into the template; builds the result tree with _Refs."""
+
+    p: Path
+    saved: Mapping[str, Any]
+    request: dict[str, Any]
+    shards: list[tuple[str, Shard]]
+    trusted: bool
+
+    def node(self, node: Any, template: Any, where: str) -> Any:
+        if "s" in node:
+            if template is _MISSING:
+                raise CheckpointError(f"checkpoint {self.p} holds sliced state `{where}` that the state to load into "
+                                      "lacks (was it saved with a schedule that keeps other state sliced?)")
+            if not isinstance(template, Shard):
+                raise CheckpointError(f"checkpoint {self.p}: `{where}` is sliced there; load it into a "
+                                      "checkpoint.Shard of this rank's part")
+            self.shards.append((node["s"], template))
+            return template
+        if "t" in node:
+            return self.tensor(node["t"], template)
+        if isinstance(template, torch.Tensor | Shard):
+            kind = next(_KINDS[k] for k in _KINDS if k in node)
+            raise CheckpointError(f"checkpoint {self.p}: `{where}` is {kind} there, the state to load into has a "
+                                  f"{'sliced ' if isinstance(template, Shard) else ''}tensor")
+        if "v" in node:
+            return node["v"]
+        if "o" in node:
+            if not self.trusted:
+                raise CheckpointError(f"checkpoint {self.p} holds a pickled object at `{where}`; load it with "
+                                      "trusted=True only if you trust where it came from")
+            self.request[node["o"]] = None if template is _MISSING else template
+            return _Ref(node["o"])
+        if "d" in node:
+            sub = template if isinstance(template, Mapping) else {}
+            keys = {json.dumps(k) for k, _ in node["d"]}
+            lost = [k for k, v in sub.items() if json.dumps(k) not in keys and _holds_state(v)]
+            if lost:
+                raise CheckpointError(f"checkpoint {self.p} has no entry `{where}/{lost[0]}`, which the state to "
+                                      "load into has (it would be left as it is)")
+            return {k: self.node(v, sub.get(k, _MISSING), f"{where}/{k}") for k, v in node["d"]}
+        items = node.get("l", node.get("u"))
+        fits = isinstance(template, list | tuple) and len(template) == len(items)
+        if not fits and _holds_state(template):
+            raise CheckpointError(f"checkpoint {self.p}: `{where}` has {len(items)} items there, the state to load "
+                                  f"into has {len(template)}")
+        subs = template if fits else [_MISSING] * len(items)
+        out = [self.node(v, t, f"{where}/{i}") for i, (v, t) in enumerate(zip(items, subs))]
+        return out if "l" in node else tuple(out)
+
+    def tensor(self, key: str, template: Any) -> Any:
+        md = self.saved.get(key)
         if md is None or not hasattr(md, "size"):
-            raise CheckpointError(f"checkpoint {p} lacks the data of tensor `{key}`")
+            raise CheckpointError(f"checkpoint {self.p} lacks the data of tensor `{key}`")
         if isinstance(template, torch.Tensor):
             if tuple(md.size) != tuple(template.shape):
-                raise CheckpointError(f"checkpoint {p}: tensor `{key}` has shape {list(md.size)} there, "
+                raise CheckpointError(f"checkpoint {self.p}: tensor `{key}` has shape {list(md.size)} there, "
                                       f"the state to load into has {list(template.shape)}")
-            request[key] = template.detach()
+            self.request[key] = template.detach()
             return template
         if isinstance(template, Shard):
-            raise CheckpointError(f"checkpoint {p}: `{key}` is a whole tensor there, not a sliced one")
-        request[key] = torch.empty(tuple(md.size), dtype=md.properties.dtype)
+            raise CheckpointError(f"checkpoint {self.p}: `{key}` is a whole tensor there, not a sliced one")
+        self.request[key] = torch.empty(tuple(md.size), dtype=md.properties.dtype)
         return _Ref(key)
-    if "o" in node:
-        request[node["o"]] = None if template is _MISSING or isinstance(template, torch.Tensor | Shard) \
-            else template
-        return _Ref(node["o"])
-    if "d" in node:
-        sub = template if isinstance(template, Mapping) else {}
-        return {k: _plan(p, v, sub.get(k, _MISSING), saved, request, shards) for k, v in node["d"]}
-    items = node.get("l", node.get("u"))
-    subs = template if isinstance(template, list | tuple) and len(template) == len(items) else [_MISSING] * len(items)
-    out = [_plan(p, v, t, saved, request, shards) for v, t in zip(items, subs)]
-    return out if "l" in node else tuple(out)
 
 
 def _resolve(tree: Any, request: Mapping[str, Any]) -> Any:
@@ -308,15 +470,18 @@ def _resolve(tree: Any, request: Mapping[str, Any]) -> Any:
     return tree
 
 
-def _dcp_load(p: Path, request: dict[str, Any], group: Any) -> None:
+def _dcp_load(p: Path, request: dict[str, Any], group: Any, reader: Any, trusted: bool) -> None:
     try:
         with warnings.catch_warnings():
             warnings.simplefilter("ignore", UserWarning)
-            dcp.load(request, checkpoint_id=str(p), process_group=group, no_dist=not _is_dist(group))
-    except Exception as exc:  # noqa: BLE001
-        text = str(exc).strip()
-        raise CheckpointError(f"loading checkpoint {p} failed: {type(exc).__name__}: "
-                              f"{text.splitlines()[0] if text else ''}") from None
+            dcp.load(request, storage_reader=reader(str(p)), planner=None if trusted else SafePlanner(),
+                     process_group=group, no_dist=not _is_dist(group))
+    except (Exception, dcp.api.CheckpointException) as exc:  # noqa: BLE001 - DCP's is a BaseException
+        cause = first_failure(exc)
+        if isinstance(cause, UnsafeCheckpoint):
+            raise CheckpointError(f"checkpoint {p} is refused: {cause}; load it with trusted=True only if you "
+                                  "trust where it came from") from None
+        raise CheckpointError(f"loading checkpoint {p} failed: {_describe(cause)}") from None
 
 
 def _plan_shard(p: Path, name: str, shard: Shard, layout: Any, saved: Mapping[str, Any],

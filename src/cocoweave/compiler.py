@@ -15,12 +15,13 @@ from .schedule.schedule import Schedule
 
 def compile(target: Program | Schedule, backend: str = "torch", sizes: Mapping[str, int] | None = None,  # noqa: A001
             device: str | torch.device | None = None, rank: int | None = None, world_size: int | None = None,
-            schedule: str | None = None, group: Any = None):
+            schedule: str | None = None, group: Any = None, kernels: str | None = None):
     """An executable for this rank of an initialised torch.distributed world (backend "torch"), or
     for every simulated rank at once (backend "reference": call it with a list of per-rank inputs).
     schedule="auto" runs a Program with the tuner's cached choice (`cocoweave tune`), or as written
     with a warning when nothing is cached for this world size and device. `group` (a torch.distributed
-    process group) plays the program's world: rank and world size are then taken in it."""
+    process group) plays the program's world: rank and world size are then taken in it. `kernels` chooses how fused
+    stages run (Executable's route: "auto", "compiled", "triton" or "torch"; default $COCOWEAVE_KERNELS or "auto")."""
     if schedule not in (None, "auto"):
         raise CocoweaveError(f"schedule must be None or 'auto', got {schedule!r}; pass a Schedule as the target")
     auto = schedule == "auto" and isinstance(target, Program)
@@ -48,4 +49,4 @@ def compile(target: Program | Schedule, backend: str = "torch", sizes: Mapping[s
         from .tune import auto_schedule
 
         schedule = auto_schedule(target, sizes or {}, world_size, "torch", str(torch.device(device).type))
-    return Executable(lower(schedule), rank, world_size, sizes, device, group=group)
+    return Executable(lower(schedule), rank, world_size, sizes, device, kernels=kernels, group=group)

@@ -3,16 +3,19 @@
     with LocalWorld(4) as world:                      # 4 spawned ranks, Gloo on 127.0.0.1, kept alive
         sums = world.run(step, tensor)                # step(rank, world_size, tensor) on every rank
 
-A failing rank, a dead rank or a hang becomes a `BackendError` naming the ranks, within the run's
-timeout; a world whose ranks died or hung is torn down and marked broken until `restart()`.
-Functions sent to ranks must be module-level (ranks import them by module name, or from their file).
+Timeouts: `timeout_s` is how long a rank may wait for the others: the process group's timeout (every
+collective) and how long the parent waits for the last ranks once one has finished or failed;
+`wall_timeout_s` (default none) caps a whole call. A failing rank, a dead rank or a hang becomes a
+`BackendError` naming the ranks (the one that stopped answering first), and the stage each was in; a world
+whose ranks died or hung is torn down and marked broken until `restart()`. Every listening socket (the
+parent's store, Gloo's pairs) is bound to 127.0.0.1. Functions sent to ranks must be module-level (ranks
+import them by module name, or from their file).
 """
 
 from __future__ import annotations
 
 import functools
-import importlib
-import importlib.util
+import math
 import multiprocessing as mp
 import multiprocessing.util as mp_util
 import os
@@ -34,8 +37,11 @@ import torch.distributed as dist
 
 from . import faults
 from .errors import BackendError
+from .loader import import_module_file
 
 _ENV_VARS = ("RANK", "WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT")
+MAX_TIMEOUT_S = 7 * 24 * 3600.0  # a week: longer waits are a mistake (and overflow some timers)
+MAX_RANKS_ENV = "COCOWEAVE_MAX_LOCAL_RANKS"
 _ERROR_GRACE_S = 2.0  # after a rank raises, how long the others may take to finish before teardown
 _EXIT_GRACE_S = 0.25  # after a rank exits, how long to gather other exits before tearing down
 _CLOSE_WAIT_S = 5.0
@@ -62,26 +68,66 @@ def rank_state() -> dict[str, Any]:
     return _RANK_STATE
 
 
-def _short(value: str, limit: int = 64) -> str:
-    return repr(value) if len(value) <= limit else repr(value[: limit - 3]) + "..."
+def check_seconds(value: float, what: str) -> float:
+    """`value` as a float if it is a finite positive number of seconds up to a week, else BackendError."""
+    try:
+        seconds = float(value)
+    except (TypeError, ValueError):
+        raise BackendError(f"{what} must be a number of seconds, got {value!r}") from None
+    if not (0 < seconds <= MAX_TIMEOUT_S):  # also refuses NaN
+        raise BackendError(f"{what} must be a finite number of seconds above 0 and at most {MAX_TIMEOUT_S:g} "
+                           f"(a week), got {value!r}")
+    return seconds
 
 
-def agree(value: str, what: str, group: dist.ProcessGroup | None = None) -> str:
-    """All-gather `value` and raise BackendError on every rank if the ranks disagree; returns `value`.
+def max_local_ranks() -> int:
+    """How many ranks a LocalWorld may start: $COCOWEAVE_MAX_LOCAL_RANKS, else 4 per core and at least 16."""
+    env = os.environ.get(MAX_RANKS_ENV, "")
+    if env.strip().isdigit() and int(env) > 0:
+        return int(env)
+    return max(16, 4 * _cores())
 
-    Call it before any other collective (e.g. on a program fingerprint): mismatched ranks fail at start."""
-    if not dist.is_available() or not dist.is_initialized():
-        return value
-    size = dist.get_world_size(group)
-    values: list[Any] = [None] * size
-    dist.all_gather_object(values, str(value), group=group)
-    for j, other in enumerate(values):
-        if other != values[0]:
-            r0 = 0 if group is None else dist.get_global_rank(group, 0)
-            rj = j if group is None else dist.get_global_rank(group, j)
-            raise BackendError(f"ranks disagree on {what}: rank {r0} has {_short(values[0])}, "
-                               f"rank {rj} has {_short(other)}")
-    return value
+
+def check_local_ranks(world_size: int) -> int:
+    """`world_size` if a LocalWorld may start that many ranks here, else BackendError with a sentence."""
+    if world_size < 1:
+        raise BackendError(f"a local world needs at least one rank, got world_size={world_size}")
+    if world_size > max_local_ranks():
+        raise BackendError(f"a local world of {world_size} ranks is more than this machine should start "
+                           f"(at most {max_local_ranks()}: 4 per core, at least 16; set {MAX_RANKS_ENV} "
+                           "to allow more)")
+    return world_size
+
+
+def _cores() -> int:
+    try:
+        return len(os.sched_getaffinity(0))
+    except AttributeError:
+        return os.cpu_count() or 1
+
+
+def listening_store(host: str, port: int, timeout_s: float, world_size: int | None = None) -> dist.TCPStore:
+    """A master TCPStore whose socket listens on `host` only (torch's own binds every interface)."""
+    infos = socket.getaddrinfo(host, port, type=socket.SOCK_STREAM)
+    family, kind, proto, _, address = next((i for i in infos if i[0] == socket.AF_INET), infos[0])
+    sock = socket.socket(family, kind, proto)
+    try:
+        sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+        sock.bind(address)
+        sock.listen(256)
+        bound = sock.getsockname()[1]
+        return dist.TCPStore(host, bound, world_size, is_master=True, wait_for_workers=False,
+                             timeout=timedelta(seconds=timeout_s), master_listen_fd=sock.detach())
+    finally:
+        sock.close()  # a no-op once detached
+
+
+def _is_loopback(host: str) -> bool:
+    try:
+        infos = socket.getaddrinfo(host, None)
+    except OSError:
+        return False
+    return bool(infos) and all(i[4][0].startswith("127.") or i[4][0] == "::1" for i in infos)
 
 
 # ---------------------------------------------------------------------------------------------------------
@@ -119,32 +165,69 @@ def init_from_env(timeout_s: float = 60.0, backend: str | None = None) -> tuple[
         chosen = backend or os.environ.get("COCOWEAVE_BACKEND") or "gloo"
         if chosen == "nccl":
             raise BackendError("backend nccl needs CUDA, and no GPU is visible to this rank")
+    timeout_s = check_seconds(timeout_s, "timeout_s")
     if dist.is_initialized():
         return dist.get_rank(), dist.get_world_size(), device
+    host = os.environ["MASTER_ADDR"]
+    if chosen == "gloo" and "GLOO_SOCKET_IFNAME" not in os.environ and local_size == world_size \
+            and _is_loopback(host):
+        _use_loopback_for_gloo()  # the whole world on this host, met at a loopback address: Gloo stays there too
     try:
-        store = _attempt_store(world_size, timeout_s)
-        dist.init_process_group(chosen, init_method=None if store else "env://", store=store, rank=rank,
-                                world_size=world_size, timeout=timedelta(seconds=timeout_s))
+        store = _rank_store(rank, world_size, timeout_s)
+        dist.init_process_group(chosen, store=store, rank=rank, world_size=world_size,
+                                timeout=timedelta(seconds=timeout_s))
     except Exception as exc:  # noqa: BLE001 - every init failure becomes one sentence
-        raise BackendError(f"rank {rank} could not join the process group at "
-                           f"{os.environ['MASTER_ADDR']}:{os.environ['MASTER_PORT']}: "
-                           f"{type(exc).__name__}: {_first_line(exc)}") from None
+        _raise(f"rank {rank} could not join the process group at {host}:{os.environ['MASTER_PORT']}: "
+               f"{type(exc).__name__}: {_first_line(exc)}", ranks=[rank])
     _RANK.update(rank=rank, world_size=world_size, device=device, backend=chosen)
+    faults.track(faults.Progress(-1))  # record the stage this rank is in, for error messages
     return rank, world_size, device
 
 
-def _attempt_store(world_size: int, timeout_s: float) -> dist.Store | None:
-    """Under torchrun's agent store, a store private to this restart attempt (None otherwise: env://).
+def shutdown() -> None:
+    """End this rank's part in the default process group cleanly: wait for the other ranks (and this rank's
+    pending collectives), then destroy the group. Call it on every rank before a torchrun worker exits:
+    a process that exits with a live Gloo group can abort ("terminate called without an active exception")."""
+    if not dist.is_initialized():
+        return
+    try:
+        if dist.get_world_size() > 1:
+            dist.barrier()
+    finally:
+        dist.destroy_process_group()
+
+
+def rank_failure(exc: BaseException, rank: int | None = None) -> BackendError:
+    """The BackendError for `exc` raised on this torchrun rank: one sentence naming the rank, the stage of a
+    generated step it was in, and whether another rank failed (the process group broke) or this one did."""
+    rank = _RANK.get("rank", 0) if rank is None else rank
+    stage = faults.current_stage()
+    at = f" at {faults.where(*stage)}" if stage else ""
+    if _is_comm_failure(exc):
+        message = f"rank {rank}{at}: another rank failed or stopped answering ({type(exc).__name__}: " \
+                  f"{_first_line(exc) or type(exc).__name__})"
+    else:
+        message = f"rank {rank} failed{at}: {type(exc).__name__}: {_first_line(exc) or type(exc).__name__}"
+    err = BackendError(message)
+    err.ranks = [rank]  # type: ignore[attr-defined]
+    return err
+
+
+def _rank_store(rank: int, world_size: int, timeout_s: float) -> dist.Store:
+    """The store of the process group: under torchrun's agent store, a prefix of it private to this restart
+    attempt; otherwise rank 0 serves one on MASTER_ADDR:MASTER_PORT (bound to that address only).
 
     torchrun's agent TCPStore outlives a restart (torch 2.13, c10d rendezvous): keys the killed workers
     wrote are still there for the restarted ones, which then may read stale process-group keys (restarts
     that failed to connect or hung were seen without this prefix); the prefix keeps attempts apart."""
-    if os.environ.get("TORCHELASTIC_USE_AGENT_STORE") != "True":
-        return None
-    attempt = os.environ.get("TORCHELASTIC_RESTART_COUNT", "0")
-    store = dist.TCPStore(os.environ["MASTER_ADDR"], int(os.environ["MASTER_PORT"]), world_size, is_master=False,
-                          timeout=timedelta(seconds=timeout_s))
-    return dist.PrefixStore(f"cocoweave/attempt-{attempt}", store)
+    host, port = os.environ["MASTER_ADDR"], int(os.environ["MASTER_PORT"])
+    if os.environ.get("TORCHELASTIC_USE_AGENT_STORE") == "True":
+        attempt = os.environ.get("TORCHELASTIC_RESTART_COUNT", "0")
+        store = dist.TCPStore(host, port, world_size, is_master=False, timeout=timedelta(seconds=timeout_s))
+        return dist.PrefixStore(f"cocoweave/attempt-{attempt}", store)
+    if rank == 0:
+        return listening_store(host, port, timeout_s, world_size)
+    return dist.TCPStore(host, port, world_size, is_master=False, timeout=timedelta(seconds=timeout_s))
 
 
 # ---------------------------------------------------------------------------------------------------------
@@ -186,32 +269,6 @@ def _fn_spec(fn: Callable[..., Any]) -> tuple[Any, ...]:
     return ("value", fn)
 
 
-def _import(module_name: str, path: str | None) -> Any:
-    module = sys.modules.get(module_name)
-    if module is not None:
-        return module
-    try:
-        module = importlib.import_module(module_name)
-        found = getattr(module, "__file__", None) or path
-        if not path or os.path.realpath(found) == os.path.realpath(path):
-            return module
-    except ImportError:
-        if not path:
-            raise
-    # A module imported under a name this process cannot import (pytest's importlib mode, loaded files).
-    file_spec = importlib.util.spec_from_file_location(module_name, path)  # type: ignore[arg-type]
-    if file_spec is None or file_spec.loader is None:
-        raise ImportError(f"cannot load {path}")
-    module = importlib.util.module_from_spec(file_spec)
-    sys.modules[module_name] = module
-    try:
-        file_spec.loader.exec_module(module)
-    except BaseException:
-        del sys.modules[module_name]
-        raise
-    return module
-
-
 def _resolve(spec: tuple[Any, ...]) -> Callable[..., Any]:
     """The function a `_fn_spec` names, imported in this rank."""
     if spec[0] == "value":
@@ -220,7 +277,7 @@ def _resolve(spec: tuple[Any, ...]) -> Callable[..., Any]:
         return functools.partial(_resolve(spec[1]), *spec[2], **spec[3])
     _, module_name, qualname, path = spec
     try:
-        obj: Any = _import(module_name, path)
+        obj: Any = import_module_file(module_name, path)
         for part in qualname.split("."):
             obj = getattr(obj, part)
     except Exception as exc:  # noqa: BLE001
@@ -254,12 +311,15 @@ def _undescribe(pickled: bytes | None) -> BaseException | None:
 # ---------------------------------------------------------------------------------------------------------
 
 
-def _loopback_ifname() -> str | None:
+def _use_loopback_for_gloo() -> None:
+    """Make Gloo's pairs listen on the loopback interface (ranks on one host)."""
     try:
         names = [name for _, name in socket.if_nameindex()]
     except OSError:
-        return None
-    return next((n for n in ("lo", "lo0") if n in names), None)
+        return
+    ifname = next((n for n in ("lo", "lo0") if n in names), None)
+    if ifname:
+        os.environ["GLOO_SOCKET_IFNAME"] = ifname
 
 
 def _send(conn: Connection, msg: Any) -> None:
@@ -277,9 +337,7 @@ def _worker_main(rank: int, world_size: int, port: int, backend: str, device: st
             dev = torch.device("cuda", rank % torch.cuda.device_count())
             torch.cuda.set_device(dev)
         if backend == "gloo" and "GLOO_SOCKET_IFNAME" not in os.environ:
-            ifname = _loopback_ifname()
-            if ifname:
-                os.environ["GLOO_SOCKET_IFNAME"] = ifname
+            _use_loopback_for_gloo()
         store = dist.TCPStore("127.0.0.1", port, is_master=False, timeout=timedelta(seconds=start_timeout_s))
         # Wait until every rank has started (imports are slow): the group's timeout then covers only work.
         if store.add("started", 1) == world_size:
@@ -314,6 +372,7 @@ def _worker_main(rank: int, world_size: int, port: int, backend: str, device: st
             except Exception as exc:  # noqa: BLE001
                 reply = pickle.dumps(("error", seq, _describe(exc, "its result cannot be pickled")),
                                      protocol=pickle.HIGHEST_PROTOCOL)
+        faults.reset_stage()  # idle: a rank stopped between runs is at no stage
         try:
             conn.send_bytes(reply)
         except (EOFError, OSError):
@@ -340,11 +399,16 @@ def _ranks(ranks: list[int]) -> str:
 
 
 def _default_threads(world_size: int) -> int:
+    return max(1, _cores() // world_size)
+
+
+def _stopped(pid: int | None) -> bool:
+    """Whether process `pid` is stopped by a signal (SIGSTOP, SIGTSTP) or a tracer (Linux; False elsewhere)."""
     try:
-        cores = len(os.sched_getaffinity(0))
-    except AttributeError:
-        cores = os.cpu_count() or 1
-    return max(1, cores // world_size)
+        with open(f"/proc/{pid}/stat") as f:
+            return f.read().rpartition(")")[2].split()[0] in ("T", "t")
+    except (OSError, IndexError):
+        return False
 
 
 def _kill(procs: list[Any]) -> None:
@@ -366,11 +430,16 @@ class LocalWorld:
     """`world_size` live rank processes on this machine in one process group; `run` sends them work."""
 
     def __init__(self, world_size: int, backend: str = "gloo", device: str = "cpu", timeout_s: float = 60.0,
-                 threads_per_rank: int | None = None, start_timeout_s: float | None = None) -> None:
-        if world_size < 1:
-            raise BackendError(f"a local world needs at least one rank, got world_size={world_size}")
-        if timeout_s <= 0:
-            raise BackendError(f"timeout_s must be positive, got {timeout_s}")
+                 threads_per_rank: int | None = None, start_timeout_s: float | None = None,
+                 wall_timeout_s: float | None = None) -> None:
+        """`timeout_s`: how long a rank may wait for the others (each collective; the parent, for the last
+        ranks of a call once one has finished); `wall_timeout_s`: the longest a call may take (default: no
+        limit); `start_timeout_s`: the longest starting the ranks may take (default max(120, timeout_s))."""
+        check_local_ranks(world_size)
+        timeout_s = check_seconds(timeout_s, "timeout_s")
+        wall_timeout_s = None if wall_timeout_s is None else check_seconds(wall_timeout_s, "wall_timeout_s")
+        start_timeout_s = max(120.0, timeout_s) if start_timeout_s is None else \
+            check_seconds(start_timeout_s, "start_timeout_s")
         dev = torch.device(device)
         if backend == "auto":
             backend = "nccl" if dev.type == "cuda" and world_size <= torch.cuda.device_count() else "gloo"
@@ -389,8 +458,9 @@ class LocalWorld:
         self.world_size = world_size
         self.backend = backend
         self.device = dev.type
-        self.timeout_s = float(timeout_s)
-        self.start_timeout_s = float(start_timeout_s or max(120.0, timeout_s))
+        self.timeout_s = timeout_s
+        self.wall_timeout_s = wall_timeout_s
+        self.start_timeout_s = start_timeout_s
         self.threads_per_rank = threads_per_rank or _default_threads(world_size)
         self.broken: str | None = None  # why the world cannot run anything, if it cannot
         self._lock = threading.Lock()
@@ -407,25 +477,39 @@ class LocalWorld:
 
     def _start(self) -> None:
         ctx = mp.get_context("spawn")
-        self._store = dist.TCPStore("127.0.0.1", 0, is_master=True, wait_for_workers=False,
-                                    timeout=timedelta(seconds=self.start_timeout_s))
-        procs, conns = [], []
-        self._progress = [ctx.RawValue(faults.Progress) for _ in range(self.world_size)]
-        for rank in range(self.world_size):
-            parent_end, child_end = ctx.Pipe(duplex=True)
-            p = ctx.Process(target=_worker_main, name=f"cocoweave-rank-{rank}", daemon=False,
-                            args=(rank, self.world_size, self._store.port, self.backend, self.device,
-                                  self.timeout_s, self.start_timeout_s, self.threads_per_rank, child_end,
-                                  self._progress[rank]))
-            p.start()
-            child_end.close()
-            procs.append(p)
-            conns.append(parent_end)
+        procs: list[Any] = []
+        conns: list[Connection] = []
         self._procs, self._conns = procs, conns
         # Runs at exit before multiprocessing joins its children (which would wait forever on idle ranks).
         self._finalizer = mp_util.Finalize(self, _kill, args=(procs,), exitpriority=10)
+        rank = 0
+        try:
+            self._store = listening_store("127.0.0.1", 0, self.start_timeout_s)
+            self._progress = [ctx.RawValue(faults.Progress) for _ in range(self.world_size)]
+            for progress in self._progress:
+                progress.stage = -1  # no stage entered yet
+            for rank in range(self.world_size):
+                parent_end, child_end = ctx.Pipe(duplex=True)
+                conns.append(parent_end)
+                p = ctx.Process(target=_worker_main, name=f"cocoweave-rank-{rank}", daemon=False,
+                                args=(rank, self.world_size, self._store.port, self.backend, self.device,
+                                      self.timeout_s, self.start_timeout_s, self.threads_per_rank, child_end,
+                                      self._progress[rank]))
+                try:
+                    p.start()
+                finally:
+                    child_end.close()
+                procs.append(p)
+        except BaseException as exc:  # a process limit, no memory, Ctrl-C: stop the ranks already started
+            started = len(procs)
+            self._break(f"starting rank {rank} failed")
+            if not isinstance(exc, Exception):
+                raise
+            _raise(f"could not start rank {rank} of a local world of {self.world_size}: {type(exc).__name__}: "
+                   f"{_first_line(exc)}; the {started} rank{'' if started == 1 else 's'} already started "
+                   f"{'was' if started == 1 else 'were'} stopped", ranks=[rank])
         self.broken = None
-        self.pids = self._collect(0, "the start", self.start_timeout_s, starting=True)
+        self.pids = self._collect(0, "the start", None, self.start_timeout_s, starting=True)
 
     def restart(self) -> None:
         """Tear the world down (killing ranks if needed) and start fresh ranks with the same settings."""
@@ -481,8 +565,11 @@ class LocalWorld:
         return self.call(fn, args, kwargs)
 
     def call(self, fn: Callable[..., Any], args: tuple[Any, ...] = (), kwargs: dict[str, Any] | None = None,
-             timeout_s: float | None = None) -> list[Any]:
-        """`run` with an explicit argument tuple, keyword dict and timeout (default: the world's)."""
+             timeout_s: float | None = None, wall_timeout_s: float | None = None) -> list[Any]:
+        """`run` with an explicit argument tuple and keyword dict; `timeout_s` (how long the parent waits for
+        the last ranks once one has finished) and `wall_timeout_s` default to the world's."""
+        wait_s = self.timeout_s if timeout_s is None else check_seconds(timeout_s, "timeout_s")
+        wall_s = self.wall_timeout_s if wall_timeout_s is None else check_seconds(wall_timeout_s, "wall_timeout_s")
         name = _fn_name(fn)
         with self._lock:
             if self.broken:
@@ -505,7 +592,7 @@ class LocalWorld:
                         conn.send_bytes(message)
                     except OSError:  # a dead rank: _collect reports it
                         pass
-                replies = self._collect(seq, f"`{name}`", timeout_s or self.timeout_s)
+                replies = self._collect(seq, f"`{name}`", wait_s, wall_s)
             except BackendError:
                 raise
             except BaseException:  # Ctrl-C, a broken pipe: the ranks' state is unknown
@@ -513,25 +600,33 @@ class LocalWorld:
                 raise
             return replies
 
-    def _collect(self, seq: int, label: str, timeout_s: float, starting: bool = False) -> list[Any]:
-        """One reply per rank (`label`: "`fn`" or "the start"), or a BackendError within `timeout_s`."""
+    def _collect(self, seq: int, label: str, wait_s: float | None, wall_s: float | None,
+                 starting: bool = False) -> list[Any]:
+        """One reply per rank (`label`: "`fn`" or "the start"), or a BackendError: once a rank has replied,
+        the others have `wait_s` more seconds; the whole call has `wall_s` (None: no limits)."""
         during = "the start of the local world" if starting else f"run of {label}"
         n = self.world_size
         results: dict[int, Any] = {}
         errors: dict[int, dict[str, Any]] = {}
         exits: dict[int, int | None] = {}
         start = time.monotonic()
-        deadline = start + timeout_s
-        limit = deadline
+        limit = math.inf if wall_s is None else start + wall_s
+        why = "wall"  # which limit is the nearest: "wall", "wait" (after a first reply) or "grace"
         owner: dict[Any, int] = {c: r for r, c in enumerate(self._conns)}
         owner.update({p.sentinel: r for r, p in enumerate(self._procs)})
         pending = set(range(n))
+
+        def sooner(seconds: float, reason: str) -> None:
+            nonlocal limit, why
+            if time.monotonic() + seconds < limit:
+                limit, why = time.monotonic() + seconds, reason
+
         while pending:
             now = time.monotonic()
             if now >= limit:
                 break
             waitables = [self._conns[r] for r in pending] + [self._procs[r].sentinel for r in pending]
-            for obj in wait(waitables, timeout=limit - now):
+            for obj in wait(waitables, timeout=None if limit == math.inf else limit - now):
                 r = owner[obj]
                 if r not in pending:
                     continue
@@ -544,7 +639,7 @@ class LocalWorld:
                     self._procs[r].join(timeout=1.0)
                     exits[r] = self._procs[r].exitcode
                     pending.discard(r)
-                    limit = min(limit, time.monotonic() + _EXIT_GRACE_S)  # gather ranks that died together
+                    sooner(_EXIT_GRACE_S, "grace")  # gather ranks that died together
                     continue
                 except Exception as exc:  # noqa: BLE001 - a result this process cannot unpickle
                     errors[r] = {"summary": f"its result cannot be unpickled here: {type(exc).__name__}: "
@@ -560,7 +655,9 @@ class LocalWorld:
                 else:
                     errors[r] = value
                     if not exits:
-                        limit = min(limit, time.monotonic() + _ERROR_GRACE_S)
+                        sooner(_ERROR_GRACE_S, "grace")
+                if wait_s is not None:
+                    sooner(wait_s, "wait")  # the others may take `wait_s` longer than this rank
         if exits:
             self._fail_exits(exits, during)
         if errors:
@@ -570,13 +667,22 @@ class LocalWorld:
             at = self._stages(late)
             self._break(f"{_ranks(late)} did not finish {during}")
             what = "did not start" if starting else f"did not finish {label}"
-            _raise(f"{_ranks(late)} {what} within {timeout_s:g} s{at}", ranks=late)
+            within = f"{wait_s:g} s" if why == "wait" else f"the wall timeout of {wall_s:g} s"
+            if starting:
+                within = f"{wall_s:g} s"
+            _raise(f"{_ranks(late)} {what} within {within}{at}", ranks=late)
         return [results[r] for r in range(n)]
 
     def _stages(self, ranks: list[int]) -> str:
-        """' (rank 1 at stage 2 (RS), ...)': where the given ranks were in a generated step, if anywhere."""
-        found = [(r, self._progress[r].describe()) for r in ranks if r < len(self._progress)]
-        parts = [f"rank {r} at {at}" for r, at in found if at]
+        """' (rank 1 at stage 2 (RS), ...)': where the given ranks were in a generated step, if anywhere,
+        and which of them are stopped by a signal."""
+        parts = []
+        for r in ranks:
+            at = self._progress[r].describe() if r < len(self._progress) else None
+            stopped = r < len(self._procs) and _stopped(self._procs[r].pid)
+            if at or stopped:
+                parts.append(f"rank {r}" + (f" at {at}" if at else "") + (" is stopped by a signal" if stopped
+                                                                             else ""))
         return f" ({', '.join(parts)})" if parts else ""
 
     def _fail_exits(self, exits: dict[int, int | None], during: str) -> NoReturn:
@@ -584,9 +690,14 @@ class LocalWorld:
         codes = [exits[r] for r in dead]
         if None in codes:
             how = "stopped answering"
+        elif len(set(codes)) > 1:
+            how = "exited with codes " + ", ".join(map(str, codes))
+        elif codes[0] is not None and codes[0] < 0:
+            how = f"{'was' if len(dead) == 1 else 'were'} killed by {_signal_name(-codes[0])}"
+        elif codes[0] == 0:
+            how = "exited with code 0 without returning a result"
         else:
-            how = f"exited with code {codes[0]}" if len(set(codes)) == 1 else \
-                "exited with codes " + ", ".join(map(str, codes))
+            how = f"exited with code {codes[0]}"
         at = self._stages(dead)
         self._break(f"{_ranks(dead)} {how}")
         _raise(f"{_ranks(dead)} {how} during {during}{at}", ranks=dead, exit_codes=exits)
@@ -595,6 +706,15 @@ class LocalWorld:
                      starting: bool) -> NoReturn:
         failed = sorted(errors)
         first = errors[failed[0]]
+        comm = any(e["comm"] for e in errors.values())
+        extra = dict(remote_traceback=first["traceback"], remote_exception=_undescribe(first["exception"]),
+                     remote_tracebacks={r: e["traceback"] for r, e in sorted(errors.items())})
+        if pending and all(e["comm"] for e in errors.values()):
+            # The failing ranks gave up waiting for the pending ones: name those first.
+            msg = f"{_ranks(pending)} stopped answering and did not finish the {during}{self._stages(pending)}; " \
+                  f"{_ranks(failed)} gave up waiting: {first['summary']}"
+            self._break(f"{_ranks(pending)} stopped answering during {during}")
+            _raise(msg, ranks=pending + failed, **extra)
         same = all(e["summary"] == first["summary"] for e in errors.values())
         msg = f"{_ranks(failed if same else failed[:1])} {'failed to start' if starting else 'failed'}: " \
               f"{first['summary']}"
@@ -602,19 +722,25 @@ class LocalWorld:
             msg += f" ({_ranks(failed[1:])} failed too)"
         if pending:
             msg += f"; {_ranks(pending)} did not finish{self._stages(pending)} and the world was shut down"
-        elif any(e["comm"] for e in errors.values()):
+        elif comm:
             msg += "; the process group is unusable after this and the world was shut down"
-        if pending or starting or any(e["comm"] for e in errors.values()):
+        if pending or starting or comm:
             self._break(f"{_ranks(failed)} failed during {during}")
-        _raise(msg, ranks=failed, remote_traceback=first["traceback"],
-               remote_exception=_undescribe(first["exception"]),
-               remote_tracebacks={r: e["traceback"] for r, e in sorted(errors.items())})
+        _raise(msg, ranks=failed, **extra)
+
+
+def _signal_name(number: int) -> str:
+    try:
+        return signal.Signals(number).name
+    except ValueError:
+        return f"signal {number}"
 
 
 def spawn_and_run(world_size: int, fn: Callable[..., Any], args: tuple[Any, ...] = (),
                   kwargs: dict[str, Any] | None = None, *, backend: str = "gloo", device: str = "cpu",
-                  timeout_s: float = 60.0, threads_per_rank: int | None = None) -> list[Any]:
+                  timeout_s: float = 60.0, threads_per_rank: int | None = None,
+                  wall_timeout_s: float | None = None) -> list[Any]:
     """Start a LocalWorld, call `fn(rank, world_size, *args, **kwargs)` on every rank once, close it."""
     with LocalWorld(world_size, backend=backend, device=device, timeout_s=timeout_s,
-                    threads_per_rank=threads_per_rank) as world:
+                    threads_per_rank=threads_per_rank, wall_timeout_s=wall_timeout_s) as world:
         return world.call(fn, args, kwargs)

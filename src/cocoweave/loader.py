@@ -1,15 +1,25 @@
 """Load a program from `FILE.py:FUNC` with sizes: a Python file with a function that takes size
 arguments and returns a Program. Every failure is a `LoadError` (or the `ProgramError` the
-program raised) with one sentence naming the file and, where known, the line."""
+program raised) with one sentence naming the file and, where known, the line.
+
+Program files are trusted code: they run in this process, like `python file.py`, and can do anything
+that can (read or delete files, start processes). What the loader guards against is mistakes, not
+attacks: `exit()` and `os._exit()` become a LoadError instead of ending the process, and with
+`timeout_s` (main thread, Unix: SIGALRM) a file that runs too long is stopped with a LoadError.
+"""
 
 from __future__ import annotations
 
+import contextlib
+import importlib
 import importlib.util
 import inspect
 import os
+import signal
 import sys
+import threading
 import traceback
-from collections.abc import Mapping
+from collections.abc import Iterator, Mapping
 from pathlib import Path
 from types import ModuleType
 
@@ -29,6 +39,8 @@ def parse_sizes(items: list[str] | None) -> dict[str, int]:
                 sizes[name.strip()] = int(value.replace("_", ""))
             except ValueError:
                 raise LoadError(f"size {name.strip()} must be an integer, got {value!r}") from None
+            if sizes[name.strip()] < 0:
+                raise LoadError(f"size {name.strip()} must not be negative, got {value!r}")
     return sizes
 
 
@@ -58,8 +70,79 @@ def _describe(exc: BaseException, path: str) -> str:
     return f"{where}: {type(exc).__name__}: {exc}"
 
 
-def load_module(path: str) -> ModuleType:
-    """Import a program file as a fresh module."""
+def import_module_file(name: str, path: str | None) -> ModuleType:
+    """The module `name`: already imported, importable by name (from `path`, when given), or else loaded
+    from the file `path` under that name (a module pytest or `load_module` imported under a name this
+    process cannot import, a generated kernel). Raises ImportError."""
+    module = sys.modules.get(name)
+    if module is not None:
+        return module
+    try:
+        module = importlib.import_module(name)
+        found = getattr(module, "__file__", None) or path
+        if not path or os.path.realpath(found) == os.path.realpath(path):
+            return module
+    except ImportError:
+        if not path:
+            raise
+    file_spec = importlib.util.spec_from_file_location(name, path)  # type: ignore[arg-type]
+    if file_spec is None or file_spec.loader is None:
+        raise ImportError(f"cannot load {path}")
+    module = importlib.util.module_from_spec(file_spec)
+    sys.modules[name] = module
+    try:
+        file_spec.loader.exec_module(module)
+    except BaseException:
+        del sys.modules[name]
+        raise
+    return module
+
+
+class _Stop(BaseException):
+    """Raised inside a program file's code to stop it (a BaseException: `except Exception` does not catch it)."""
+
+    def __init__(self, why: str) -> None:
+        super().__init__(why)
+        self.why = why
+
+
+@contextlib.contextmanager
+def _guarded(path: str, timeout_s: float | None) -> Iterator[None]:
+    """Run a program file's code: `os._exit` raises LoadError instead of ending the process, and with
+    `timeout_s` (in the main thread, where Unix signals can interrupt it) code running longer is stopped."""
+
+    def refuse_exit(code: int = 0) -> None:
+        raise _Stop(f"the program called os._exit({code}); a program file must return a Program, "
+                    "not end the process")
+
+    def alarm(signum: int, frame: object) -> None:
+        raise _Stop(f"still running after {timeout_s:g} s of loading; a program file must build and return "
+                    "its Program promptly")
+
+    timed = timeout_s is not None and hasattr(signal, "setitimer") and \
+        threading.current_thread() is threading.main_thread()
+    real_exit, os._exit = os._exit, refuse_exit  # type: ignore[assignment]
+    previous = signal.signal(signal.SIGALRM, alarm) if timed else None
+    if timed:
+        signal.setitimer(signal.ITIMER_REAL, timeout_s)
+    try:
+        yield
+    except _Stop as stop:
+        raise LoadError(f"{_user_line(stop, path)}: {stop.why}") from None
+    finally:
+        if timed:
+            signal.setitimer(signal.ITIMER_REAL, 0)
+            signal.signal(signal.SIGALRM, previous)
+        os._exit = real_exit
+
+
+def load_module(path: str, timeout_s: float | None = None) -> ModuleType:
+    """Import a program file as a fresh module (stopped after `timeout_s` seconds, if given)."""
+    with _guarded(path, timeout_s):
+        return _load_module(path)
+
+
+def _load_module(path: str) -> ModuleType:
     if not os.path.isfile(path):
         raise LoadError(f"{path}: no such program file")
     try:
@@ -87,10 +170,17 @@ def load_module(path: str) -> ModuleType:
     return module
 
 
-def load_program(spec: str, sizes: Mapping[str, int] | None = None) -> Program:
-    """Build the Program that `FILE.py:FUNC` returns for the given sizes."""
+def load_program(spec: str, sizes: Mapping[str, int] | None = None, timeout_s: float | None = None) -> Program:
+    """Build the Program that `FILE.py:FUNC` returns for the given sizes; with `timeout_s`, loading the file
+    and calling FUNC together may take that long (see the module docstring)."""
+    path, _ = split_spec(spec)
+    with _guarded(path, timeout_s):
+        return _load_program(spec, sizes)
+
+
+def _load_program(spec: str, sizes: Mapping[str, int] | None) -> Program:
     path, func_name = split_spec(spec)
-    module = load_module(path)
+    module = _load_module(path)
     func = getattr(module, func_name, None)
     if not callable(func):
         defined = sorted(n for n, f in vars(module).items()

@@ -30,7 +30,7 @@ def test_show_prints_program_and_fingerprint():
 
 
 def test_run_json_summarises_every_result():
-    r = invoke("run", ROOT / "examples/lamb.py:lamb", "--world-size", 3, "--size", "N=101", "--json")
+    r = invoke("run", ROOT / "examples/lamb.py:lamb", "--world-size", 3, "--size", "N=101", "--json", "-")
     assert r.exit_code == 0, r.output
     data = json.loads(r.stdout)
     assert data["world_size"] == 3

@@ -16,7 +16,7 @@ def invoke(*args):
 
 
 def test_schedules_lists_adam_recipe():
-    r = invoke("schedules", ROOT / "examples/adam.py:adam", "--size", "N=64", "--json")
+    r = invoke("schedules", ROOT / "examples/adam.py:adam", "--size", "N=64", "--json", "-")
     assert r.exit_code == 0, r.output
     names = [s["name"] for s in json.loads(r.stdout)]
     for want in ("AR-C", "RS-C-AG", "RS-C-AG+slice(m,v)", "fuse(RS-C-AG)"):
@@ -27,7 +27,7 @@ def test_check_every_example_passes_at_several_world_sizes():
     for spec, sizes, worlds in [("adam.py:adam", ["N=33"], "1-3"), ("lamb.py:lamb", ["N=33"], "2,5"),
                                 ("model_parallel.py:layer", ["B=2", "S=6", "H=10"], "3"),
                                 ("pipeline_parallel.py:boundary", ["B=2", "S=6", "H=10"], "1-4")]:
-        args = ["check", ROOT / "examples" / spec, "-n", worlds, "--json"] + [x for s in sizes for x in ("-s", s)]
+        args = ["check", ROOT / "examples" / spec, "-n", worlds, "--json", "-"] + [x for s in sizes for x in ("-s", s)]
         r = invoke(*args)
         assert r.exit_code == 0, r.output
         data = json.loads(r.stdout)

@@ -27,7 +27,7 @@ def spawned(local_world, monkeypatch):
         def __init__(self, world_size, backend="gloo", device="cpu", timeout_s=60.0, **_):
             asked.append((world_size, backend, device, timeout_s))
             self._world = local_world(world_size)
-            self.backend, self.device = self._world.backend, self._world.device
+            self.world_size, self.backend, self.device = world_size, self._world.backend, self._world.device
 
         def __enter__(self):
             return self
@@ -47,7 +47,7 @@ def spawned(local_world, monkeypatch):
 
 def test_check_torch_passes_every_schedule_and_exits_0(spawned):
     r = invoke("check", ROOT / "examples/adam.py:adam", "--size", "N=37", "--backend", "torch", "--world-size", 2,
-               "--json", "--timeout", 30)
+               "--json", "-", "--timeout", 30)
     assert r.exit_code == 0, r.output
     data = json.loads(r.stdout)
     assert data["ok"] and data["backend"] == "torch"
@@ -57,7 +57,7 @@ def test_check_torch_passes_every_schedule_and_exits_0(spawned):
 
 
 def test_run_torch_times_steps_writes_a_trace_and_matches_the_reference(spawned, tmp_path):
-    program = [ROOT / "examples/model_parallel.py:layer", "-s", "B=4", "-s", "S=2", "-s", "H=8", "-n", 2, "--json"]
+    program = [ROOT / "examples/model_parallel.py:layer", "-s", "B=4", "-s", "S=2", "-s", "H=8", "-n", 2, "--json", "-"]
     trace = tmp_path / "t.json"
     r = invoke("run", *program, "--backend", "torch", "--schedule", "ol(MM,AR,C,2)", "--iters", 3, "--trace", trace)
     assert r.exit_code == 0, r.output
@@ -94,3 +94,42 @@ def test_bad_torch_options_are_one_line_and_exit_2():
     assert r.exit_code == 2 and "cannot be split into 2 equal pipeline stages" in r.output
     r = invoke("show", ROOT / "examples/adam.py:adam", "--code", "--rank", 5, "-n", 2)
     assert r.exit_code == 2 and "--rank 5 is not a rank" in r.output
+
+
+def test_tune_keeps_its_measurements_when_the_cache_cannot_be_written(spawned, tmp_path):
+    from cocoweave.perf.store import MeasurementStore
+
+    cache = tmp_path / "cache-is-a-folder"
+    cache.mkdir()
+    r = invoke("tune", ROOT / "examples/adam.py:adam", "-s", "N=16", "-n", 2, "--iters", 1, "--warmup", 0,
+               "--rounds", 1, "--store", tmp_path / "store", "--cache", cache, "--timeout", 30)
+    assert r.exit_code == 2, r.output
+    assert f"cannot write the tuning cache {cache}" in r.stderr and f"the measurements are in the store " \
+        f"{tmp_path / 'store'}" in r.stderr and r.stderr.strip().count("\n") == 0, r.stderr
+    assert "chose" in r.stdout  # the results were shown
+    df = MeasurementStore(tmp_path / "store").load()
+    assert len(df) >= 2 and set(df["world_size"]) == {2}
+    assert spawned == [(2, "gloo", "cpu", 30.0)]
+
+
+def test_tune_refuses_a_broken_cache_before_measuring(spawned, tmp_path):
+    cache = tmp_path / "cache.json"
+    cache.write_bytes(b"\xff not text")
+    r = invoke("tune", ROOT / "examples/adam.py:adam", "-s", "N=16", "-n", 2, "--cache", cache)
+    assert r.exit_code == 2 and "is not UTF-8 text" in r.stderr, r.output
+    assert spawned == []
+
+
+def test_measure_writes_its_rows_as_json_and_records_them(spawned, tmp_path):
+    from cocoweave.perf.store import MeasurementStore
+
+    r = invoke("measure", ROOT / "examples/adam.py:adam", "-s", "N=16", "-n", "1,2", "--schedule", "AR-c",
+               "--schedule", "RS-C-AG", "--iters", 1, "--warmup", 0, "--rounds", 1, "--store", tmp_path / "store",
+               "--json", "-")
+    assert r.exit_code == 0, r.output
+    doc = json.loads(r.stdout)  # only the JSON: no table
+    assert [(row["world_size"], row["schedule"]) for row in doc["rows"]] == \
+        [(1, "AR-c"), (1, "RS-C-AG"), (2, "AR-c"), (2, "RS-C-AG")]
+    assert all(row["measured_ms"] > 0 for row in doc["rows"])
+    assert len(MeasurementStore(tmp_path / "store").load()) == 4
+    assert spawned == [(1, "gloo", "cpu", 60.0), (2, "gloo", "cpu", 60.0)]

@@ -111,7 +111,7 @@ def _bf16(rank, world_size):
     AdamW from the averaged fp32 gradients, cast back to bf16."""
     ours, ref = _mlp(dtype=torch.bfloat16), _mlp(dtype=torch.bfloat16)
     masters = [p.detach().float().clone().requires_grad_() for p in ref.parameters()]
-    opt = DistributedAdamW(ours.parameters(), lr=1e-2, weight_decay=0.1)
+    opt = DistributedAdamW(ours.parameters(), lr=1e-2, weight_decay=0.1, master_weights=True)
     ref_opt = torch.optim.AdamW(masters, lr=1e-2, weight_decay=0.1)
     for step in range(STEPS):
         _backward_all((ours, ref), step, rank, world_size)

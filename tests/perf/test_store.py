@@ -99,13 +99,31 @@ def test_crash_while_writing_leaves_no_readable_garbage(tmp_path, monkeypatch):
     assert sorted(store.load()["program"]) == ["after", "before"]
 
 
-def test_unreadable_part_raises_store_error_naming_the_file(tmp_path):
+def test_an_unreadable_part_is_quarantined_with_a_warning_and_the_others_load(tmp_path):
     store = MeasurementStore(tmp_path)
-    store.append([record()])
+    store.append([record("first")])
     bad = tmp_path / "part-99999999T000000000000Z-corrupt.parquet"
     bad.write_bytes(b"not parquet at all")
-    with pytest.raises(StoreError, match="part-99999999T000000000000Z-corrupt.parquet"):
-        store.load()
+    store.append([record("second"), record("third")])
+    with pytest.warns(store_mod.StoreWarning, match=r"part-99999999T000000000000Z-corrupt.parquet is unreadable "
+                                                    r".*moved it to .*quarantine"):
+        df = store.load()
+    assert sorted(df["program"]) == ["first", "second", "third"]  # no batch is lost
+    assert not bad.exists() and (tmp_path / "quarantine" / bad.name).read_bytes() == b"not parquet at all"
+    assert len(store.load()) == 3 and len(store.parts()) == 2  # quarantined parts are never read again
+
+
+def test_a_part_of_another_schema_is_skipped_with_a_warning_and_kept(tmp_path):
+    import pyarrow as pa
+    import pyarrow.parquet as pq
+
+    store = MeasurementStore(tmp_path)
+    store.append([record("kept")])
+    other = tmp_path / "part-00000000T000000000000Z-old.parquet"
+    pq.write_table(pa.table({"program": ["old"]}), other)
+    with pytest.warns(store_mod.StoreWarning, match="does not have the store's schema; skipped it"):
+        assert list(store.load()["program"]) == ["kept"]
+    assert other.exists()
 
 
 def test_default_location_and_env_override(tmp_path, monkeypatch):

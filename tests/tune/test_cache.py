@@ -11,7 +11,7 @@ from cocoweave.compiler import compile as cw_compile
 from cocoweave.errors import CocoweaveError
 from cocoweave.loader import load_example
 from cocoweave.schedule.enumerate import enumerate_schedules
-from cocoweave.tune import TuneCache, auto_schedule, cache_key
+from cocoweave.tune import TuneCache, auto_schedule, cache_key, cached_schedule
 
 
 def test_entries_round_trip_and_writes_leave_no_temporary_files(tmp_path):
@@ -60,3 +60,50 @@ def test_compile_auto_uses_the_cached_choice_and_warns_without_one(tmp_path, mon
     assert exe.plan.fingerprint == lower(chosen).fingerprint
     with pytest.raises(CocoweaveError, match="schedule must be None or 'auto'"):
         cw_compile(program, "torch", {}, device="cpu", rank=0, world_size=1, schedule="fastest")
+
+
+BROKEN = {"not UTF-8": b"\xff\xfe{not text", "no entries": b'{"entries": 3}',
+          "an entry that is not an object": b'{"entries": {"k": 3}}', "not JSON": b"{not json"}
+
+
+@pytest.mark.parametrize("content", BROKEN.values(), ids=BROKEN.keys())
+def test_a_broken_cache_is_one_sentence_and_means_no_cached_choice(tmp_path, content):
+    path = tmp_path / "cache.json"
+    path.write_bytes(content)
+    with pytest.raises(CocoweaveError, match=r"^the tuning cache .* delete it to start over\.$"):
+        TuneCache(path).entries()
+    program = load_example("adam.py:adam", N=64)
+    with pytest.warns(UserWarning, match="tuning cache .*; using no tuned schedule"):
+        assert cached_schedule(program, {}, 2, "torch", "cpu", TuneCache(path)) is None
+
+
+@pytest.mark.parametrize("steps", [5, [{"step": "split"}], [{"step": "nope"}], [7]])
+def test_an_entry_whose_steps_do_not_replay_is_ignored_with_a_warning(tmp_path, steps):
+    program = load_example("adam.py:adam", N=64)
+    cache = TuneCache(tmp_path / "cache.json")
+    cache.put(cache_key(program, {}, 2, "torch", "cpu"), {"schedule": "x", "steps": steps})
+    with pytest.warns(UserWarning, match="the cached schedule 'x' for adam no longer applies"):
+        assert cached_schedule(program, {}, 2, "torch", "cpu", cache) is None
+
+
+def _auto_adamw(rank: int, world_size: int, cache_path: str) -> tuple[str, list[str]]:
+    import os
+
+    import torch
+
+    from cocoweave.optim import DistributedAdamW
+
+    os.environ["COCOWEAVE_TUNE_CACHE"] = cache_path
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        opt = DistributedAdamW([torch.nn.Parameter(torch.ones(8))], lr=0.1, schedule="auto")
+    del os.environ["COCOWEAVE_TUNE_CACHE"]
+    return type(opt).__name__, [str(w.message) for w in caught]
+
+
+def test_distributed_adamw_auto_constructs_with_a_broken_cache(local_world, tmp_path):
+    path = tmp_path / "cache.json"
+    path.write_bytes(BROKEN["not UTF-8"])
+    for name, messages in local_world(2).run(_auto_adamw, str(path)):
+        assert name == "DistributedAdamW"
+        assert any("is not UTF-8 text" in m and "using no tuned schedule" in m for m in messages), messages

@@ -43,7 +43,7 @@ def test_every_schedule_matches_the_program_at_world_sizes_1_to_4(build):
 def test_sliced_schedules_exist_where_the_optimizers_need_them():
     names = lambda p: {s.name for s in enumerate_schedules(p)}  # noqa: E731
     assert "RS-C-AG+slice(m,v)" in names(adamw(64))
-    assert "RS-C-AG+slice(m,v,w)" in names(adamw(64, param_dtype="bfloat16"))  # masters sliced, bf16 gathered
+    assert "C-RS-C-AG+slice(m,v,w)" in names(adamw(64, param_dtype="bfloat16"))  # masters sliced, bf16 gathered
     assert "RS-C-AG+slice(buf)" in names(sgd(64))
     assert "RS-C-AR-C-AG+slice(m,v)" in names(lamb(16, 4))  # the T partial norms are all-reduced
     assert names(adamw(64, reduction="adasum")) == {"AR-c", "AR-C"}  # adasum cannot be split
@@ -95,7 +95,7 @@ def test_sgd_program_matches_torch_sgd_with_nesterov():
 
 
 def test_low_precision_parameters_are_cast_from_the_masters():
-    res = _run(sgd(4, param_dtype="bfloat16"), {"g": torch.ones(4), "w": torch.full((4,), 1 / 3),
+    res = _run(sgd(4, param_dtype="bfloat16"), {"g": torch.ones(4, dtype=torch.bfloat16), "w": torch.full((4,), 1 / 3),
                                                  "p": torch.zeros(4, dtype=torch.bfloat16), "buf": torch.zeros(4),
                                                  "lr": 0.0, "momentum": 0.0, "dampening": 0.0,
                                                  "weight_decay": 0.0, "nesterov": 0.0})

@@ -13,8 +13,16 @@ from .program_commands import run, show
 from .schedule_commands import check, schedules
 from .tune_commands import measure, tune
 
-app = typer.Typer(help="cocoweave: write a distributed workload once; rewrite, check, run and tune it.",
-                  no_args_is_help=True, add_completion=False, pretty_exceptions_enable=False)
+HELP = """cocoweave: write a distributed workload once; rewrite, check, run and tune it.
+
+Program files (FILE.py:FUNCTION) are trusted code: cocoweave runs them in its own process, as `python FILE.py`
+would, so they can read, write or delete anything you can. Run only programs you trust. Loading one may take at
+most $COCOWEAVE_LOAD_TIMEOUT seconds (default 60). Ranks are given as -n/--world-size 4, 1-8 or 1,2,4 (default
+4); --json PATH writes the results as JSON ('-': to stdout); where ranks run, --timeout is how long a rank may
+wait for the others and --wall-timeout caps the whole run. Exit codes: 0 ok, 1 a check found a difference, 2 bad input,
+3 a bug of cocoweave, 4 a rank failed or hung."""
+
+app = typer.Typer(help=HELP, no_args_is_help=True, add_completion=False, pretty_exceptions_enable=False)
 
 
 def _version(value: bool) -> None:

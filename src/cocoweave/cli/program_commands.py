@@ -3,28 +3,44 @@
 from __future__ import annotations
 
 import json
+import os
 import statistics
+import sys
+import threading
 import time
 from pathlib import Path
 from typing import Annotated, Any
 
 import torch
 import typer
-from rich.markup import escape
-from rich.table import Table
 
 from ..backends import reference
 from ..backends.inputs import bound_sizes, gather_logical, make_inputs
 from ..backends.results import RankResult
-from ..errors import BackendError, LoadError
+from ..backends.torch.worker import step_times
+from ..errors import LoadError
 from ..ir.graph import Program
-from ..loader import load_program, parse_sizes, symbolic_sizes
 from ..plan.plan import Plan
 from ..schedule.schedule import Schedule
-from .common import console, user_errors
-
-SizeOpt = Annotated[list[str] | None, typer.Option("--size", "-s", help="A size as NAME=INT (repeatable).")]
-SpecArg = Annotated[str, typer.Argument(help="A program: FILE.py:FUNCTION.")]
+from .common import EXIT_RANK_FAILED, console, table, user_errors
+from .options import (
+    DEFAULT_TIMEOUT_S,
+    DEFAULT_WORLD,
+    JsonOpt,
+    SizeOpt,
+    SpecArg,
+    TimeoutOpt,
+    WallTimeoutOpt,
+    WorldOpt,
+    check_fits,
+    check_local_worlds,
+    check_output,
+    load,
+    parse_timeouts,
+    parse_world_sizes,
+    select,
+    write_json,
+)
 
 
 @user_errors
@@ -34,28 +50,44 @@ def show(spec: SpecArg, size: SizeOpt = None,
          code: Annotated[bool, typer.Option("--code", help="Print the Python step function the torch backend "
                                                            "generates for one rank.")] = False,
          rank: Annotated[int, typer.Option(help="With --code: the rank whose code to print.")] = 0,
-         world_size: Annotated[int, typer.Option("--world-size", "-n", min=1, help="With --code: ranks.")] = 2,
+         world_size: WorldOpt = DEFAULT_WORLD,
          triton: Annotated[bool, typer.Option("--triton", help="With --code: fused stages as generated Triton "
                                                                "kernels, whose sources are printed too.")] = False,
+         as_json: JsonOpt = None,
          ) -> None:
     """Print a program (one line per operation, with layouts and shapes), or one of its schedules
-    with its steps, stages, rewritten program and plan, or (--code) the generated step function."""
-    sizes = parse_sizes(size)
-    program = load_program(spec, sizes)
+    with its steps, stages, rewritten program and plan, or (--code) the generated step function of one rank
+    for each world size of -n."""
+    check_output(as_json, "--json")
+    program, _, bound = load(spec, size)
+    doc: dict[str, Any] = {"program": program.name, "fingerprint": program.fingerprint()}
     if schedule is None and not code:
-        console.print(str(program), highlight=False, markup=False)
-        console.print(f"fingerprint {program.fingerprint()}", style="dim")
+        doc["text"] = str(program)
+        if as_json != "-":
+            console.print(doc["text"], highlight=False, markup=False)
+            console.print(f"fingerprint {doc['fingerprint']}", style="dim", highlight=False)
+        write_json(doc, as_json)
         return
     from ..plan import lower
-    from .schedule_commands import select
 
     s = select(program, schedule)[0] if schedule is not None else Schedule(program)
+    plan = lower(s)
+    doc |= {"schedule": s.name, "schedule_fingerprint": s.fingerprint(), "steps": json.loads(s.to_json())["steps"]}
     if code:
-        print(_step_code(lower(s), rank, world_size, bound_sizes(program, symbolic_sizes(program, sizes)), triton),
-              end="")
-        return
-    console.print(str(s), highlight=False, markup=False)
-    console.print(str(lower(s)), highlight=False, markup=False)
+        worlds = parse_world_sizes(world_size)
+        doc["code"] = [{"world_size": w, "rank": rank,
+                        "source": _step_code(plan, rank, w, bound_sizes(program, bound), triton)} for w in worlds]
+        if as_json != "-":
+            for entry in doc["code"]:
+                if len(worlds) > 1:
+                    print(f"# ==== world size {entry['world_size']}, rank {rank} ====")
+                print(entry["source"], end="")
+    else:
+        doc |= {"text": str(s), "plan": str(plan)}
+        if as_json != "-":
+            console.print(doc["text"], highlight=False, markup=False)
+            console.print(doc["plan"], highlight=False, markup=False)
+    write_json(doc, as_json)
 
 
 def _step_code(plan: Plan, rank: int, world_size: int, sizes: dict[str, int], triton: bool) -> str:
@@ -102,9 +134,9 @@ def summarize(program: Program, results: list[RankResult], world_size: int) -> l
 def run(
     spec: SpecArg,
     size: SizeOpt = None,
-    world_size: Annotated[int | None, typer.Option("--world-size", "-n", min=1,
-                                                   help="Number of ranks (default 4; torchrun's under torchrun).")]
-    = None,
+    world_size: Annotated[str | None, typer.Option(
+        "--world-size", "-n", help="Ranks: 4, a range 1-8 or a list 1,2,4, each size in turn (default 4; under "
+                                   "torchrun, torchrun's world size).")] = None,
     backend: Annotated[str, typer.Option(help="Backend: reference (simulated ranks) or torch (one process per "
                                               "rank over torch.distributed).")] = "reference",
     device: Annotated[str | None, typer.Option(help="torch backend: cpu or cuda (default cpu; under torchrun "
@@ -112,12 +144,12 @@ def run(
     schedule: Annotated[str | None, typer.Option(help="Run this schedule (see `cocoweave schedules`).")] = None,
     iters: Annotated[int, typer.Option(min=0, help="torch backend: time this many steps after a warm-up and "
                                                    "print the median step time (max over ranks).")] = 0,
-    timeout: Annotated[float, typer.Option(min=0.1, help="torch backend: seconds a rank may wait for the "
-                                                         "others before the run fails.")] = 60.0,
+    timeout: TimeoutOpt = DEFAULT_TIMEOUT_S,
+    wall_timeout: WallTimeoutOpt = None,
     trace: Annotated[Path | None, typer.Option(help="torch backend: write a Chrome/Perfetto trace of one step "
                                                     "(a track per rank and stream) to this JSON file.")] = None,
     seed: Annotated[int, typer.Option(help="Seed of the random inputs.")] = 0,
-    as_json: Annotated[bool, typer.Option("--json", help="Print JSON instead of a table.")] = False,
+    as_json: JsonOpt = None,
 ) -> None:
     """Run a program (or one of its schedules) on random inputs and print a summary of its outputs and
     updated state. With --backend torch, ranks are spawned here (Gloo on 127.0.0.1), or this command
@@ -126,86 +158,150 @@ def run(
         raise LoadError(f"backend {backend!r} is not available; use --backend reference or --backend torch")
     if backend == "reference" and (iters or trace is not None or device is not None):
         raise LoadError("--iters, --trace and --device need --backend torch")
-    sizes = parse_sizes(size)
-    program = load_program(spec, sizes)
-    bound = symbolic_sizes(program, sizes)
-    if schedule is not None:
-        from .schedule_commands import select
-
-        chosen = select(program, schedule)[0]
-    else:
-        chosen = Schedule(program)
-    times: list[float] = []
-    start = time.perf_counter()
-    if backend == "reference":
-        world_size = world_size or 4
-        results = reference.run(chosen, make_inputs(program, world_size, bound, seed=seed), bound, whole_state=True)
-        where = "reference"
-    else:
-        per_rank, world_size, where = _run_torch(chosen, world_size, bound, device, iters, timeout, trace, seed)
-        if per_rank is None:  # a rank other than 0 under torchrun: rank 0 prints
-            return
-        results = [r["result"] for r in per_rank]
-        if iters:
-            from ..backends.torch.worker import step_times
-
-            times = step_times([r["times_ms"] for r in per_rank])
-        if trace is not None:
-            from ..trace import merge_and_write
-
-            merge_and_write({i: r["events"] for i, r in enumerate(per_rank)}, trace)
-    elapsed_ms = (time.perf_counter() - start) * 1e3
-    rows = summarize(program, results, world_size)
-    median = statistics.median(times) if times else None
-    if as_json:
-        print(json.dumps({"program": program.name, "fingerprint": program.fingerprint(), "schedule": chosen.name,
-                          "backend": backend, "where": where, "world_size": world_size, "seed": seed,
-                          "ms": elapsed_ms, "iters": iters, "median_step_ms": median, "step_ms": times,
-                          "results": rows}, indent=2))
-        return
-    label = program.name + (f" [{chosen.name}]" if schedule is not None else "")
-    table = Table(title=escape(f"{label} on {world_size} ranks ({where}, {elapsed_ms:.1f} ms)"))
-    for col in ("kind", "name", "layout", "dtype", "shape", "mean", "std", "max |x|", "finite"):
-        table.add_column(col, justify="right" if col in ("mean", "std", "max |x|") else "left")
-    for r in rows:
-        table.add_row(r["kind"], r["name"], r["layout"], r["dtype"], str(r["shape"]), f"{r['mean']:.4g}",
-                      f"{r['std']:.4g}", f"{r['max_abs']:.4g}", "yes" if r["finite"] else "NO")
-    console.print(table)
-    if median is not None:
-        console.print(f"median step {median:.3f} ms over {iters} steps (max over {world_size} ranks)",
-                      highlight=False)
-    if trace is not None:
-        console.print(f"trace written to {trace} (open it in ui.perfetto.dev)", highlight=False)
-
-
-def _run_torch(schedule: Schedule, world_size: int | None, sizes: dict[str, int], device: str | None, iters: int,
-               timeout: float, trace: Path | None, seed: int) -> tuple[list[dict] | None, int, str]:
-    """Per-rank results of `run_and_time` (None on ranks other than 0 under torchrun), the world size,
-    and where it ran."""
-    from ..backends.torch.worker import run_and_time
-    from ..launch import LocalWorld, in_torchrun, init_from_env
-
     if device not in (None, "cpu", "cuda"):
         raise LoadError(f"--device must be cpu or cuda, got {device!r}")
-    if not in_torchrun():
-        world_size = world_size or 4
-        with LocalWorld(world_size, backend="auto", device=device or "cpu", timeout_s=timeout) as world:
-            inputs = make_inputs(schedule.original, world_size, sizes, seed=seed)
-            per_rank = world.call(run_and_time, (schedule, inputs, sizes, device or "cpu", iters, trace is not None))
-            return per_rank, world_size, f"torch, {world.backend} on {world.device}, spawned ranks"
+    timeouts = parse_timeouts(timeout, wall_timeout)
+    worlds = parse_world_sizes(world_size or DEFAULT_WORLD)
+    if trace is not None and len(worlds) > 1:
+        raise LoadError("--trace writes one world's trace; give one world size with -n")
+    check_output(trace, "--trace")
+    check_output(as_json, "--json")
+    program, given, bound = load(spec, size)
+    chosen = select(program, schedule)[0] if schedule is not None else Schedule(program)
+    from ..launch import in_torchrun
+
+    if backend == "torch" and in_torchrun():
+        _run_under_torchrun(chosen, schedule is not None, world_size, bound, given, device, iters, timeouts, trace,
+                            seed, as_json)
+        return
+    if backend == "torch":
+        check_local_worlds(worlds)
+    check_fits(program, bound, worlds, given)
+    docs = [_run_one(chosen, w, bound, backend, device, iters, timeouts, trace, seed) for w in worlds]
+    _report(docs, chosen, schedule is not None, trace, as_json)
+
+
+def _run_one(schedule: Schedule, world_size: int, sizes: dict[str, int], backend: str, device: str | None,
+             iters: int, timeouts: tuple[float, float | None], trace: Path | None, seed: int) -> dict[str, Any]:
+    """One run at `world_size` (spawned ranks for the torch backend) as the JSON document `run` prints."""
+    program = schedule.original
+    start = time.perf_counter()
+    if backend == "reference":
+        results = reference.run(schedule, make_inputs(program, world_size, sizes, seed=seed), sizes, whole_state=True)
+        return _doc(schedule, results, world_size, "reference", seed, start, iters, [])
+    from ..backends.torch.worker import run_and_time
+    from ..launch import LocalWorld
+
+    timeout, wall = timeouts
+    with LocalWorld(world_size, backend="auto", device=device or "cpu", timeout_s=timeout,
+                    wall_timeout_s=wall) as world:
+        inputs = make_inputs(program, world_size, sizes, seed=seed)
+        per_rank = world.call(run_and_time, (schedule, inputs, sizes, device or "cpu", iters, trace is not None))
+        where = f"torch, {world.backend} on {world.device}, spawned ranks"
+    return _finish(schedule, per_rank, world_size, where, seed, start, iters, trace)
+
+
+def _finish(schedule: Schedule, per_rank: list[dict], world_size: int, where: str, seed: int, start: float,
+            iters: int, trace: Path | None) -> dict[str, Any]:
+    """The JSON document of a torch run from each rank's `run_and_time` result; writes the trace."""
+    times = step_times([r["times_ms"] for r in per_rank]) if iters else []
+    if trace is not None:
+        from ..trace import merge_and_write
+
+        try:
+            merge_and_write({i: r["events"] for i, r in enumerate(per_rank)}, trace)
+        except OSError as exc:
+            raise LoadError(f"--trace {trace} could not be written: {exc.strerror or exc}") from None
+    return _doc(schedule, [r["result"] for r in per_rank], world_size, where, seed, start, iters, times)
+
+
+def _doc(schedule: Schedule, results: list, world_size: int, where: str, seed: int, start: float, iters: int,
+         times: list[float]) -> dict[str, Any]:
+    program = schedule.original
+    return {"program": program.name, "fingerprint": program.fingerprint(), "schedule": schedule.name,
+            "backend": "reference" if where == "reference" else "torch", "where": where, "world_size": world_size,
+            "seed": seed, "ms": (time.perf_counter() - start) * 1e3, "iters": iters,
+            "median_step_ms": statistics.median(times) if times else None, "step_ms": times,
+            "results": summarize(program, results, world_size)}
+
+
+def _report(docs: list[dict[str, Any]], schedule: Schedule, named: bool, trace: Path | None,
+            as_json: str | None) -> None:
+    """Print each run's table (unless --json -) and write the JSON: one document, or a list of them."""
+    if as_json != "-":
+        for doc in docs:
+            label = doc["program"] + (f" [{schedule.name}]" if named else "")
+            t = table(f"{label} on {doc['world_size']} ranks ({doc['where']}, {doc['ms']:.1f} ms)",
+                      {"kind": "left", "name": "left", "layout": "left", "dtype": "left", "shape": "left",
+                       "mean": "right", "std": "right", "max |x|": "right", "finite": "left"})
+            for r in doc["results"]:
+                t.add_row(r["kind"], r["name"], r["layout"], r["dtype"], str(r["shape"]), f"{r['mean']:.4g}",
+                          f"{r['std']:.4g}", f"{r['max_abs']:.4g}", "yes" if r["finite"] else "NO")
+            console.print(t)
+            if doc["median_step_ms"] is not None:
+                console.print(f"median step {doc['median_step_ms']:.3f} ms over {doc['iters']} steps (max over "
+                              f"{doc['world_size']} ranks)", highlight=False)
+        if trace is not None:
+            console.print(f"trace written to {trace} (open it in ui.perfetto.dev)", highlight=False, markup=False)
+    write_json(docs[0] if len(docs) == 1 else docs, as_json)
+
+
+def _run_under_torchrun(schedule: Schedule, named: bool, world_size: str | None, sizes: dict[str, int],
+                        given: dict[str, int], device: str | None, iters: int,
+                        timeouts: tuple[float, float | None], trace: Path | None, seed: int,
+                        as_json: str | None) -> None:
+    """This process is one rank of a torchrun world: run, gather the results on rank 0, which reports them;
+    every rank then leaves the process group cleanly. A failure names this rank and its stage (exit 4)."""
     import torch.distributed as dist
 
+    from .. import faults
+    from ..launch import init_from_env, rank_failure, shutdown
+
+    timeout, wall = timeouts
     rank, size, dev = init_from_env(timeout, backend="gloo" if device == "cpu" else None)
-    if world_size is not None and world_size != size:
-        raise LoadError(f"--world-size {world_size} differs from torchrun's WORLD_SIZE {size}")
-    dev = torch.device("cpu") if device == "cpu" else dev
-    gathered: list[Any] = [None] * size
+    where = f"torch, {dist.get_backend()} on {'cpu' if device == 'cpu' else dev.type}, torchrun"
+    timer = None if wall is None else _exit_after(wall, rank)
+    ok = False
     try:
-        mine = run_and_time(rank, size, schedule, make_inputs(schedule.original, size, sizes, seed=seed), sizes,
-                            str(dev), iters, trace is not None)
-        dist.gather_object(mine, gathered if rank == 0 else None, dst=0)
-    except (RuntimeError, getattr(dist, "DistError", RuntimeError)) as exc:  # a peer died, hung or diverged
-        lines = str(exc).strip().splitlines() or [type(exc).__name__]
-        raise BackendError(f"rank {rank}: the process group failed within --timeout {timeout:g} s: "
-                           f"{lines[0][:300]}") from None
-    return (gathered if rank == 0 else None), size, f"torch, {dist.get_backend()} on {dev.type}, torchrun"
+        if world_size is not None and parse_world_sizes(world_size) != [size]:
+            raise LoadError(f"--world-size {world_size} differs from torchrun's WORLD_SIZE {size}")
+        check_fits(schedule.original, sizes, [size], given)
+        dev = torch.device("cpu") if device == "cpu" else dev
+        start = time.perf_counter()
+        gathered: list[Any] = [None] * size
+        try:
+            from ..backends.torch.worker import run_and_time
+
+            mine = run_and_time(rank, size, schedule, make_inputs(schedule.original, size, sizes, seed=seed), sizes,
+                                str(dev), iters, trace is not None)
+            faults.reset_stage()  # past the generated step: a failure from here on is at no stage of it
+            dist.gather_object(mine, gathered if rank == 0 else None, dst=0)
+        except Exception as exc:  # noqa: BLE001 - another rank died, hung or diverged, or this one failed
+            raise rank_failure(exc, rank) from None
+        ok = True
+    finally:
+        if ok:
+            shutdown()  # every rank waits for the others, then destroys the group: a clean exit 0
+        elif dist.is_initialized():
+            dist.destroy_process_group()
+        if timer is not None:
+            timer.cancel()
+    if rank == 0:
+        _report([_finish(schedule, gathered, size, where, seed, start, iters, trace)], schedule, named, trace, as_json)
+
+
+def _exit_after(seconds: float, rank: int) -> threading.Timer:
+    """Under torchrun: end this rank with exit code 4 and a sentence if the run is still going after `seconds`."""
+    from .. import faults
+
+    def expire() -> None:
+        stage = faults.current_stage()
+        at = f" (at {faults.where(*stage)})" if stage else ""
+        print(f"error: rank {rank} did not finish within the wall timeout of {seconds:g} s{at}", file=sys.stderr,
+              flush=True)
+        os._exit(EXIT_RANK_FAILED)
+
+    timer = threading.Timer(seconds, expire)
+    timer.daemon = True
+    timer.start()
+    return timer

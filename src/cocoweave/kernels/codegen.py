@@ -38,14 +38,14 @@ import triton
 import triton.language as tl
 
 from .. import rng
-from ..backends.torch.executable import write_source
+from ..codecache import source_file
 from ..errors import BackendError
 from ..ir import registry as R
 from ..ir.graph import Value
 from ..ir.layout import slice_bounds
 from ..ir.printer import operand
 from ..ir.types import DTYPES, bind_shape, promote
-from ..launch import _import as import_module_file  # by name if imported before, else from its file
+from ..loader import import_module_file
 from ..plan import Compute, Plan, RankView
 
 OPS = frozenset(R.names(*R.ELEMENTWISE_GROUPS, R.LAYOUT))
@@ -489,7 +489,7 @@ class FusedKernel:
         self.spec = spec
         self.inputs, self.outputs, self.source = spec.inputs, spec.outputs, spec.source
         self.stage, self.name = spec.stage, spec.name
-        self.path = write_source(spec.source, key)
+        self.path = source_file(spec.source, key)
         self._fn = getattr(_load_module(self.path, spec.source), spec.name)
         self._grid = (triton.cdiv(spec.numel, spec.block),)
         self._outs = [torch.empty(0 if j in spec.in_place else s, dtype=DTYPES[v.dtype], device=device)

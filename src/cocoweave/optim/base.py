@@ -1,18 +1,25 @@
-"""The machinery shared by the distributed optimizers: buckets of parameters flattened into one
-program instance, schedule resolution, gradient clipping, and gathered/resharded state dicts.
+"""The machinery shared by the distributed optimizers: buckets whose parameters and gradients are views into one
+buffer, a compiled cocoweave program per bucket that reduces the gradients and updates the weights and state,
+its first collective launched from backward hooks, gradient clipping by the global norm with one scalar
+all-reduce over all buckets, parameters without a gradient skipped as torch skips them, and torch-style state dicts.
 
-A *bucket* is the parameters of one parameter group with one dtype (LAMB: and one size, as the
-columns of an [N, T] program). Its gradients are copied into one float32 buffer, the compiled
-program reduces them and updates float32 weights (the master copy for bf16/fp16 parameters) and
-the optimizer state in place, and the new weights are copied back into the parameters. State that
-the schedule keeps sliced lives in the executable between steps (1/world of the memory).
+The step of one bucket, with the usual sliced schedule RS-C-AG+slice(m,v) on p ranks:
+- backward accumulates each gradient straight into the bucket (`p.grad` is a view); when the last one of the
+  bucket is in, a post-accumulate-grad hook launches the reduce-scatter (asynchronously, on the library algorithm;
+  the shared-memory algorithm reduces in `step()`, where the gradient buffer is its slot: nothing is copied);
+- `step()` runs the program: wait for the reduction, update 1/p of the weights and of exp_avg / exp_avg_sq (kept
+  sliced by the executable: 1/p of the memory), all-gather the new weights straight into the parameters (or, with
+  gather="forward", leave the gather in flight until a module that uses them runs forward).
 """
 
 from __future__ import annotations
 
-from collections.abc import Callable, Collection, Iterable, Mapping
-from dataclasses import dataclass, field
-from itertools import accumulate
+import contextlib
+import logging
+import math
+import os
+import time
+from collections.abc import Callable, Iterator, Mapping
 from typing import Any
 
 import torch
@@ -23,11 +30,14 @@ from ..errors import OptimizerError
 from ..ir.graph import Program
 from ..schedule.enumerate import enumerate_schedules
 from ..schedule.schedule import Schedule
-from ..workloads.optimizers import reduce_gradient
+from .buckets import Bucket, make_buckets
 
-REDUCTIONS = ("avg", "sum", "adasum")
+log = logging.getLogger("cocoweave.optim")
+
+REDUCTION_MODES = ("avg", "sum", "adasum")  # how the ranks' gradients combine
+GATHERS = ("auto", "step", "forward")
 _PARAM_DTYPES = {torch.float32: "float32", torch.bfloat16: "bfloat16", torch.float16: "float16"}
-_CLIP_EPS = 1e-6  # torch.nn.utils.clip_grad_norm_'s: coef = max_norm / (total_norm + 1e-6)
+_SD_WAIT_S = 5.0  # how long state_dict() waits for the other ranks before saying it is a collective
 
 
 def world(group: Any = None) -> tuple[int, int]:
@@ -36,33 +46,6 @@ def world(group: Any = None) -> tuple[int, int]:
     if dist.is_available() and dist.is_initialized():
         return dist.get_rank(group), dist.get_world_size(group)
     return 0, 1
-
-
-def resolve_schedule(program: Program, schedule: str, world_size: int, whole: Collection[str],
-                     device: str = "cpu") -> Schedule:
-    """The schedule to run: `schedule` by name, or for "auto" the tuner's cached choice (cocoweave.tune)
-    else the schedule keeping the most optimizer state sliced (RS-C-AG+slice(...)) on several ranks,
-    the fused program as written on one. Schedules that slice a tensor of `whole` (the parameters
-    the model reads) are never used."""
-    legal = [s for s in _schedules(program) if not set(s.sliced_state) & set(whole)]
-    if schedule != "auto":
-        for s in legal:
-            if s.name == schedule:
-                return s
-        raise OptimizerError(f"schedule {schedule!r} is not available for program `{program.name}` here; "
-                             f"choose one of: auto, {', '.join(s.name for s in legal)}")
-    if world_size > 1:  # one rank communicates nothing: there is nothing to tune
-        try:
-            from ..tune import cached_schedule
-        except ImportError:  # the tuner is optional
-            cached_schedule = None
-        found = cached_schedule(program, {}, world_size, "torch", device) if cached_schedule else None
-        if found is not None and not set(found.sliced_state) & set(whole):
-            return found
-    most = max(len(s.sliced_state) for s in legal)
-    if most and world_size > 1:
-        return next(s for s in legal if len(s.sliced_state) == most)
-    return next((s for s in legal if s.name in ("AR-C", "C")), legal[0])
 
 
 _SCHEDULES: dict[str, list[Schedule]] = {}
@@ -76,88 +59,88 @@ def _schedules(program: Program) -> list[Schedule]:
     return _SCHEDULES[key]
 
 
-@dataclass
-class Bucket:
-    """The parameters of one group (and dtype, and for LAMB size) run by one program instance."""
+def norm_reduction(schedule: Schedule) -> str | None:
+    """The name of the scalar all-reduce of a clipped program's squared-norm partials (split and reorder insert
+    it), or None when the schedule has none (the gradient's all-reduce was not split)."""
+    for stage in schedule.stages:
+        for name in stage.names:
+            v = next(x for x in schedule.program.values if x.name == name)
+            if v.op == "all_reduce" and v.ndim == 0:
+                return name
+    return None
 
-    group: int
-    params: list[torch.nn.Parameter]
-    columns: bool  # LAMB: [N, T], parameter t is column t; else [N], parameters one after another
-    offsets: list[int] = field(default_factory=list)
-    step: int = 0
-    schedule: Schedule | None = None
-    exe: Any = None
-    grad: torch.Tensor | None = None  # the flat float32 gradient, reused by every step
-    reducer: Any = None  # the gradient all_reduce used before clipping by global norm
-    owned: dict[str, torch.Tensor] = field(default_factory=dict)  # state passed to every call
-    pending: dict[str, torch.Tensor] = field(default_factory=dict)  # sliced state to give on the next call
 
-    def __post_init__(self) -> None:
-        if self.columns:
-            self.offsets = [0] * len(self.params)
-        else:
-            self.offsets = list(accumulate((p.numel() for p in self.params[:-1]), initial=0))
-
-    @property
-    def shape(self) -> tuple[int, ...]:
-        if self.columns:
-            return (self.params[0].numel(), len(self.params))
-        return (sum(p.numel() for p in self.params),)
-
-    @property
-    def dtype(self) -> torch.dtype:
-        return self.params[0].dtype
-
-    @property
-    def low_precision(self) -> bool:
-        return self.dtype != torch.float32
-
-    def flat(self, dtype: torch.dtype = torch.float32) -> torch.Tensor:
-        return torch.zeros(self.shape, dtype=dtype, device=self.params[0].device)
-
-    def part(self, buf: torch.Tensor, i: int) -> torch.Tensor:
-        """Parameter i's elements in a flat buffer, as a (possibly strided) 1-dim view."""
-        if self.columns:
-            return buf[:, i]
-        return buf[self.offsets[i]:self.offsets[i] + self.params[i].numel()]
-
-    def gather(self, tensors: Iterable[torch.Tensor | None], dtype: torch.dtype = torch.float32,
-               out: torch.Tensor | None = None) -> torch.Tensor:
-        """A flat buffer (`out`, or a new one) holding one tensor per parameter (None: zeros)."""
-        buf = self.flat(dtype) if out is None else out
-        for i, t in enumerate(tensors):
-            if t is None:
-                self.part(buf, i).zero_()
-            else:
-                self.part(buf, i).copy_(t.reshape(-1))
-        return buf
-
-    def scatter(self, buf: torch.Tensor, into: Iterable[torch.Tensor]) -> None:
-        """Copy each parameter's part of `buf` into the matching tensor of `into`."""
-        with torch.no_grad():
-            for i, t in enumerate(into):
-                t.copy_(self.part(buf, i).reshape(t.shape))
+def resolve_schedule(program: Program, schedule: str, world_size: int, whole: set[str], device: str = "cpu",
+                     shared_host: bool = False, clipped: bool = False) -> Schedule:
+    """The schedule to run: `schedule` by name, or for "auto" the tuner's cached choice (cocoweave.tune), else the
+    schedule keeping the most optimizer state sliced on several ranks (through shared memory when the ranks share a
+    CPU host), the fused program as written on one. Schedules that slice a tensor of `whole` (the parameters the
+    model reads) are never used; a clipped program needs one whose norm partials are all-reduced."""
+    legal = [s for s in _schedules(program) if not set(s.sliced_state) & whole
+             and (not clipped or norm_reduction(s) is not None)]
+    if schedule != "auto":
+        for s in legal:
+            if s.name == schedule:
+                return s
+        raise OptimizerError(f"schedule {schedule!r} is not available for program `{program.name}` here; "
+                             f"choose one of: auto, {', '.join(s.name for s in legal)}")
+    if world_size > 1:
+        try:
+            from ..tune import cached_schedule
+        except ImportError:  # the tuner is optional
+            cached_schedule = None
+        found = cached_schedule(program, {}, world_size, "torch", device) if cached_schedule else None
+        if found is not None and any(s.name == found.name for s in legal):
+            return found
+    if world_size == 1:
+        return next((s for s in legal if s.name in ("AR-C", "C")), legal[0])
+    most = max(len(s.sliced_state) for s in legal)
+    best = [s for s in legal if len(s.sliced_state) == most and "@ring" not in s.name and "fuse(" not in s.name
+            and not any(st.kind == "compute" and not st.fused for st in s.stages)]  # every computation one loop
+    on_shm = [s for s in best if "@shm" in s.name]
+    library = [s for s in best if "@" not in s.name]
+    return (on_shm if shared_host and device == "cpu" and on_shm else library or best or legal)[0]
 
 
 class DistributedOptimizer(torch.optim.Optimizer):
-    """Base class: gradient reduction and update in one tuned program per bucket, in place of DDP +
-    a torch optimizer. Subclasses name their program, state and runtime scalars."""
+    """Base class: gradient reduction and update in one compiled program per bucket, in place of DDP + a torch
+    optimizer. Subclasses name their program, state and runtime scalars."""
 
     workload: Callable[..., Program]
     state_keys: dict[str, str]  # program state name -> torch state-dict key
-    columns = False  # LAMB's [N, T] buckets
+    rows = False  # LAMB's [T, N] buckets (one parameter per row)
     has_step = True  # torch's state dict has a per-parameter 'step'
 
     def __init__(self, params: Any, defaults: dict[str, Any], schedule: str = "auto", reduction: str = "avg",
-                 max_grad_norm: float | None = None, process_group: Any = None):
-        if reduction not in REDUCTIONS:
-            raise OptimizerError(f"reduction must be one of {', '.join(REDUCTIONS)}, got {reduction!r}")
-        if max_grad_norm is not None and not max_grad_norm > 0:
-            raise OptimizerError(f"max_grad_norm must be positive or None, got {max_grad_norm!r}")
+                 max_grad_norm: float | None = None, process_group: Any = None, *, bucket_cap_mb: float = 25.0,
+                 overlap: bool = True, gather: str = "auto", master_weights: bool = False,
+                 kernels: str | None = None):
+        if reduction not in REDUCTION_MODES:
+            raise OptimizerError(f"reduction must be one of {', '.join(REDUCTION_MODES)}, got {reduction!r}")
+        if max_grad_norm is not None and not (isinstance(max_grad_norm, int | float) and max_grad_norm > 0):
+            raise OptimizerError(f"max_grad_norm must be a positive number or None, got {max_grad_norm!r}")
+        if not (isinstance(bucket_cap_mb, int | float) and bucket_cap_mb > 0):
+            raise OptimizerError(f"bucket_cap_mb must be a positive number, got {bucket_cap_mb!r}")
+        if gather not in GATHERS:
+            raise OptimizerError(f"gather must be one of {', '.join(GATHERS)}, got {gather!r}")
+        if reduction == "adasum" and max_grad_norm is not None:
+            raise OptimizerError("max_grad_norm needs a split gradient reduction, which adasum does not have; "
+                                 "clip with reduction='avg' or 'sum'")
+        _check_torchrun(process_group)
         self.schedule, self.reduction, self.max_grad_norm = schedule, reduction, max_grad_norm
         self.process_group = process_group  # the data-parallel group gradients are reduced over; None: the world
+        self.bucket_cap_mb, self.overlap, self.master_weights, self.kernels = bucket_cap_mb, overlap, \
+            master_weights, kernels
+        self.gather = gather
         self.last_grad_norm: float | None = None
+        self.last_step_ms: dict[str, float] = {}  # wall time of the last step's phases (reduce+update+gather)
         self._buckets: list[Bucket] = []
+        self._owner: dict[int, Bucket] = {}
+        self._sync = True  # no_sync() turns the launches from backward hooks off
+        self._set_to_none = True  # zero_grad's last mode: a parameter backward did not reach has no gradient
+        self._deferred: list[Bucket] = []
+        self._forward_hook: Any = None
+        self._sd_calls = 0
         super().__init__(params, defaults)
         self._ensure_buckets()  # compile now, and start every rank from rank 0's parameters, as DDP does
 
@@ -169,129 +152,319 @@ class DistributedOptimizer(torch.optim.Optimizer):
         """The program's runtime scalars for one step (step counts from 1)."""
         raise NotImplementedError
 
-    # -- buckets --------------------------------------------------------------------------------
+    def initial_state(self, b: Bucket, name: str) -> float:
+        """The value state `name` starts at: 0, and for a masked program's per-element counters the bucket's step
+        count `t` and whether momentum has `started`."""
+        return {"t": float(b.step), "started": float(b.step > 0)}.get(name, 0.0)
+
+    # -- parameter groups and buckets -----------------------------------------------------------
     def add_param_group(self, param_group: dict[str, Any]) -> None:
         super().add_param_group(param_group)
         group = self.param_groups[-1]
-        for name in ("lr",) + tuple(k for k in group if k in ("weight_decay", "eps", "momentum")):
+        for name in ("lr",) + tuple(k for k in group if k in ("weight_decay", "eps", "momentum", "dampening")):
             value = group[name]
-            if isinstance(value, torch.Tensor) or not isinstance(value, int | float) or value < 0:
+            if isinstance(value, torch.Tensor) and value.numel() == 1:
+                value = group[name] = float(value)  # torch accepts a tensor lr: its value is what counts
+            if not isinstance(value, int | float) or isinstance(value, bool) or value < 0:
                 raise OptimizerError(f"{type(self).__name__}: {name} must be a non-negative number, got {value!r}")
         self.check_group(group)
         for p in group["params"]:
             if p.dtype not in _PARAM_DTYPES:
                 raise OptimizerError(f"{type(self).__name__}: parameters must be float32, bfloat16 or float16, "
                                      f"got {p.dtype} of shape {list(p.shape)}")
+            if "DTensor" in (type(p).__name__, type(p.data).__name__):
+                raise OptimizerError(f"{type(self).__name__}: parameters sharded by FSDP2/DTensor are already "
+                                     "distributed; use cocoweave's optimizers on plain parameters instead of FSDP")
             if p.device != group["params"][0].device:
                 raise OptimizerError(f"{type(self).__name__}: the parameters of one group are on several devices")
 
     def _ensure_buckets(self) -> list[Bucket]:
-        """Buckets (compiled) for every parameter group not yet bucketed."""
+        """Buckets (compiled, with views and hooks) for every parameter group not yet bucketed."""
         done = {b.group for b in self._buckets}
+        cap = int(self.bucket_cap_mb * 2**20)
         for gi, group in enumerate(self.param_groups):
-            if gi in done:
-                continue
-            keys: dict[tuple, list] = {}
-            for p in group["params"]:
-                keys.setdefault((p.dtype, p.numel()) if self.columns else (p.dtype,), []).append(p)
-            for params in keys.values():
-                self._buckets.append(self._build(Bucket(gi, params, self.columns)))
+            if gi not in done:
+                for b in make_buckets(gi, group["params"], cap, self.rows):
+                    self._build(b)
+                    self._buckets.append(b)
         return self._buckets
 
-    def _build(self, b: Bucket) -> Bucket:
-        rank, size = world(self.process_group)
-        device = b.params[0].device
-        param_dtype = _PARAM_DTYPES[b.dtype]
-        sizes = {"N": b.shape[0]} | ({"T": b.shape[1]} if self.columns else {})
-        # One rank has nothing to reduce: the update runs on the gradient as it is. Clipping by global
-        # norm needs the whole reduced gradient before any update: it is reduced first, then updated.
-        grad = "reduced" if size == 1 or self.max_grad_norm is not None else "local"
-        program = self.workload(**sizes, grad=grad, reduction=self.reduction, param_dtype=param_dtype)
-        whole = {"p"} if b.low_precision else {"w"}
-        if grad == "reduced" and self.schedule != "auto":  # validate the name, though nothing is left to schedule
-            resolve_schedule(self.workload(**sizes, reduction=self.reduction, param_dtype=param_dtype),
-                             self.schedule, 2, whole)
-            b.schedule = resolve_schedule(program, "auto", size, whole, device.type)
-        else:
-            b.schedule = resolve_schedule(program, self.schedule, size, whole, device.type)
-        b.exe = compile_schedule(b.schedule, "torch", device=device, rank=rank, world_size=size,
-                                 group=self.process_group)
-        if grad == "reduced" and size > 1:
-            b.reducer = compile_schedule(reduce_gradient(b.shape, self.reduction), "torch", device=device,
-                                         rank=rank, world_size=size, group=self.process_group)
-        params = b.gather(b.params, b.dtype)
-        if size > 1:
-            src = dist.get_global_rank(self.process_group, 0) if self.process_group is not None else 0
-            dist.broadcast(params, src, group=self.process_group)
-            b.scatter(params, b.params)
-        b.grad = b.flat()
-        self._reset_state(b, {}, params.float())
-        return b
+    def _program(self, b: Bucket, masked: bool = False) -> Program:
+        sizes = {"N": b.shape[-1]} | ({"T": b.shape[0], "rows": True} if self.rows else {})
+        return self.workload(**sizes, grad="local", reduction=self.reduction, param_dtype=_PARAM_DTYPES[b.dtype],
+                             master_weights=self.master_weights, clip=self.max_grad_norm is not None, masked=masked)
 
-    def _reset_state(self, b: Bucket, state: Mapping[str, torch.Tensor], master: torch.Tensor) -> None:
-        """Give bucket b this (whole) state; zeros for names not given. Sliced state is handed to the
-        executable on the next call, which keeps its slice."""
-        sliced = set(b.schedule.sliced_state)
-        full = {n: state.get(n, b.flat()) for n in self.state_keys} | {"w": master}
-        if b.low_precision:
-            full["p"] = b.flat(b.dtype)
-        b.owned = {n: t for n, t in full.items() if n not in sliced}
-        b.pending = {n: t for n, t in full.items() if n in sliced}
+    def _whole(self, b: Bucket) -> set[str]:
+        """The program inputs the model reads: never sliced."""
+        return {"p"} if b.dtype != torch.float32 and self.master_weights else {"w"}
+
+    def _compile(self, b: Bucket, program: Program) -> tuple[Schedule, Any]:
+        rank, size = world(self.process_group)
+        shared = size > 1 and b.device.type == "cpu" and _one_host(self.process_group)
+        s = resolve_schedule(program, self.schedule, size, self._whole(b), b.device.type, shared,
+                             self.max_grad_norm is not None)
+        exe = compile_schedule(s, "torch", device=b.device, rank=rank, world_size=size, group=self.process_group,
+                               kernels=self.kernels)
+        return s, exe
+
+    def _build(self, b: Bucket) -> None:
+        rank, size = world(self.process_group)
+        b.schedule, b.exe = self._compile(b, self._program(b))
+        if size > 1:  # every rank starts from rank 0's parameters, as DDP does
+            src = dist.get_global_rank(self.process_group, 0) if self.process_group is not None else 0
+            with torch.no_grad():
+                for p in b.params:
+                    dist.broadcast(p.data, src, group=self.process_group)
+        b.attach(b.exe.shared_input("g"))
+        self._reset_state(b, {})
+        for i, p in enumerate(b.params):
+            self._owner[id(p)] = b
+            p.register_post_accumulate_grad_hook(self._arrived(b, i))
+        log.info("%s: bucket of %d parameters (%d elements, %s) runs %s", type(self).__name__, len(b.params), b.numel,
+                 b.dtype, b.schedule.name)
+
+    def _arrived(self, b: Bucket, i: int) -> Callable[[torch.Tensor], None]:
+        def hook(p: torch.Tensor) -> None:
+            view = b.part(b.grad, i)
+            if p.grad.data_ptr() != view.data_ptr():  # the user set .grad to None (or another tensor) before backward
+                view.copy_(p.grad)
+                p.grad = view
+            b.arrived.add(i)
+            b.has_grad.add(i)
+            if self._sync and self.overlap and len(b.arrived) == len(b.params):
+                b.launched = b.exe.launch({"g": b.grad}) or b.launched
+                b.arrived.clear()  # the next backward (accumulation) launches again
+        return hook
+
+    def _reset_state(self, b: Bucket, state: Mapping[str, torch.Tensor], master: torch.Tensor | None = None) -> None:
+        """Give bucket b this (whole) state, initial values for names not given. The parameters themselves are the
+        program's weights (updated in place); fp32 master weights start from them. Sliced state is handed to the
+        executable on the next call, which keeps its slice (made already sliced when it starts from a constant)."""
+        program, sliced = b.exe.program, set(b.schedule.sliced_state)
+        model_reads = "p" if "p" in program.inputs else "w"
+        b.state, b.pending = {}, {}
+        for n, v in program.inputs.items():
+            if v.op != "input" or n in ("g", "active"):
+                continue
+            if n == model_reads:
+                b.state[n] = b.data
+                continue
+            into = b.pending if n in sliced else b.state
+            t = state.get(n, master if n == "w" and master is not None else b.data if n == "w" else None)
+            if t is not None:
+                into[n] = t.detach().to(_TORCH[v.dtype]).reshape(b.shape).clone()
+            else:
+                shape = b.exe.local_shape(n) if n in sliced else b.shape
+                into[n] = torch.full(shape, self.initial_state(b, n), dtype=_TORCH[v.dtype], device=b.device)
 
     # -- the step -------------------------------------------------------------------------------
     @torch.no_grad()
     def step(self, closure: Callable[[], Any] | None = None) -> Any:
-        """Reduce the gradients and update the parameters with each bucket's compiled schedule."""
+        """Reduce the gradients and update the parameters with each bucket's compiled program."""
         loss = None
         if closure is not None:
             with torch.enable_grad():
                 loss = closure()
         buckets = self._ensure_buckets()
-        if all(p.grad is None for b in buckets for p in b.params):
-            return loss  # like torch: nothing to update (a parameter without a gradient otherwise counts as 0)
-        grads = []
-        for b in buckets:
-            for p in b.params:
-                if p.grad is not None and p.grad.is_sparse:
-                    raise OptimizerError(f"{type(self).__name__} does not support sparse gradients")
-            grads.append(b.gather((p.grad for p in b.params), out=b.grad))
+        self.wait()
+        start = time.perf_counter()
+        active = self._active(buckets)
+        runs = []
+        for b, act in zip(buckets, active, strict=True):
+            if act is not None and not act.any():
+                b.exe.cancel()  # no rank has a gradient for any of its parameters: torch leaves them as they are
+                continue
+            runs.append((b, b.exe, b.exe.steps(self._inputs(b, act), defer_gathers=self._defer(b))))
         if self.max_grad_norm is not None:
-            self._clip(buckets, grads)
-        for b, g in zip(buckets, grads, strict=True):
+            self._clip(runs)
+        for b, _, steps in runs:
+            _finish(steps)
             b.step += 1
-            if not b.low_precision:  # float32 parameters are the weights: read them (the user may have changed them)
-                b.gather(b.params, out=b.owned["w"])
-            inputs = {"g": g, **b.owned, **b.pending, **self.scalars(self.param_groups[b.group], b.step)}
-            b.exe.run(inputs)
-            b.pending = {}
-            b.scatter(b.owned["p" if b.low_precision else "w"], b.params)
+            b.pending, b.launched = {}, False
+            if self._defer(b):
+                self._deferred.append(b)
+        if self._deferred and self._forward_hook is None:
+            self._forward_hook = torch.nn.modules.module.register_module_forward_pre_hook(self._before_forward)
+        for b in buckets:
+            b.arrived.clear()
+        self._publish_state()
+        self.last_step_ms = {"step": (time.perf_counter() - start) * 1e3}
         return loss
 
-    def _clip(self, buckets: list[Bucket], grads: list[torch.Tensor]) -> None:
-        """Reduce the gradients, then scale them like torch.nn.utils.clip_grad_norm_ on the reduced ones."""
-        for b, g in zip(buckets, grads, strict=True):
-            if b.reducer is not None:
-                g.copy_(b.reducer.run({"g": g}).outputs["g"])
-        norms = torch.stack([torch.linalg.vector_norm(g) for g in grads])
-        total = torch.linalg.vector_norm(norms)
-        coef = torch.clamp(self.max_grad_norm / (total + _CLIP_EPS), max=1.0)
-        for g in grads:
-            g.mul_(coef)
-        self.last_grad_norm = float(total)
+    def _defer(self, b: Bucket) -> bool:
+        return self.gather == "forward" or (self.gather == "auto" and b.device.type == "cuda")
+
+    def _inputs(self, b: Bucket, active: torch.Tensor | None) -> dict[str, Any]:
+        """The bucket program's inputs for this step (switching it to its masked program the first time a parameter
+        goes without a gradient)."""
+        group = self.param_groups[b.group]
+        if active is not None and not b.masked:
+            self._go_masked(b)
+        inputs = {"g": b.grad, **b.state, **b.pending, **self.scalars(group, b.step + 1), **self._clip_scalar()}
+        if b.masked:
+            inputs["active"] = active if active is not None else torch.ones(b.shape, dtype=torch.bool,
+                                                                             device=b.device)
+        return inputs
+
+    def _clip_scalar(self) -> dict[str, float]:
+        return {"max_norm": float(self.max_grad_norm)} if self.max_grad_norm is not None else {}
+
+    def _go_masked(self, b: Bucket) -> None:
+        """Switch bucket b to its masked program for good (per-element step counts start at the bucket's count)."""
+        whole = self._gather_whole(b)
+        b.exe.cancel()
+        b.schedule, b.exe = self._compile(b, self._program(b, masked=True))
+        b.masked = True
+        self._reset_state(b, whole)
+
+    def _active(self, buckets: list[Bucket]) -> list[torch.Tensor | None]:
+        """Per bucket, which elements to update (None: all of them). A parameter has a gradient if backward reached
+        it since the last zero_grad(set_to_none=True), on some rank (the ranks agree, as DDP's reduction makes them),
+        or the user gave it one; torch skips the others."""
+        flags = []
+        for b in buckets:
+            none = set(b.restore_views())
+            if self._set_to_none:
+                none |= set(range(len(b.params))) - b.has_grad
+            flags.append([0 if i in none else 1 for i in range(len(b.params))])
+        have = self._agree([f for fs in flags for f in fs])
+        out, k = [], 0
+        for b, fs in zip(buckets, flags, strict=True):
+            mine, k = have[k:k + len(fs)], k + len(fs)
+            if all(mine) and not b.masked:
+                out.append(None)
+                continue
+            mask = torch.zeros(b.shape, dtype=torch.bool, device=b.device)
+            for i, h in enumerate(mine):
+                if h:
+                    b.part(mask, i).fill_(True)
+            out.append(mask)
+        return out
+
+    def _agree(self, flags: list[int]) -> list[int]:
+        """The maximum over the ranks of each flag (one small all-reduce; none without zero_grad(set_to_none))."""
+        _, size = world(self.process_group)
+        if size == 1 or not self._set_to_none or not flags:
+            return flags
+        t = torch.tensor(flags, dtype=torch.int32)
+        dist.all_reduce(t, op=dist.ReduceOp.MAX, group=self.process_group)
+        return t.tolist()
+
+    def _clip(self, runs: list[tuple[Bucket, Any, Iterator]]) -> None:
+        """Clip by the global norm of the reduced gradient, as torch.nn.utils.clip_grad_norm_ after DDP: each
+        bucket's program stops before the all-reduce of its squared-norm partial (split and reorder put it there);
+        the partials of all buckets are summed and all-reduced once; every bucket then gets that total."""
+        partials, names = [], []
+        for b, exe, steps in runs:
+            name = norm_reduction(b.schedule)
+            while True:
+                index, reads = next(steps)
+                if name in exe.plan.stages[index].names:
+                    break
+            partials.append(next(iter(reads.values())).double())
+            names.append(name)
+        total = torch.stack(partials).sum() if partials else torch.zeros((), dtype=torch.float64)
+        if world(self.process_group)[1] > 1:
+            dist.all_reduce(total, group=self.process_group)
+        for (_, exe, _), name in zip(runs, names, strict=True):
+            exe.provide(name, total.to(torch.float32))
+        self.last_grad_norm = math.sqrt(float(total))
+
+    # -- gradients, and the all-gathers left in flight ------------------------------------------
+    def zero_grad(self, set_to_none: bool = True) -> None:
+        """Zero the gradient buffers (the `.grad` views stay, so backward accumulates into the buckets). With
+        set_to_none, as torch, a parameter backward does not reach before the next step has no gradient: it is
+        skipped, not updated with zeros."""
+        self._set_to_none = set_to_none
+        for b in self._ensure_buckets():
+            if b.launched:
+                b.exe.cancel()
+                b.launched = False
+            b.restore_views()
+            b.grad.zero_()
+            b.arrived.clear()
+            b.has_grad = set() if set_to_none else set(range(len(b.params)))
+
+    @contextlib.contextmanager
+    def no_sync(self) -> Iterator[None]:
+        """Accumulate gradients without launching their reduction (DDP's no_sync): use it for every micro-batch but
+        the last. (Launching anyway is still correct, only slower: a later launch replaces an earlier one.)"""
+        self._sync = False
+        try:
+            yield
+        finally:
+            self._sync = True
+
+    def wait(self) -> None:
+        """Complete the all-gathers of new parameters a step left in flight (gather="forward")."""
+        while self._deferred:
+            self._deferred.pop(0).exe.wait()
+        if self._forward_hook is not None:
+            self._forward_hook.remove()
+            self._forward_hook = None
+
+    def _before_forward(self, module: torch.nn.Module, args: Any) -> None:
+        """A module is about to run: the all-gathers of its parameters' buckets complete first."""
+        for p in module._parameters.values():
+            b = self._owner.get(id(p)) if p is not None else None
+            if b is not None and b in self._deferred:
+                self._deferred.remove(b)
+                b.exe.wait()
+        if not self._deferred:
+            self.wait()
 
     # -- state dicts ----------------------------------------------------------------------------
-    def _whole(self, b: Bucket, name: str) -> torch.Tensor:
-        """The whole tensor of state `name` (a collective when the executable keeps it sliced)."""
-        if name in b.owned:
-            return b.owned[name]
-        if name in b.pending:
-            return b.pending[name]
-        return b.exe.gather_state(name)
+    def _gather_whole(self, b: Bucket) -> dict[str, torch.Tensor]:
+        """Every state tensor of bucket b, whole (a collective when the executable keeps some sliced)."""
+        out = {}
+        for n in list(b.state) + [n for n in b.exe.plan.sliced_state if n not in b.state]:
+            if n in b.state:
+                out[n] = b.state[n]
+            elif n in b.pending:
+                out[n] = b.pending[n]
+            else:
+                out[n] = b.exe.gather_state(n)
+        return out
+
+    def _publish_state(self) -> None:
+        """`opt.state[p]` as torch users read it (so that torch's checkpoint helpers see an initialised optimizer):
+        the step count, and views of exp_avg / exp_avg_sq / momentum_buffer where this rank holds them whole
+        (state kept sliced: state_dict() gathers it)."""
+        for b in self._buckets:
+            for i, p in enumerate(b.params):
+                entry = self.state[p]
+                if self.has_step:
+                    entry.setdefault("step", torch.zeros(())).fill_(float(b.step))
+                for n, key in self.state_keys.items():
+                    if n in b.state:
+                        entry[key] = b.part(b.state[n], i)
+
+    def _agree_on_state_dict(self) -> None:
+        """state_dict() gathers state kept sliced, a collective: every rank must call it. Wait a few seconds for the
+        others, and say so instead of hanging when they do not come."""
+        rank, size = world(self.process_group)
+        if size == 1 or not any(b.exe.plan.sliced_state for b in self._buckets):
+            return
+        self._sd_calls += 1
+        store = dist.distributed_c10d._get_default_store()
+        key = f"cocoweave/optim/{type(self).__name__}/state_dict/{self._sd_calls}"
+        arrived = store.add(key, 1)
+        deadline = time.monotonic() + _SD_WAIT_S
+        while arrived < size and time.monotonic() < deadline:
+            time.sleep(0.01)
+            arrived = store.add(key, 0)
+        if arrived < size:
+            raise OptimizerError(f"rank {rank}: {type(self).__name__}.state_dict() gathers optimizer state that ranks "
+                                 f"keep sliced ({self._buckets[0].schedule.name}), so every rank must call it; only "
+                                 f"{arrived} of {size} did within {_SD_WAIT_S:g} s. Call it on every rank (and save "
+                                 "on one), or use schedule='AR-C' to keep whole state on each rank.")
 
     def state_dict(self) -> dict[str, Any]:
-        """A torch-style state dict with whole (gathered) state per parameter, loadable at any world
-        size; float32 master weights of bf16/fp16 parameters are saved as 'master_param'. Every rank
-        must call it (gathering sliced state is a collective)."""
+        """A torch-style state dict with whole (gathered) state per parameter, loadable at any world size (and by
+        the torch optimizer of the same name); with fp32 master weights, also 'master_param'. Every rank must call
+        it when state is kept sliced (gathering is a collective); a rank alone is told so within seconds."""
+        self.wait()
+        self._agree_on_state_dict()
         saved = self.state
         self.state = type(saved)()
         try:
@@ -302,38 +475,90 @@ class DistributedOptimizer(torch.optim.Optimizer):
         for b in self._ensure_buckets():
             if b.step == 0:
                 continue
-            whole = {n: self._whole(b, n) for n in self.state_keys}
-            master = self._whole(b, "w") if b.low_precision else None
+            whole = self._gather_whole(b)
             for i, p in enumerate(b.params):
-                entry = {key: b.part(whole[n], i).reshape(p.shape).clone() for n, key in self.state_keys.items()}
+                step = int(b.part(whole["t"], i).reshape(-1)[0]) if "t" in whole and p.numel() else b.step
+                if step == 0:
+                    continue
+                entry = {key: b.part(whole[n], i).detach().clone() for n, key in self.state_keys.items()}
                 if self.has_step:
-                    entry = {"step": torch.tensor(float(b.step))} | entry
-                if master is not None:
-                    entry["master_param"] = b.part(master, i).reshape(p.shape).clone()
+                    entry = {"step": torch.tensor(float(step))} | entry
+                if "w" in whole and "p" in b.exe.program.inputs:
+                    entry["master_param"] = b.part(whole["w"], i).detach().clone()
                 out["state"][index[id(p)]] = entry
         return out
 
     def load_state_dict(self, state_dict: dict[str, Any]) -> None:
         """Load a state dict saved at any world size (or by the torch optimizer of the same name): the
         hyperparameters of every group, and the state, resliced for this world size."""
+        self.wait()
         super().load_state_dict({"state": {}, "param_groups": state_dict["param_groups"]})
         saved = state_dict.get("state", {})
         params = [p for g in self.param_groups for p in g["params"]]
         index = {id(p): i for i, p in enumerate(params)}
         for b in self._ensure_buckets():
             entries = [saved.get(index[id(p)], saved.get(str(index[id(p)]))) for p in b.params]
-            if any((e is None) != (entries[0] is None) for e in entries):
-                raise OptimizerError(f"{type(self).__name__}.load_state_dict: the state dict has state for only some "
-                                     f"parameters of group {b.group}")
-            if entries[0] is None:
+            if all(e is None for e in entries):
                 b.step = 0
-                self._reset_state(b, {}, b.gather(b.params))
+                self._reset_state(b, {})
                 continue
+            steps = {int(e["step"]) for e in entries if e is not None and "step" in e} or {1}
+            if (len(steps) > 1 or any(e is None for e in entries)) and not b.masked:
+                self._go_masked(b)
             try:
-                state = {n: b.gather(e[key] for e in entries) for n, key in self.state_keys.items()}
+                state = {}
+                for n, key in self.state_keys.items():
+                    state[n] = torch.zeros(b.shape, dtype=torch.float32, device=b.device)
+                    for i, e in enumerate(entries):
+                        if e is not None:
+                            b.part(state[n], i).copy_(e[key].reshape(b.params[i].shape))
+                if "t" in b.exe.program.inputs:
+                    state["t"] = torch.zeros(b.shape, dtype=torch.float32, device=b.device)
+                    for i, e in enumerate(entries):
+                        b.part(state["t"], i).fill_(float(e["step"]) if e is not None else 0.0)
+                master = None
+                if "p" in b.exe.program.inputs:
+                    master = b.data.float().clone()
+                    for i, e in enumerate(entries):
+                        if e is not None and "master_param" in e:
+                            b.part(master, i).copy_(e["master_param"].reshape(b.params[i].shape))
             except (KeyError, RuntimeError) as exc:
                 raise OptimizerError(f"{type(self).__name__}.load_state_dict: the state of group {b.group} does not "
                                      f"match its parameters ({exc})") from None
-            b.step = int(entries[0]["step"]) if self.has_step else 1
-            masters = [e.get("master_param", p) for e, p in zip(entries, b.params, strict=True)]
-            self._reset_state(b, state, b.gather(masters))
+            b.step = max(steps)
+            self._reset_state(b, state, master)
+        self._publish_state()
+
+    def __repr__(self) -> str:
+        head = super().__repr__()
+        lines = [f"    bucket {i}: {len(b.params)} parameters, {b.numel} elements, {b.schedule.name}"
+                 for i, b in enumerate(self._buckets)]
+        return head[:-1] + "\n".join(["Buckets (schedule):", *lines]) + "\n)"
+
+
+_TORCH = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
+
+
+def _finish(steps: Iterator) -> Any:
+    try:
+        while True:
+            next(steps)
+    except StopIteration as done:
+        return done.value
+
+
+def _one_host(group: Any) -> bool:
+    """Whether every rank of `group` runs on this host (the shared-memory algorithm then applies)."""
+    from ..backends.torch import shm
+
+    return shm.group_for(group) is not None
+
+
+def _check_torchrun(group: Any) -> None:
+    """Under torchrun with several ranks, torch.distributed must be initialised: each rank would train alone."""
+    size = int(os.environ.get("WORLD_SIZE", "1") or 1)
+    if size > 1 and not (dist.is_available() and dist.is_initialized()):
+        raise OptimizerError(f"this process is one of {size} ranks (WORLD_SIZE={size}) but torch.distributed is not "
+                             "initialised: call torch.distributed.init_process_group() (or "
+                             "cocoweave.launch.init_from_env()) before creating the optimizer, or each rank trains "
+                             "alone")

@@ -1,6 +1,6 @@
 """DistributedAdamW, DistributedLAMB and DistributedSGD: torch.optim.Optimizer subclasses that replace
-DDP + optimizer. Call loss.backward() on the plain model, then step(): each bucket's compiled
-program averages the gradients and updates weights and state with its tuned schedule."""
+DDP + optimizer. Call loss.backward() on the plain model, then step(): each bucket's compiled program reduces
+the gradients (from backward hooks, while backward goes on) and updates weights and state with its schedule."""
 
 from __future__ import annotations
 
@@ -11,19 +11,41 @@ from ..errors import OptimizerError
 from ..workloads.optimizers import adamw, lamb, sgd
 from .base import DistributedOptimizer
 
+# torch.optim's implementation switches: one fused program runs every step here, so they change nothing
+_IGNORED = ("fused", "foreach", "capturable", "differentiable")
+
+
+def _torch_options(name: str, options: dict[str, Any]) -> dict[str, Any]:
+    """Accept torch.optim's keyword arguments that mean the same here; refuse with a sentence those that do not."""
+    out = {}
+    for key, value in options.items():
+        if key in _IGNORED:
+            if key in ("capturable", "differentiable") and value:
+                raise OptimizerError(f"{name}: {key}=True is not supported (the step runs one compiled program per "
+                                     "bucket); leave it False")
+            continue
+        if key == "amsgrad":
+            if value:
+                raise OptimizerError(f"{name}: amsgrad=True is not supported yet; use amsgrad=False")
+            continue
+        if key == "maximize":
+            if value:
+                raise OptimizerError(f"{name}: maximize=True is not supported yet; minimise the negated loss instead")
+            continue
+        out[key] = value
+    if out:
+        raise OptimizerError(f"{name}: unknown argument {next(iter(out))!r}")
+    return out
+
 
 class _AdamLike(DistributedOptimizer):
     state_keys = {"m": "exp_avg", "v": "exp_avg_sq"}
-
-    def __init__(self, params: Iterable[Any], lr: float, betas: tuple[float, float], eps: float,
-                 weight_decay: float, schedule: str, reduction: str, max_grad_norm: float | None, process_group: Any):
-        defaults = {"lr": lr, "betas": tuple(betas), "eps": eps, "weight_decay": weight_decay}
-        super().__init__(params, defaults, schedule, reduction, max_grad_norm, process_group)
 
     def check_group(self, group: dict[str, Any]) -> None:
         betas = group["betas"]
         if len(betas) != 2 or not all(isinstance(b, int | float) and 0.0 <= b < 1.0 for b in betas):
             raise OptimizerError(f"{type(self).__name__}: betas must be two numbers in [0, 1), got {betas!r}")
+        _torch_options(type(self).__name__, {k: group[k] for k in ("amsgrad", "maximize") if k in group})
 
     def scalars(self, group: dict[str, Any], step: int) -> dict[str, float]:
         b1, b2 = group["betas"]
@@ -32,40 +54,53 @@ class _AdamLike(DistributedOptimizer):
 
 
 class DistributedAdamW(_AdamLike):
-    """torch.optim.AdamW (decoupled weight decay) with the gradient all-reduce of DDP, as one tuned
-    program per bucket; sliced schedules keep exp_avg/exp_avg_sq (and fp32 masters) sliced.
+    """torch.optim.AdamW (decoupled weight decay) with the gradient reduction of DDP, as one compiled program per
+    bucket; sliced schedules keep exp_avg/exp_avg_sq (and fp32 masters) 1/p per rank.
 
-    schedule: "auto" (the tuner's cached choice, else the most-sliced schedule) or a schedule name of
-    `cocoweave schedules examples/adamw.py:adamw`; reduction: "avg" (DDP's), "sum" or "adasum" (which
-    runs unsplit); max_grad_norm: clip by the global norm of the reduced gradient, like
-    torch.nn.utils.clip_grad_norm_ after DDP; process_group: the data-parallel group to reduce over (as
-    DDP's), e.g. one of cocoweave.nn.parallel_groups' in a data x tensor parallel grid; None: the world."""
+    schedule: "auto" (the tuner's cached choice, else the schedule keeping the most state sliced, through shared
+    memory when the ranks share a CPU host) or a schedule name of `cocoweave schedules examples/adamw.py:adamw`;
+    reduction: "avg" (DDP's), "sum" or "adasum" (which runs unsplit); max_grad_norm: clip by the global norm of the
+    reduced gradient, like torch.nn.utils.clip_grad_norm_ after DDP; process_group: the data-parallel group to
+    reduce over (as DDP's); bucket_cap_mb: bucket size (DDP's 25); overlap: launch each bucket's reduction from
+    backward; gather: "step" (the new parameters are in place when step() returns), "forward" (finished just
+    before a module that uses them runs) or "auto" (forward on CUDA, step on CPU); master_weights: fp32 master
+    weights and state for bf16/fp16 parameters (default False: torch's own semantics, state in their dtype)."""
 
     workload = staticmethod(adamw)
 
     def __init__(self, params: Iterable[Any], lr: float = 1e-3, betas: tuple[float, float] = (0.9, 0.999),
                  eps: float = 1e-8, weight_decay: float = 1e-2, *, schedule: str = "auto", reduction: str = "avg",
-                 max_grad_norm: float | None = None, process_group: Any = None):
-        super().__init__(params, lr, betas, eps, weight_decay, schedule, reduction, max_grad_norm, process_group)
+                 max_grad_norm: float | None = None, process_group: Any = None, bucket_cap_mb: float = 25.0,
+                 overlap: bool = True, gather: str = "auto", master_weights: bool = False, kernels: str | None = None,
+                 **torch_options: Any):
+        _torch_options(type(self).__name__, torch_options)
+        defaults = {"lr": lr, "betas": tuple(betas), "eps": eps, "weight_decay": weight_decay}
+        super().__init__(params, defaults, schedule, reduction, max_grad_norm, process_group,
+                         bucket_cap_mb=bucket_cap_mb, overlap=overlap, gather=gather, master_weights=master_weights,
+                         kernels=kernels)
 
 
 class DistributedLAMB(_AdamLike):
-    """LAMB (You et al. 2020, Algorithm 2, phi = identity): the bias-corrected Adam direction plus
-    weight decay, scaled per parameter tensor by |w| / |u|. Parameters of equal size share one
-    [N, T] program whose sliced schedules all-reduce only the T partial norms."""
+    """LAMB (You et al. 2020, Algorithm 2, phi = identity): the bias-corrected Adam direction plus weight decay,
+    scaled per parameter tensor by |w| / |u|. Parameters of equal size share one [T, N] bucket (one per row), so
+    the sliced schedules give each rank whole tensors and the trust ratios need no communication."""
 
     workload = staticmethod(lamb)
-    columns = True
+    rows = True
 
     def __init__(self, params: Iterable[Any], lr: float = 1e-3, betas: tuple[float, float] = (0.9, 0.999),
                  eps: float = 1e-6, weight_decay: float = 0.0, *, schedule: str = "auto", reduction: str = "avg",
-                 max_grad_norm: float | None = None, process_group: Any = None):
-        super().__init__(params, lr, betas, eps, weight_decay, schedule, reduction, max_grad_norm, process_group)
+                 max_grad_norm: float | None = None, process_group: Any = None, bucket_cap_mb: float = 25.0,
+                 overlap: bool = True, gather: str = "auto", master_weights: bool = False, kernels: str | None = None):
+        defaults = {"lr": lr, "betas": tuple(betas), "eps": eps, "weight_decay": weight_decay}
+        super().__init__(params, defaults, schedule, reduction, max_grad_norm, process_group,
+                         bucket_cap_mb=bucket_cap_mb, overlap=overlap, gather=gather, master_weights=master_weights,
+                         kernels=kernels)
 
 
 class DistributedSGD(DistributedOptimizer):
-    """torch.optim.SGD (momentum, dampening, Nesterov, L2 weight decay) with DDP's gradient averaging
-    in one tuned program per bucket; sliced schedules keep the momentum buffer sliced."""
+    """torch.optim.SGD (momentum, dampening, Nesterov, L2 weight decay) with DDP's gradient averaging in one
+    compiled program per bucket; sliced schedules keep the momentum buffer sliced."""
 
     workload = staticmethod(sgd)
     state_keys = {"buf": "momentum_buffer"}
@@ -73,10 +108,15 @@ class DistributedSGD(DistributedOptimizer):
 
     def __init__(self, params: Iterable[Any], lr: float = 1e-3, momentum: float = 0.0, dampening: float = 0.0,
                  weight_decay: float = 0.0, nesterov: bool = False, *, schedule: str = "auto",
-                 reduction: str = "avg", max_grad_norm: float | None = None, process_group: Any = None):
+                 reduction: str = "avg", max_grad_norm: float | None = None, process_group: Any = None,
+                 bucket_cap_mb: float = 25.0, overlap: bool = True, gather: str = "auto",
+                 master_weights: bool = False, kernels: str | None = None, **torch_options: Any):
+        _torch_options(type(self).__name__, torch_options)
         defaults = {"lr": lr, "momentum": momentum, "dampening": dampening, "weight_decay": weight_decay,
                     "nesterov": nesterov}
-        super().__init__(params, defaults, schedule, reduction, max_grad_norm, process_group)
+        super().__init__(params, defaults, schedule, reduction, max_grad_norm, process_group,
+                         bucket_cap_mb=bucket_cap_mb, overlap=overlap, gather=gather, master_weights=master_weights,
+                         kernels=kernels)
 
     def check_group(self, group: dict[str, Any]) -> None:
         if group["nesterov"] and (group["momentum"] <= 0 or group["dampening"] != 0):

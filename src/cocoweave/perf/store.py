@@ -2,7 +2,9 @@
 
 Every record is validated against `SCHEMA` before anything is written; a part is written under a
 temporary name in the store folder and renamed into place, so a crash never leaves a half-written
-part that `load` would read. Schema documented in docs/perf.md.
+part that `load` would read. A part that cannot be read (damaged on disk) is moved into the store's
+`quarantine/` folder with a warning and the others load: one bad file never hides the rest, and no
+file is ever deleted. Schema documented in docs/perf.md.
 """
 
 from __future__ import annotations
@@ -15,6 +17,7 @@ import platform
 import socket
 import subprocess
 import uuid
+import warnings
 from collections.abc import Iterable, Mapping
 from datetime import UTC, datetime
 from importlib import metadata
@@ -31,6 +34,11 @@ STORE_ENV = "COCOWEAVE_STORE"
 DEFAULT_STORE = Path(".cocoweave") / "store"
 PART_PREFIX = "part-"
 PART_SUFFIX = ".parquet"
+QUARANTINE = "quarantine"
+
+
+class StoreWarning(UserWarning):
+    """A part of the measurement store was skipped (unreadable: quarantined; another schema: left in place)."""
 
 # column -> (arrow type, kind, nullable). Kinds: str, int, float, json (object), time (aware datetime).
 COLUMNS: dict[str, tuple[pa.DataType, str, bool]] = {
@@ -205,16 +213,33 @@ class MeasurementStore:
         return final
 
     def load(self) -> pd.DataFrame:
-        """Every stored record as a DataFrame with the schema's columns (empty frame if nothing is stored)."""
+        """Every stored record as a DataFrame with the schema's columns (empty frame if nothing is stored).
+        Unreadable parts are quarantined and parts of another schema skipped, each with a StoreWarning."""
         tables = []
         for part in self.parts():
             try:
                 table = pq.read_table(part)
             except (OSError, pa.ArrowException) as exc:
-                raise StoreError(f"measurement store part {part} is unreadable: {exc}") from exc
+                warnings.warn(f"measurement store part {part} is unreadable ({exc}); {self._quarantine(part)}",
+                              StoreWarning, stacklevel=2)
+                continue
             if not table.schema.equals(SCHEMA):
-                raise StoreError(f"measurement store part {part} does not have the store's schema.")
+                warnings.warn(f"measurement store part {part} does not have the store's schema; skipped it",
+                              StoreWarning, stacklevel=2)
+                continue
             tables.append(table)
         if not tables:
             return SCHEMA.empty_table().to_pandas()
         return pa.concat_tables(tables).to_pandas()
+
+    def _quarantine(self, part: Path) -> str:
+        """Move an unreadable part out of the way (never delete it); says where it went."""
+        target = self.path / QUARANTINE / part.name
+        try:
+            target.parent.mkdir(exist_ok=True)
+            os.replace(part, target)
+        except FileNotFoundError:
+            return "another reader moved it already"
+        except OSError as exc:
+            return f"skipped it (it could not be moved to {target.parent}: {exc.strerror or exc})"
+        return f"moved it to {target} and read the others"

@@ -60,7 +60,7 @@ def lower(schedule: Schedule | Program) -> Plan:
     stages = [replace(s, parts=_flatten(s.parts)) if isinstance(s, Overlap) else s for s in stages]
     needed = {id(_read(v)) for _, v in p.outputs} | {id(v) for v in state.values()}
     for s in stages:  # read across a top-level stage boundary
-        needed |= {id(_read(a)) for a in s.reads()}
+        needed |= {id(a) for a in s.reads()}
     stages = [_with_live_outs(s, needed) for s in stages]
     return Plan(name=schedule.name, program=p, stages=stages, host=host, state=state,
                 sliced_state=schedule.sliced_state, outputs=list(p.outputs), fingerprint=schedule.fingerprint(),

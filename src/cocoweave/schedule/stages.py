@@ -60,6 +60,7 @@ class Stage:
         seen: dict[int, Value] = {}
         for v in self.values:
             for a in v.args:
+                a = a.args[1] if a.op == "update" else a  # an updated state reads as its new value
                 if id(a) not in inside and not a.is_scalar:
                     seen.setdefault(id(a), a)
         return list(seen.values())

@@ -48,12 +48,19 @@ class TuneCache:
         if not self.path.is_file():
             return {}
         try:
-            doc = json.loads(self.path.read_text())
-        except (OSError, json.JSONDecodeError) as exc:
+            doc = json.loads(self.path.read_text(encoding="utf-8"))
+        except UnicodeDecodeError as exc:
+            raise CocoweaveError(f"the tuning cache {self.path} is not UTF-8 text (byte {exc.start} cannot be "
+                                 "decoded); delete it to start over.") from None
+        except (OSError, ValueError) as exc:
             raise CocoweaveError(f"the tuning cache {self.path} is unreadable ({exc}); "
                                  "delete it to start over.") from None
         if not isinstance(doc, dict) or not isinstance(doc.get("entries"), dict):
             raise CocoweaveError(f"the tuning cache {self.path} has no 'entries' object; delete it to start over.")
+        bad = next((k for k, v in doc["entries"].items() if not isinstance(v, dict)), None)
+        if bad is not None:
+            raise CocoweaveError(f"the tuning cache {self.path} has an entry {bad!r} that is not an object; "
+                                 "delete it to start over.")
         return doc["entries"]
 
     def entries(self) -> dict[str, Any]:
@@ -88,16 +95,21 @@ class TuneCache:
 
 def cached_schedule(program: Program, sizes: Mapping[str, int], world_size: int, backend: str, device: str,
                     cache: TuneCache | None = None) -> Schedule | None:
-    """The cached choice for this problem rebuilt on `program`, or None if nothing usable is cached."""
+    """The cached choice for this problem rebuilt on `program`, or None (with a warning saying why) if nothing
+    usable is cached: a cache that cannot be read counts as no choice, so training never fails because of it."""
     cache = cache or TuneCache()
-    entry = cache.get(cache_key(program, sizes, world_size, backend, device))
+    try:
+        entry = cache.get(cache_key(program, sizes, world_size, backend, device))
+    except CocoweaveError as exc:
+        warnings.warn(f"{str(exc).rstrip('.')}; using no tuned schedule", stacklevel=2)
+        return None
     if entry is None:
         return None
     try:
         return Schedule(program, entry["steps"])
-    except (ScheduleError, KeyError, TypeError) as exc:
+    except (ScheduleError, KeyError, TypeError, AttributeError, ValueError) as exc:
         warnings.warn(f"the cached schedule {entry.get('schedule')!r} for {program.name} no longer applies "
-                      f"({exc}); ignoring it", stacklevel=2)
+                      f"({type(exc).__name__}: {exc}); ignoring it", stacklevel=2)
         return None
 
 

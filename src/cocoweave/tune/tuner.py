@@ -96,8 +96,14 @@ def tune(program: Program, sizes: Mapping[str, int], world_size: int, *, measure
         result.notes.append("no cost model for this world size: every schedule was measured "
                             "(run `cocoweave perf calibrate` to predict first).")
     if cache is not None:
-        cache.put(key, {"program": program.name, "schedule": choice.name, "fingerprint": choice.schedule.fingerprint(),
-                        "steps": choice.schedule.steps_json(), "measured_ms": choice.measured_ms,
-                        "baseline_ms": baseline.measured_ms, "predicted_ms": choice.predicted_ms,
-                        "measured": {c.name: c.measured_ms for c in to_measure}, **(cache_extra or {})})
+        cache.put(key, cache_entry(result, cache_extra))
     return result
+
+
+def cache_entry(result: TuneResult, extra: Mapping[str, Any] | None = None) -> dict[str, Any]:
+    """What the tuning cache keeps of a result: the choice (its steps rebuild it), what was measured, `extra`."""
+    choice = result.choice
+    return {"program": result.program.name, "schedule": choice.name, "fingerprint": choice.schedule.fingerprint(),
+            "steps": choice.schedule.steps_json(), "measured_ms": choice.measured_ms,
+            "baseline_ms": result.baseline.measured_ms, "predicted_ms": choice.predicted_ms,
+            "measured": {c.name: c.measured_ms for c in result.measured()}, **(extra or {})}

@@ -42,6 +42,7 @@ class Emitter:
     defs: list[str] = field(default_factory=list)  # module-level functions (fused stages), before `step`
     in_function: bool = False  # emitting the body of a fused stage's function (no ctx there)
     extra: dict[str, str] = field(default_factory=dict)  # function parameter -> its argument at the call (host)
+    into: dict[int, tuple[Value, bool]] = field(default_factory=dict)  # all_gather -> (state it fills, deferrable)
 
     # -- naming -------------------------------------------------------------------------------
     def var(self, v: Value) -> str:
@@ -182,6 +183,9 @@ class Emitter:
             x = f"({x} * {w[self.view.line(v)[0]] / sum(w)!r})"
         shares = self.shares(v)
         tail = (f", shares={shares}" if shares is not None else "") + tail
+        if id(v) in self.into and self.chunk is None:  # gathered straight into the state it becomes
+            t, deferrable = self.into[id(v)]
+            tail += f", into={self.var(t)}" + (", deferrable=True" if deferrable else "")
         return COMM[v.op](self, v, x, self.group(v), tail)
 
     def group(self, v: Value) -> str:
@@ -312,10 +316,13 @@ def generate(plan: Plan, rank: int, world_size: int, sizes: Mapping[str, int],
     fused = fused or {}
     program = plan.program
     em.live_out = plan.live_outs()
+    em.into = _gathers_into_state(em)
     em.lines += [f'"""cocoweave plan `{plan.name}` ({plan.fingerprint}) for rank {rank} of {world_size}, '
                  f'sizes {dict(sizes)}.', "", "Generated code: read it, do not edit it.", '"""', "",
                  "import math", "", "import torch", "", "from cocoweave.backends.torch import runtime as rt", "", "",
-                 "def step(ctx, I):"]
+                 "def step(ctx, I):",
+                 '    """One step, a generator that pauses before each stage (yielding its index and what it reads):',
+                 '    Executable.run runs it through; Executable.steps lets a caller work between stages."""']
     for v in program.inputs.values():
         if v.group is None or view.in_group(v):
             em.emit(f'{em.var(v)} = I["{v.name}"]')
@@ -332,6 +339,8 @@ def generate(plan: Plan, rank: int, world_size: int, sizes: Mapping[str, int],
         if not view.takes_part(stage):
             continue
         em.emit("")
+        reads = ", ".join(f'"{a.name}": {em.ref(a)}' for a in stage.reads() if view.in_group(a))
+        em.emit(f"yield {i}, {{{reads}}}")
         em.emit(f"# stage {i}: {stage.label}  [{', '.join(stage.names)}]")
         if isinstance(stage, Overlap):
             _emit_chunked(em, stage, i)
@@ -362,13 +371,56 @@ def generate(plan: Plan, rank: int, world_size: int, sizes: Mapping[str, int],
     em.emit("")
     em.emit("# results: state is written in place, outputs are returned")
     for name, v in plan.state.items():
-        if view.in_group(v):
+        if view.in_group(v) and id(v) not in em.into:
             em.emit(f"{em.var(program.inputs[name])}.copy_({em.var(v)})")
     outs = ", ".join(f'"{n}": ' + (f"OUT[{n!r}]" if n in before else em.var(v))
                      for n, v in plan.outputs if view.in_group(v))
     em.emit(f"return {{{outs}}}")
     head, body = em.lines[:em.lines.index("def step(ctx, I):")], em.lines[em.lines.index("def step(ctx, I):"):]
-    return "\n".join(head + em.defs + body) + "\n"
+    return "\n".join(head + em.defs + (["", ""] if em.defs else []) + body + _launch(em)) + "\n"
+
+
+def _launch(em: Emitter) -> list[str]:
+    """`launch(ctx, I)`: issue the step's first communication asynchronously, ahead of the step (e.g. a gradient
+    reduction from a backward hook); the step then takes its result from ctx. Only for a library reduce-scatter or
+    all-reduce of a tensor input that opens the step (alone or as the head of a fused RS-C-AG)."""
+    first = next((i for i, s in enumerate(em.plan.stages) if em.view.takes_part(s)), None)
+    stage = em.plan.stages[first] if first is not None else None
+    head = stage.values[0] if isinstance(stage, Collective | FusedCollective) else None
+    if head is None or stage.algorithm != "library" or head.op not in ("all_reduce", "reduce_scatter") or \
+            head.args[0].op != "input" or not em.view.in_group(head):
+        return ["", "", "launch = None  # the step does not open with a collective that can be issued early"]
+    x = head.args[0]
+    em.lines = []
+    em.emit(f"{em.var(x)} = I[\"{x.name}\"]")
+    em.emit(f'with ctx.span("{stage.label}", {first}):')
+    em.emit(f'ctx.early("{head.name}", lambda: {em.communicate(head, async_op=True)})', 2)
+    doc = f'    """Issue stage {first} ({stage.label}) asynchronously, ahead of the step."""'
+    return ["", "", "def launch(ctx, I):", doc, *em.lines]
+
+
+def _gathers_into_state(em: Emitter) -> dict[int, tuple[Value, bool]]:
+    """All-gathers whose result is a state tensor's new value, whole on this rank: they write straight into the
+    state tensor (no copy at the end of the step) when nothing after them reads the old contents; deferrable (left
+    in flight when the step returns, Executable.wait completes them) when nothing after them reads the result."""
+    plan, view = em.plan, em.view
+    out: dict[int, tuple[Value, bool]] = {}
+    for name, v in plan.state.items():
+        t = plan.program.inputs[name]
+        if v.op != "all_gather" or not view.in_group(v) or view.local_shape(t) != view.local_shape(v):
+            continue
+        at = next(i for i, s in enumerate(plan.stages) if any(x is v for x in s.values))
+        stage = plan.stages[at]
+        if isinstance(stage, Overlap) or (isinstance(stage, FusedCollective) and stage.algorithm == "ring"):
+            continue  # gathered chunk by chunk or piece by piece: into its own buffers
+        order = [x for s in plan.stages for x in s.values]
+        after = [a for x in order[order.index(v) + 1:] for a in x.args]
+        if any(a is t for a in after):
+            continue
+        read_later = any(a is v or (a.op == "update" and a.args[1] is v) for a in after) or \
+            any(o is v or (o.op == "update" and o.args[1] is v) for _, o in plan.outputs)
+        out[id(v)] = (t, not read_later)
+    return out
 
 
 def _emit_value(em: Emitter, v: Value, indent: int, async_op: bool = False) -> bool:
@@ -416,7 +468,7 @@ def _emit_fused_call(em: Emitter, stage: Compute, index: int, indent: int) -> No
     params_ = [em.ref(a) for a in params.values()] + list(body.extra)
     args = [em.ref(a) for a in params.values()] + list(body.extra.values())
     doc = f'"""stage {index}: {stage.label} [{", ".join(stage.names)}], one function of its inputs."""'
-    em.defs += ["", "", f"def {name}({', '.join(params_)}):", f"    {doc}", *body.lines]
+    em.defs += ([] if not em.defs else ["", ""]) + [f"def {name}({', '.join(params_)}):", f"    {doc}", *body.lines]
     em.emit(f"{', '.join(em.var(v) for v in outs)}{',' if len(outs) == 1 else ''} = ctx.stage({index}, {name})"
             f"({', '.join(args)})", indent)
 

@@ -5,24 +5,25 @@ from __future__ import annotations
 
 import hashlib
 import json
+import math
 import os
-from collections.abc import Mapping
-from pathlib import Path
+from collections.abc import Generator, Mapping
 from typing import Any
 
 import torch
 import torch.distributed as dist
 
-from ...atomic import write_text
+from ...codecache import write_source
 from ...errors import BackendError, InputError
 from ...ir.graph import Program, make_layout
 from ...ir.layout import Replicated, cut, part_bounds, part_shape, placements
 from ...ir.semantics import Place, dropout_index
-from ...ir.types import bind_shape
-from ...launch import agree
-from ...plan.plan import Plan
+from ...ir.types import DTYPES, bind_shape
+from ...plan import Collective, FusedCollective, Plan
 from ..inputs import RankInputs, bound_sizes, check_rank_inputs, local_shape
 from ..results import RankResult
+from . import shm
+from .agreement import agree
 from .codegen import generate
 from .runtime import RankContext
 
@@ -37,19 +38,6 @@ KERNELS_ENV = "COCOWEAVE_KERNELS"  # the default route of every executable (e.g.
 def default_kernels() -> str:
     """The route fused stages take unless an executable is told otherwise: $COCOWEAVE_KERNELS, else "auto"."""
     return os.environ.get(KERNELS_ENV, "auto")
-
-
-def cache_dir() -> Path:
-    """Where generated modules are kept: $COCOWEAVE_CACHE or ~/.cache/cocoweave/plans."""
-    return Path(os.environ.get("COCOWEAVE_CACHE", Path.home() / ".cache" / "cocoweave")) / "plans"
-
-
-def write_source(source: str, key: str) -> Path:
-    """Write generated source once, atomically (a crash never leaves half a module)."""
-    path = cache_dir() / f"{key}.py"
-    if path.exists() and path.read_text() == source:
-        return path
-    return write_text(path, source, durable=False)  # a cache: regenerated if lost
 
 
 def process_groups(program: Program, world_size: int, rank: int = 0) -> dict[str, Any]:
@@ -101,8 +89,8 @@ class Executable:
         key = key.hexdigest()[:16]
         self.path = write_source(self.source, f"{plan.fingerprint}-r{rank}-w{world_size}-{key}")
         namespace: dict[str, Any] = {}
-        exec(compile(self.source, str(self.path), "exec"), namespace)  # noqa: S102 - our own generated code
-        self._step = namespace["step"]
+        exec(compile(self.source, str(self.path or "<cocoweave step>"), "exec"), namespace)  # noqa: S102
+        self._step, self._launch = namespace["step"], namespace["launch"]
         backend = dist.get_backend() if dist.is_initialized() else "gloo"
         if world_size > 1 and not dist.is_initialized():
             raise BackendError(f"rank {rank}: torch.distributed is not initialised; start ranks with "
@@ -174,15 +162,82 @@ class Executable:
         check_rank_inputs(self.program, self.rank, self.world_size, given, self.sizes)
         return given
 
-    def run(self, inputs: RankInputs) -> RankResult:
+    def run(self, inputs: RankInputs, defer_gathers: bool = False) -> RankResult:
         """One step. State tensors are updated in place (sliced ones are kept by the executable);
-        returned outputs are the executable's buffers, valid until the next call."""
+        returned outputs are the executable's buffers, valid until the next call. With `defer_gathers`, the
+        all-gathers that write a state tensor nothing later reads are left in flight: call `wait()` before
+        reading those state tensors (an optimizer overlaps them with the next forward)."""
+        steps = self.steps(inputs, defer_gathers)
+        while True:
+            try:
+                next(steps)
+            except StopIteration as done:
+                return done.value
+
+    __call__ = run
+
+    def steps(self, inputs: RankInputs, defer_gathers: bool = False) -> Generator[tuple[int, dict], None, RankResult]:
+        """One step as a generator that pauses before each stage, yielding (stage index, the tensors the stage
+        reads by value name), and returns the RankResult: a caller can work between stages, e.g. `provide` the
+        result of a collective from values of several executables (one global norm over many buckets)."""
+        self.wait()
         given = self._prepare(inputs)
-        outputs = self._step(self.ctx, given)
+        self.ctx.defer = defer_gathers
+        try:
+            outputs = yield from self._step(self.ctx, given)
+        finally:
+            self.ctx.defer = False
         state = {n: given[n] for n in self.plan.state if n in given}
         return RankResult(outputs=outputs, state=state)
 
-    __call__ = run
+    def launch(self, inputs: RankInputs) -> bool:
+        """Issue the step's first collective now, asynchronously (a gradient reduction from a backward hook, while
+        backward goes on); the next `run` takes its result. False when the plan does not open with one (a shared
+        memory or ring algorithm, a computation first): the run does all the work."""
+        if self._launch is None:
+            return False
+        self._launch(self.ctx, inputs)
+        return True
+
+    def provide(self, value: str, result: torch.Tensor) -> None:
+        """Give the result of collective `value` (by value name) for the coming or paused step: it does not
+        communicate, it returns `result`."""
+        self.ctx.provided[value] = result
+
+    def shared_input(self, name: str) -> torch.Tensor | None:
+        """Where to put input `name` so that the step's opening shared-memory collective reads it without a copy:
+        this rank's slot of that collective (a gradient bucket can live there, filled by backward). None when the
+        step does not open with a shm reduce-scatter or all-reduce of `name` in its own dtype on this host."""
+        stage = next((s for s in self.plan.stages if self.plan.view(self.rank, self.world_size, self.sizes)
+                      .takes_part(s)), None)
+        head = stage.values[0] if isinstance(stage, Collective | FusedCollective) else None
+        if head is None or stage.algorithm != "shm" or head.op not in ("all_reduce", "reduce_scatter") or \
+                head.args[0].name != name or head.args[0].op != "input" or self.world_size == 1:
+            return None
+        x = head.args[0]
+        if x.dtype in ("float16", "bfloat16") and self.ctx.backend == "gloo":  # reduced in float32: a copy anyway
+            return None
+        if head.op == "reduce_scatter" and head.attrs["dim"] != 0:
+            return None
+        g = shm.group_for(self.ctx.group(head.attrs.get("axis") or x.group.name))  # on a mesh: the axis' line
+        if g is None:
+            return None
+        shape = self.plan.view(self.rank, self.world_size, self.sizes).local_shape(x)
+        numel = math.prod(shape)
+        return self.ctx.shm_buffers.get(g, head.name, numel, DTYPES[x.dtype])[g.me][:numel].view(shape)
+
+    def wait(self) -> None:
+        """Complete the all-gathers a deferred step left in flight (their state tensors are then final)."""
+        self.ctx.wait_deferred()
+
+    def cancel(self) -> None:
+        """Complete and drop a collective launched ahead of a step that will not run (its result is stale)."""
+        self.ctx.drop_early()
+
+    def local_shape(self, name: str) -> tuple[int, ...]:
+        """The shape of this rank's part of input `name` in the plan's layouts (a state kept sliced: its slice)."""
+        v = self.program.inputs[name]
+        return self.plan.view(self.rank, self.world_size, self.sizes).local_shape(v)
 
     def gather_state(self, name: str) -> torch.Tensor:
         """The whole tensor of state kept sliced (a collective: every rank of its group calls it); on a mesh,

@@ -157,7 +157,11 @@ class RankContext:
         self.rank, self.world_size, self.device = rank, world_size, device
         self.compiled = compiled  # fused stages run as one compiled loop (else op by op)
         self._stages: dict[str, Callable[..., Any]] = {}
-        self._shm = shm.ShmBuffers()  # slots of the shared-memory collectives, by output key
+        self.shm_buffers = shm.ShmBuffers()  # slots of the shared-memory collectives, by output key
+        self._early: dict[Any, Pending] = {}  # collectives launched ahead of the step (Executable.launch)
+        self.provided: dict[Any, torch.Tensor] = {}  # results the caller gives for collectives (Executable.provide)
+        self.defer = False  # leave deferrable all-gathers in flight when the step returns (Executable.run)
+        self.deferred: list[Pending] = []
         self._pairs: dict[Any, shm.Pair] = {}
         self.groups, self.indices, self.backend = groups, indices, backend
         self.buffers: dict[Any, torch.Tensor] = {}
@@ -224,21 +228,47 @@ class RankContext:
         p = Pending(work, finish)
         return p if async_op else p.wait()
 
-    def _alone(self, x: torch.Tensor, out: Any, async_op: bool) -> Any | None:
-        """A world of one rank without torch.distributed: every collective gives this rank's own tensor
-        (the identity; avg and adasum of one tensor are the tensor). None when the group has peers."""
+    def _alone(self, x: torch.Tensor, out: Any, async_op: bool, into: torch.Tensor | None = None) -> Any | None:
+        """What a collective returns without communicating, or None: its result issued ahead of the step (launch),
+        a result the caller provided, or, in a world of one rank without torch.distributed, this rank's own tensor
+        (the identity; avg and adasum of one tensor are the tensor)."""
+        early = self._early.pop(out, None)
+        if early is not None:
+            return early if async_op else early.wait()
+        if out in self.provided:
+            res = self.provided.pop(out)
+            return self._done(None, lambda: res, async_op)
         if dist.is_initialized():
             return None
-        res = self.buffer(out, x.shape, x.dtype)
+        res = into if into is not None else self.buffer(out, x.shape, x.dtype)
         res.copy_(x)
         return self._done(None, lambda: res, async_op)
+
+    def early(self, out: Any, issue: Callable[[], Pending]) -> None:
+        """Issue a collective ahead of the step (generated `launch`) and keep it: the step's call of it returns it.
+        Launched again before a step (gradient accumulation), the first completes before the second is issued
+        (both write the same buffer) and only the second counts."""
+        old = self._early.pop(out, None)
+        if old is not None:
+            old.wait()
+        self._early[out] = issue()
+
+    def drop_early(self) -> None:
+        while self._early:
+            self._early.pop(next(iter(self._early))).wait()
+
+    def wait_deferred(self) -> None:
+        """Complete the all-gathers a step left in flight."""
+        while self.deferred:
+            self.deferred.pop(0).wait()
 
     def all_reduce(self, x: torch.Tensor, op: str, group: Any, out: Any, async_op: bool = False) -> Any:
         if (alone := self._alone(x, out, async_op)) is not None:
             return alone
         n = dist.get_world_size(group)
-        if op == "adasum":
-            return self._adasum(x, group, out)
+        if op == "adasum":  # synchronous: point-to-point rounds
+            res = self._adasum(x, group, out)
+            return self._done(None, lambda: res, async_op)
         wire = self._wire(x)
         key = (out, "wire") if wire is not x else out
         buf = self.buffer(key, wire.shape, wire.dtype)
@@ -304,11 +334,16 @@ class RankContext:
         return finish
 
     def all_gather(self, x: torch.Tensor, dim: int, total: int, group: Any, out: Any, async_op: bool = False,
+                   into: torch.Tensor | None = None, deferrable: bool = False,
                    shares: Sequence[int] | None = None) -> Any:
         """Gather the ranks' parts (tensor_split sizes, or in proportion to `shares`) of a tensor whose whole size
-        along `dim` is `total`."""
-        if (alone := self._alone(x, out, async_op)) is not None:
+        along `dim` is `total` (into `into`, when given: a state tensor the result becomes). A deferrable gather is
+        left in flight while the executable defers (its result is only read after Executable.wait)."""
+        if (alone := self._alone(x, out, async_op, into)) is not None:
             return alone
+        if deferrable and self.defer and not async_op:
+            self.deferred.append(self.all_gather(x, dim, total, group, out, True, into, shares=shares))
+            return into
         n = dist.get_world_size(group)
         bounds = parts(total, n, shares)
         sizes = [stop - start for start, stop in bounds]
@@ -316,8 +351,8 @@ class RankContext:
         xt = x.movedim(dim, 0)
         rest = tuple(xt.shape[1:])
         full_shape = with_dim(x.shape, dim, total)
-        res = self.buffer(out, full_shape, x.dtype)
-        if total % n == 0 and dim == 0 and x.is_contiguous() and shares is None:
+        res = into if into is not None else self.buffer(out, full_shape, x.dtype)
+        if total % n == 0 and dim == 0 and x.is_contiguous() and res.is_contiguous() and shares is None:
             work = _ALL_GATHER(res, x, group=group, async_op=async_op)
             return self._done(work if async_op else None, lambda: res, async_op)
         inp = self.buffer((out, "in"), (c, *rest), x.dtype)
@@ -392,7 +427,7 @@ class RankContext:
         if g is None:
             return self.all_reduce(x, op, group, out, async_op)
         wire = self._wire(x).reshape(-1)
-        slots = self._shm.get(g, out, wire.numel(), wire.dtype)
+        slots = self.shm_buffers.get(g, out, wire.numel(), wire.dtype)
         res = self.buffer((out, "wire") if wire.dtype != x.dtype else out, x.shape, wire.dtype)
         parts = self._rows(wire.numel(), 1, g.size)
         shm.all_reduce(g, slots, wire if wire.is_contiguous() else wire.contiguous(), op, parts, res.view(-1))
@@ -411,7 +446,7 @@ class RankContext:
         flat = wire.reshape(-1) if wire.is_contiguous() else wire.contiguous().reshape(-1)
         rows = x.shape[dim]
         flat_parts = self._rows(rows, flat.numel() // rows if rows else 0, g.size, shares)
-        slots = self._shm.get(g, out, flat.numel(), flat.dtype)
+        slots = self.shm_buffers.get(g, out, flat.numel(), flat.dtype)
         mine = parts(rows, g.size, shares)[g.me]
         part = self.buffer((out, "part"), (mine[1] - mine[0], *wire.shape[1:]), flat.dtype)
         shm.reduce_scatter(g, slots, flat, op, flat_parts, part.view(-1))
@@ -420,19 +455,20 @@ class RankContext:
         return self._done(None, lambda: res, async_op)
 
     def shm_all_gather(self, x: torch.Tensor, dim: int, total: int, group: Any, out: Any,
-                       async_op: bool = False, shares: Sequence[int] | None = None) -> Any:
-        if (alone := self._alone(x, out, async_op)) is not None:
+                       async_op: bool = False, into: torch.Tensor | None = None, deferrable: bool = False,
+                       shares: Sequence[int] | None = None) -> Any:
+        if (alone := self._alone(x, out, async_op, into)) is not None:
             return alone
         g = self._shm_group(group)
         if g is None:
-            return self.all_gather(x, dim, total, group, out, async_op, shares)
-        res = self.buffer(out, with_dim(x.shape, dim, total), x.dtype)
+            return self.all_gather(x, dim, total, group, out, async_op, into, deferrable, shares=shares)
+        res = into if into is not None else self.buffer(out, with_dim(x.shape, dim, total), x.dtype)
         xt = x.movedim(dim, 0)
         flat = xt.reshape(-1) if xt.is_contiguous() else xt.contiguous().reshape(-1)
         row = flat.numel() // x.shape[dim] if x.shape[dim] else math.prod(xt.shape[1:])
         bounds = parts(total, g.size, shares)
         biggest = max(stop - start for start, stop in bounds)
-        slots = self._shm.get(g, out, biggest * row, x.dtype)
+        slots = self.shm_buffers.get(g, out, biggest * row, x.dtype)
         rt_ = res.movedim(dim, 0)
         outs = [rt_[start:stop] for start, stop in bounds]
         if dim == 0 and res.is_contiguous():
@@ -484,10 +520,11 @@ class RankContext:
         return res
 
     def ring_all_gather(self, x: torch.Tensor, dim: int, total: int, group: Any, out: Any,
+                        into: torch.Tensor | None = None, deferrable: bool = False,
                         shares: Sequence[int] | None = None) -> torch.Tensor:
-        if (alone := self._alone(x, out, False)) is not None:
+        if (alone := self._alone(x, out, False, into)) is not None:
             return alone
-        res = self.buffer(out, with_dim(x.shape, dim, total), x.dtype)
+        res = into if into is not None else self.buffer(out, with_dim(x.shape, dim, total), x.dtype)
         ring.ring_all_gather(x, dim, group, res, shares)
         return res
 

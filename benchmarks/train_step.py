@@ -1,0 +1,274 @@
+"""One training step (zero_grad + forward + backward + step) of cocoweave's drop-in optimizers against the strongest
+plain-torch peers, in the same run, interleaved and repeated, on a LocalWorld of Gloo CPU ranks.
+
+    .venv/bin/python benchmarks/train_step.py                       # both models, worlds 2 and 4, AdamW and SGD
+    .venv/bin/python benchmarks/train_step.py --models small --worlds 2 --rounds 3 --steps 8
+    .venv/bin/python benchmarks/train_step.py --memory              # peak memory, 8 x Linear(2048, 2048)
+
+Models (one per run, same initial weights everywhere): "small", 5.3M parameters (Embedding 4096x256, 4 x
+nn.TransformerEncoderLayer(256, 4 heads, ffn 1024), Linear head) and "large", 25.1M (Embedding 6144x512, 6 x
+TransformerEncoderLayer(512, 8 heads, ffn 2048), Linear head); each rank trains on its own batch of 4 x 64 tokens.
+Variants: DDP + AdamW(foreach), DDP + AdamW(fused=True), DDP + ZeroRedundancyOptimizer(AdamW fused), FSDP2
+fully_shard + AdamW, and cocoweave.optim.DistributedAdamW (schedule "auto", and forced onto the library collectives
+— Gloo, no shared memory — for comparison); likewise DDP + SGD(momentum, foreach / fused) against DistributedSGD.
+Every variant lives in the same rank processes; each round times every variant for --steps steps after one
+warm-up step, in a rotated order. The step time of a variant is the median over all its steps of the slowest
+rank's time (each step starts after a barrier); the table gives it, its ratio to the fastest peer (the fastest
+variant that is not cocoweave) and the optimizer-state bytes per rank. JSON goes to
+benchmarks/results/train_step-<device>-<date>.json with the machine, versions, date and load average.
+"""
+
+from __future__ import annotations
+
+import argparse
+import datetime
+import gc
+import json
+import os
+import platform
+from pathlib import Path
+from typing import Any
+
+import torch
+import torch.distributed as dist
+
+MODELS = {"small": (4096, 256, 4, 1024, 4), "large": (6144, 512, 6, 2048, 8)}  # vocab, d, layers, ffn, heads
+BATCH, SEQ = 4, 64
+ADAMW = {"lr": 3e-4, "weight_decay": 0.1}
+SGD = {"lr": 0.05, "momentum": 0.9}
+
+
+class LM(torch.nn.Module):
+    """Embedding, a stack of transformer encoder layers, a linear head (no dropout: every variant computes alike)."""
+
+    def __init__(self, vocab: int, d: int, layers: int, ffn: int, heads: int):
+        super().__init__()
+        self.emb = torch.nn.Embedding(vocab, d)
+        self.layers = torch.nn.ModuleList(torch.nn.TransformerEncoderLayer(d, heads, ffn, dropout=0.0,
+                                                                           batch_first=True) for _ in range(layers))
+        self.head = torch.nn.Linear(d, vocab)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        h = self.emb(x)
+        for layer in self.layers:
+            h = layer(h)
+        return self.head(h)
+
+
+def make_model(name: str) -> torch.nn.Module:
+    torch.manual_seed(0)
+    return LM(*MODELS[name])
+
+
+def state_bytes(opt: Any) -> int:
+    """Bytes of optimizer state this rank holds (cocoweave: kept slices and whole state, not the parameters)."""
+    from cocoweave.optim import DistributedOptimizer
+
+    if isinstance(opt, DistributedOptimizer):
+        total = 0
+        for b in opt._buckets:
+            total += sum(t.numel() * t.element_size() for n, t in b.state.items() if t is not b.data)
+            total += sum(t.numel() * t.element_size() for t in b.exe.kept.values())
+        return total
+    inner = getattr(opt, "optim", opt)  # ZeroRedundancyOptimizer wraps the local optimizer
+    total = 0
+    for st in inner.state.values():
+        for t in st.values():
+            if isinstance(t, torch.Tensor):
+                local = t.to_local() if hasattr(t, "to_local") else t
+                total += local.numel() * local.element_size() if local.dim() else 0
+    return total
+
+
+def build(variant: str, model_name: str) -> tuple[Any, Any]:
+    """(module to run forward, optimizer) of one variant, on a fresh copy of the model."""
+    from torch.distributed.optim import ZeroRedundancyOptimizer
+    from torch.nn.parallel import DistributedDataParallel as DDP
+
+    from cocoweave.optim import DistributedAdamW, DistributedSGD
+
+    model = make_model(model_name)
+    kind, _, how = variant.partition(":")
+    if kind == "cocoweave-adamw":
+        return model, DistributedAdamW(model.parameters(), **ADAMW, schedule=how or "auto")
+    if kind == "cocoweave-sgd":
+        return model, DistributedSGD(model.parameters(), **SGD, schedule=how or "auto")
+    if kind == "fsdp2":
+        from torch.distributed.fsdp import fully_shard
+
+        for layer in model.layers:
+            fully_shard(layer)
+        fully_shard(model)
+        return model, torch.optim.AdamW(model.parameters(), **ADAMW)
+    ddp = DDP(model)
+    if kind == "ddp-zero":
+        return ddp, ZeroRedundancyOptimizer(model.parameters(), optimizer_class=torch.optim.AdamW, **ADAMW, fused=True)
+    if kind == "ddp-adamw":
+        return ddp, torch.optim.AdamW(model.parameters(), **ADAMW, **({"fused": True} if how == "fused" else
+                                                                       {"foreach": True}))
+    return ddp, torch.optim.SGD(model.parameters(), **SGD, **({"fused": True} if how == "fused" else
+                                                                {"foreach": True}))
+
+
+def variants(optimizer: str) -> list[str]:
+    if optimizer == "adamw":
+        return ["ddp-adamw:foreach", "ddp-adamw:fused", "ddp-zero", "fsdp2", "cocoweave-adamw",
+                "cocoweave-adamw:RS-C-AG+slice(m,v)"]
+    return ["ddp-sgd:foreach", "ddp-sgd:fused", "cocoweave-sgd", "cocoweave-sgd:RS-C-AG+slice(buf)"]
+
+
+def timings(rank: int, world_size: int, model_name: str, names: list[str], rounds: int, steps: int) -> dict:
+    """Every variant's step times on this rank (ms), rounds interleaved; and its optimizer-state bytes."""
+    from cocoweave.backends.torch.worker import timed_steps
+
+    built = {v: build(v, model_name) for v in names}
+    gen = torch.Generator().manual_seed(rank)
+    x = torch.randint(0, MODELS[model_name][0], (BATCH, SEQ), generator=gen)
+    y = torch.randint(0, MODELS[model_name][0], (BATCH, SEQ), generator=gen)
+    vocab = MODELS[model_name][0]
+    times: dict[str, list[float]] = {v: [] for v in names}
+    for r in range(rounds):
+        order = names[r % len(names):] + names[:r % len(names)]
+        for v in order:
+            run, opt = built[v]
+
+            def step(run=run, opt=opt) -> None:
+                opt.zero_grad()
+                torch.nn.functional.cross_entropy(run(x).reshape(-1, vocab), y.reshape(-1)).backward()
+                opt.step()
+
+            times[v] += timed_steps(step, world_size, torch.device("cpu"), steps, 3 if r == 0 else 1)
+    return {"times": times, "state_bytes": {v: state_bytes(built[v][1]) for v in names},
+            "schedules": {v: [b.schedule.name for b in built[v][1]._buckets] for v in names
+                          if v.startswith("cocoweave")}}
+
+
+def _status(field: str) -> int:
+    with open("/proc/self/status", encoding="utf-8") as f:
+        for line in f:
+            if line.startswith(field + ":"):
+                return int(line.split()[1]) * 1024
+    return 0
+
+
+def _pss() -> int:
+    try:
+        with open("/proc/self/smaps_rollup", encoding="utf-8") as f:
+            return next(int(line.split()[1]) * 1024 for line in f if line.startswith("Pss:"))
+    except (OSError, StopIteration):
+        return 0
+
+
+def memory(rank: int, world_size: int, variant: str, steps: int) -> dict[str, int]:
+    """Peak memory of one variant on this rank above the bare model: 8 x Linear(2048, 2048) fp32, 5 steps."""
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(*[torch.nn.Linear(2048, 2048) for _ in range(8)])
+    gc.collect()
+    base = _status("VmRSS")
+    with open("/proc/self/clear_refs", "w") as f:  # peak RSS from here on
+        f.write("5")
+    run, opt = build_for(variant, model)
+    x = torch.randn(32, 2048, generator=torch.Generator().manual_seed(rank))
+    for _ in range(steps):
+        opt.zero_grad()
+        run(x).square().mean().backward()
+        opt.step()
+        dist.barrier()
+    return {"peak_rss": _status("VmHWM") - base, "pss": _pss() - base, "state_bytes": state_bytes(opt)}
+
+
+def build_for(variant: str, model: torch.nn.Module) -> tuple[Any, Any]:
+    """A variant around a given model (the memory test's MLP)."""
+    from torch.distributed.optim import ZeroRedundancyOptimizer
+    from torch.nn.parallel import DistributedDataParallel as DDP
+
+    from cocoweave.optim import DistributedAdamW
+
+    if variant == "cocoweave-adamw":
+        return model, DistributedAdamW(model.parameters(), **ADAMW)
+    if variant == "fsdp2":
+        from torch.distributed.fsdp import fully_shard
+
+        for layer in model:
+            fully_shard(layer)
+        fully_shard(model)
+        return model, torch.optim.AdamW(model.parameters(), **ADAMW)
+    ddp = DDP(model)
+    if variant == "ddp-zero":
+        return ddp, ZeroRedundancyOptimizer(model.parameters(), optimizer_class=torch.optim.AdamW, **ADAMW, fused=True)
+    return ddp, torch.optim.AdamW(model.parameters(), **ADAMW, fused=True)
+
+
+def machine() -> dict[str, Any]:
+    import cocoweave
+
+    cpu = platform.processor() or platform.machine()
+    try:
+        with open("/proc/cpuinfo", encoding="utf-8") as f:
+            cpu = next((line.split(":", 1)[1].strip() for line in f if line.startswith("model name")), cpu)
+    except OSError:
+        pass
+    return {"host": platform.node(), "cpu": cpu, "cores": os.cpu_count(), "python": platform.python_version(),
+            "torch": torch.__version__, "cocoweave": cocoweave.__version__, "load_average": os.getloadavg(),
+            "date": datetime.datetime.now(datetime.UTC).isoformat(timespec="seconds")}
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--models", default="small,large")
+    ap.add_argument("--worlds", default="2,4")
+    ap.add_argument("--optimizers", default="adamw,sgd")
+    ap.add_argument("--rounds", type=int, default=3)
+    ap.add_argument("--steps", type=int, default=6)
+    ap.add_argument("--memory", action="store_true", help="peak memory per variant instead of step times")
+    ap.add_argument("--out", type=Path, default=Path(__file__).parent / "results")
+    args = ap.parse_args()
+    from cocoweave.backends.torch.worker import step_time_ms, step_times
+    from cocoweave.launch import LocalWorld
+
+    worlds = [int(w) for w in args.worlds.split(",")]
+    doc: dict[str, Any] = {"command": "benchmarks/train_step.py " + " ".join(os.sys.argv[1:]), "machine": machine(),
+                           "rows": []}
+    print(f"load average at start: {os.getloadavg()[0]:.2f}")
+    if args.memory:
+        for ws in worlds:
+            for v in ["ddp-adamw:fused", "ddp-zero", "fsdp2", "cocoweave-adamw"]:
+                with LocalWorld(ws, timeout_s=900) as world:
+                    res = world.run(memory, v, 5)[0]
+                doc["rows"].append({"world": ws, "variant": v, **res})
+                print(f"world {ws} {v:<22} peak RSS {res['peak_rss'] / 2**20:7.1f} MiB  PSS {res['pss'] / 2**20:7.1f} "
+                      f"MiB  optimizer state {res['state_bytes'] / 2**20:7.1f} MiB")
+    else:
+        for ws in worlds:
+            with LocalWorld(ws, timeout_s=1800) as world:
+                for model_name in args.models.split(","):
+                    for optimizer in args.optimizers.split(","):
+                        names = variants(optimizer)
+                        per_rank = world.run(timings, model_name, names, args.rounds, args.steps)
+                        rows = []
+                        for v in names:
+                            t = [r["times"][v] for r in per_rank]
+                            rows.append({"world": ws, "model": model_name, "optimizer": optimizer, "variant": v,
+                                         "median_ms": step_time_ms(t), "step_ms": step_times(t),
+                                         "state_bytes": per_rank[0]["state_bytes"][v],
+                                         "schedules": per_rank[0]["schedules"].get(v)})
+                        fastest = min(r["median_ms"] for r in rows if not r["variant"].startswith("cocoweave"))
+                        params = sum(p.numel() for p in make_model(model_name).parameters())
+                        print(f"\n{optimizer}, {model_name} model ({params / 1e6:.1f}M parameters), {ws} Gloo CPU "
+                              f"ranks, {os.cpu_count()} cores, {args.rounds} rounds x {args.steps} steps")
+                        print(f"{'variant':<40} {'median ms':>10} {'vs fastest peer':>16} {'state MiB/rank':>15}")
+                        for r in rows:
+                            r["ratio_to_fastest_peer"] = r["median_ms"] / fastest
+                            print(f"{r['variant']:<40} {r['median_ms']:>10.1f} {r['ratio_to_fastest_peer']:>16.2f} "
+                                  f"{r['state_bytes'] / 2**20:>15.1f}")
+                        doc["rows"] += rows
+    doc["machine"]["load_average_end"] = os.getloadavg()
+    args.out.mkdir(parents=True, exist_ok=True)
+    kind = "memory" if args.memory else "train_step"
+    path = args.out / f"{kind}-cpu{os.cpu_count()}-{datetime.date.today().isoformat()}.json"
+    path.write_text(json.dumps(doc, indent=1))
+    print(f"\nJSON: {path}")
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,139 @@
+"""The on-disk cache of generated source (torch step modules, Triton kernels): readable files, bounded in size.
+
+    path = write_source(source, key)      # cache_dir()/KEY.py, or None when the cache cannot be written
+    path = source_file(source, key)       # always a real file: the cache, else a private temporary folder
+
+The cache is a convenience: generated code runs from memory (the executable `exec`s its source), so a cache
+that cannot be written costs one warning per folder and process, never a run. Triton reads a kernel's source
+from its file, so kernels fall back to a private temporary folder (removed when the process exits).
+Writing a new file prunes the folder to the newest `max_files()` files and `max_bytes()` bytes (a cache hit
+touches its file, so what is in use stays newest).
+"""
+
+from __future__ import annotations
+
+import atexit
+import os
+import shutil
+import tempfile
+import warnings
+from pathlib import Path
+
+from .atomic import write_text
+
+CACHE_ENV = "COCOWEAVE_CACHE"
+MAX_FILES_ENV = "COCOWEAVE_CACHE_MAX_FILES"
+MAX_MB_ENV = "COCOWEAVE_CACHE_MAX_MB"
+DEFAULT_MAX_FILES = 1000
+DEFAULT_MAX_MB = 100.0
+SUFFIX = ".py"
+
+_WARNED: set[str] = set()  # folders this process has warned about
+_PRIVATE: list[Path] = []  # this process's temporary folder, once made
+
+
+class CacheWarning(UserWarning):
+    """The code cache could not be written; generated code runs from memory (or a temporary folder)."""
+
+
+def cache_dir() -> Path:
+    """Where generated modules are kept: $COCOWEAVE_CACHE/plans, else ~/.cache/cocoweave/plans."""
+    return Path(os.environ.get(CACHE_ENV, Path.home() / ".cache" / "cocoweave")) / "plans"
+
+
+def _limit(env: str, default: float) -> float:
+    try:
+        value = float(os.environ.get(env, default))
+    except ValueError:
+        return default
+    return value if value > 0 else default
+
+
+def max_files() -> int:
+    """How many files the cache keeps: $COCOWEAVE_CACHE_MAX_FILES, default 1000."""
+    return int(_limit(MAX_FILES_ENV, DEFAULT_MAX_FILES))
+
+
+def max_bytes() -> int:
+    """How many bytes the cache keeps: $COCOWEAVE_CACHE_MAX_MB megabytes, default 100."""
+    return int(_limit(MAX_MB_ENV, DEFAULT_MAX_MB) * 1e6)
+
+
+def _warn_once(folder: Path, exc: OSError) -> None:
+    if str(folder) not in _WARNED:
+        _WARNED.add(str(folder))
+        warnings.warn(f"the code cache {folder} cannot be written ({exc.strerror or exc}); generated code runs "
+                      f"from memory (set {CACHE_ENV} to a writable folder to keep it)", CacheWarning, stacklevel=3)
+
+
+def _write(folder: Path, source: str, key: str) -> Path:
+    """`folder/KEY.py` holding `source` (kept if it already does, else written atomically). Raises OSError."""
+    path = folder / f"{key}{SUFFIX}"
+    try:
+        same = path.read_text() == source
+    except (OSError, UnicodeDecodeError):
+        same = False
+    if same:
+        try:
+            os.utime(path)  # in use: the newest file is pruned last
+        except OSError:
+            pass
+        return path
+    write_text(path, source, durable=False)  # a cache: regenerated if lost
+    prune(folder, keep=path)
+    return path
+
+
+def write_source(source: str, key: str) -> Path | None:
+    """Cache `source` as cache_dir()/KEY.py and return its path; None (with one warning) when the cache
+    cannot be written."""
+    folder = cache_dir()
+    try:
+        return _write(folder, source, key)
+    except OSError as exc:
+        _warn_once(folder, exc)
+        return None
+
+
+def source_file(source: str, key: str) -> Path:
+    """A real file holding `source` (Triton reads kernel source from files): the cache, or when it cannot be
+    written, a temporary folder private to this process."""
+    path = write_source(source, key)
+    if path is not None:
+        return path
+    if not _PRIVATE:
+        _PRIVATE.append(Path(tempfile.mkdtemp(prefix="cocoweave-code-")))  # mode 0700
+        atexit.register(shutil.rmtree, _PRIVATE[0], True)
+    return _write(_PRIVATE[0], source, key)
+
+
+def prune(folder: Path, keep: Path | None = None) -> int:
+    """Delete the oldest cached files of `folder` until at most max_files() files and max_bytes() bytes
+    remain (never `keep`); returns how many were deleted. Files other processes delete first are skipped."""
+    entries = []
+    try:
+        with os.scandir(folder) as it:
+            for e in it:
+                if e.name.endswith(SUFFIX) and not e.name.startswith(".") and e.is_file(follow_symlinks=False):
+                    try:
+                        st = e.stat(follow_symlinks=False)
+                    except OSError:
+                        continue
+                    entries.append((st.st_mtime, e.name, st.st_size))
+    except OSError:
+        return 0
+    entries.sort(reverse=True)  # newest first
+    limit_files, limit_bytes = max_files(), max_bytes()
+    count = total = removed = 0
+    for _, name, size in entries:
+        count += 1
+        total += size
+        if (count > limit_files or total > limit_bytes) and (keep is None or name != keep.name):
+            try:
+                (folder / name).unlink()
+                removed += 1
+            except OSError:
+                pass
+            count -= 1
+            total -= size
+    return removed

@@ -1,0 +1,120 @@
+"""Buckets: parameters and gradients as views into contiguous buffers, as Megatron-core's param-and-grad buffer and
+DDP's gradient_as_bucket_view keep them, so that a bucket's program reads and writes them without copies.
+
+A bucket holds parameters of one parameter group, dtype and device (LAMB: and one size, one row each), in the
+order backward produces their gradients (the reverse of registration, as DDP assumes), up to a size cap. After
+`attach`, every parameter's `.data` is a view into `data` and its `.grad` a view into `grad`: backward
+accumulates straight into the bucket, and the program's all-gather writes the new weights straight into the
+parameters.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterable
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+
+
+@dataclass
+class Bucket:
+    """Parameters of one group (and dtype, device; for row buckets one size) run by one program instance."""
+
+    group: int
+    params: list[torch.nn.Parameter]
+    rows: bool = False  # LAMB: parameter i is row i of a [T, N] buffer
+    offsets: list[int] = field(default_factory=list)
+    data: torch.Tensor | None = None  # the parameters, flat ([N], or [T, N] for rows)
+    grad: torch.Tensor | None = None  # their gradients, the same shape
+    schedule: Any = None
+    exe: Any = None  # the compiled program (cocoweave Executable)
+    masked: bool = False  # it runs the masked program: a parameter of the bucket once went without a gradient
+    state: dict[str, torch.Tensor] = field(default_factory=dict)  # state given on every call (not kept sliced)
+    pending: dict[str, torch.Tensor] = field(default_factory=dict)  # sliced state to hand over on the next call
+    step: int = 0  # steps taken while every parameter of the bucket had a gradient
+    arrived: set[int] = field(default_factory=set)  # parameters backward reached since the last launch or step
+    has_grad: set[int] = field(default_factory=set)  # parameters with a gradient since zero_grad(set_to_none)
+    launched: bool = False  # the gradient reduction was issued from a backward hook
+
+    def __post_init__(self) -> None:
+        sizes = [p.numel() for p in self.params]
+        self.offsets = [0] * len(sizes) if self.rows else [sum(sizes[:i]) for i in range(len(sizes))]
+
+    @property
+    def shape(self) -> tuple[int, ...]:
+        if self.rows:
+            return (len(self.params), self.params[0].numel())
+        return (sum(p.numel() for p in self.params),)
+
+    @property
+    def numel(self) -> int:
+        n = 1
+        for s in self.shape:
+            n *= s
+        return n
+
+    @property
+    def dtype(self) -> torch.dtype:
+        return self.params[0].dtype
+
+    @property
+    def device(self) -> torch.device:
+        return self.params[0].device
+
+    def part(self, buf: torch.Tensor, i: int) -> torch.Tensor:
+        """Parameter i's elements of a bucket-shaped buffer, in the parameter's shape (a view)."""
+        p = self.params[i]
+        flat = buf[i] if self.rows else buf[self.offsets[i]:self.offsets[i] + p.numel()]
+        return flat.view(p.shape)
+
+    def attach(self, grad: torch.Tensor | None = None) -> None:
+        """Move the parameters into one buffer and give them gradient views into `grad` (a new zeroed buffer when
+        None; e.g. the shared-memory slot of the program's first collective)."""
+        data = torch.empty(self.shape, dtype=self.dtype, device=self.device)
+        with torch.no_grad():
+            for i, p in enumerate(self.params):
+                self.part(data, i).copy_(p.data)
+        self.data = data
+        self.grad = grad if grad is not None else torch.zeros(self.shape, dtype=self.dtype, device=self.device)
+        self.grad.zero_()
+        for i, p in enumerate(self.params):
+            p.data = self.part(data, i)
+            p.grad = self.part(self.grad, i)
+
+    def restore_views(self) -> list[int]:
+        """Parameters whose `.grad` is not the bucket's view any more (set to None or to another tensor by the user):
+        copies another tensor's values into the view, gives back the view; returns the indices that had None."""
+        missing = []
+        for i, p in enumerate(self.params):
+            view = self.part(self.grad, i)
+            if p.grad is None:
+                missing.append(i)
+                view.zero_()
+            elif p.grad.data_ptr() != view.data_ptr() or p.grad.shape != view.shape:
+                view.copy_(p.grad)
+            p.grad = view
+            if p.data.data_ptr() != self.part(self.data, i).data_ptr():  # the user replaced the weights
+                self.part(self.data, i).copy_(p.data)
+                p.data = self.part(self.data, i)
+        return missing
+
+
+def make_buckets(group_index: int, params: Iterable[torch.nn.Parameter], cap_bytes: int,
+                 rows: bool = False) -> list[Bucket]:
+    """Buckets of one parameter group: parameters that need gradients, by dtype and device (and size for rows), in
+    reverse order of registration (the order backward produces gradients), each at most `cap_bytes` unless one
+    parameter alone is larger."""
+    out: list[Bucket] = []
+    open_: dict[tuple, list[torch.nn.Parameter]] = {}
+    sizes: dict[tuple, int] = {}
+    for p in reversed([p for p in params if p.requires_grad]):
+        key = (p.dtype, p.device) + ((p.numel(),) if rows else ())
+        nbytes = p.numel() * p.element_size()
+        if key in open_ and sizes[key] + nbytes > cap_bytes:
+            out.append(Bucket(group_index, open_.pop(key), rows))
+            sizes[key] = 0
+        open_.setdefault(key, []).append(p)
+        sizes[key] = sizes.get(key, 0) + nbytes
+    out += [Bucket(group_index, ps, rows) for ps in open_.values()]
+    return out
