@@ -6,6 +6,8 @@ One world.run per world size runs every case; each rank returns the worst differ
 
 from __future__ import annotations
 
+import contextlib
+
 import pytest
 import torch
 import torch.distributed as dist
@@ -146,3 +148,28 @@ def _agree(rank: int, world_size: int) -> float:
 
 def test_ranks_that_disagree_on_unused_parameters_stay_equal(local_world):
     assert max(local_world(2).run(_agree)) == 0.0
+
+
+def _accumulate_on_the_library(rank: int, world_size: int) -> float:
+    """DDP's idiom on the library collectives (the reduction launched from backward hooks): all micro-batches but the
+    last under no_sync. The launch must wait for the last backward's gradients."""
+    ours, theirs = Net(torch.float32), Net(torch.float32)
+    opt = DistributedAdamW(ours.parameters(), lr=1e-2, schedule="RS-C-AG+slice(m,v)")
+    ref_opt = torch.optim.AdamW(theirs.parameters(), lr=1e-2)
+    ddp = DDP(theirs)
+    for step in range(4):
+        opt.zero_grad()
+        ref_opt.zero_grad()
+        for micro in range(3):
+            sync = micro == 2
+            with (contextlib.nullcontext() if sync else opt.no_sync()):
+                _loss(ours, 2 * step + 1, micro, rank, world_size, torch.float32).backward()
+            with (contextlib.nullcontext() if sync else ddp.no_sync()):
+                _loss(ddp, 2 * step + 1, micro, rank, world_size, torch.float32).backward()
+        opt.step()
+        ref_opt.step()
+    return max(float((p - q).abs().max()) for p, q in zip(ours.parameters(), theirs.parameters(), strict=True))
+
+
+def test_accumulation_with_no_sync_on_the_library_collectives(local_world):
+    assert max(local_world(2).run(_accumulate_on_the_library)) <= 2e-5

@@ -223,7 +223,7 @@ class DistributedOptimizer(torch.optim.Optimizer):
             with torch.no_grad():
                 for p in b.params:
                     dist.broadcast(p.data, src, group=self.process_group)
-        b.attach(b.exe.shared_input("g"))
+        b.attach(b.exe.shared_input("g"), b.exe.shared_input("p" if "p" in b.exe.program.inputs else "w"))
         self._reset_state(b, {})
         for i, p in enumerate(b.params):
             self._owner[id(p)] = b
@@ -237,10 +237,12 @@ class DistributedOptimizer(torch.optim.Optimizer):
             if p.grad.data_ptr() != view.data_ptr():  # the user set .grad to None (or another tensor) before backward
                 view.copy_(p.grad)
                 p.grad = view
-            b.arrived.add(i)
             b.has_grad.add(i)
             b.version = b.grad._version  # any later in-place change of the gradients shows in this counter
-            if self._sync and self.overlap and len(b.arrived) == len(b.params):
+            if not self._sync:  # accumulating under no_sync: the reduction waits for the backward outside it
+                return
+            b.arrived.add(i)
+            if self.overlap and len(b.arrived) == len(b.params):
                 b.launched = b.exe.launch({"g": b.grad}) or b.launched
                 b.arrived.clear()  # the next backward (accumulation) launches again
         return hook

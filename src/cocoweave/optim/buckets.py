@@ -69,10 +69,10 @@ class Bucket:
         flat = buf[i] if self.rows else buf[self.offsets[i]:self.offsets[i] + p.numel()]
         return flat.view(p.shape)
 
-    def attach(self, grad: torch.Tensor | None = None) -> None:
-        """Move the parameters into one buffer and give them gradient views into `grad` (a new zeroed buffer when
-        None; e.g. the shared-memory slot of the program's first collective)."""
-        data = torch.empty(self.shape, dtype=self.dtype, device=self.device)
+    def attach(self, grad: torch.Tensor | None = None, data: torch.Tensor | None = None) -> None:
+        """Move the parameters into one buffer (`data`, or a new one) and give them gradient views into `grad` (a new
+        zeroed buffer when None); e.g. the shared-memory slots of the program's collectives."""
+        data = data if data is not None else torch.empty(self.shape, dtype=self.dtype, device=self.device)
         with torch.no_grad():
             for i, p in enumerate(self.params):
                 self.part(data, i).copy_(p.data)

@@ -43,6 +43,7 @@ class Emitter:
     in_function: bool = False  # emitting the body of a fused stage's function (no ctx there)
     extra: dict[str, str] = field(default_factory=dict)  # function parameter -> its argument at the call (host)
     into: dict[int, tuple[Value, bool]] = field(default_factory=dict)  # all_gather -> (state it fills, deferrable)
+    algorithms: dict[int, str] = field(default_factory=dict)  # those all-gathers' algorithms
 
     # -- naming -------------------------------------------------------------------------------
     def var(self, v: Value) -> str:
@@ -413,6 +414,7 @@ def _gathers_into_state(em: Emitter) -> dict[int, tuple[Value, bool]]:
         stage = plan.stages[at]
         if isinstance(stage, Overlap) or (isinstance(stage, FusedCollective) and stage.algorithm == "ring"):
             continue  # gathered chunk by chunk or piece by piece: into its own buffers
+        em.algorithms[id(v)] = getattr(stage, "algorithm", "library")
         order = [x for s in plan.stages for x in s.values]
         after = [a for x in order[order.index(v) + 1:] for a in x.args]
         if any(a is t for a in after):
@@ -460,10 +462,14 @@ def _emit_fused_call(em: Emitter, stage: Compute, index: int, indent: int) -> No
     body.scratch = _scratch(body, stage)
     for v in vals:
         _emit_value(body, v, indent=1)
-    written = {id(v): t for t, v in writes}
+    written = {id(v): em.var(t) for t, v in writes}
     for t, v in writes:
         body.emit(f"{em.var(t)}.copy_({em.var(v)})  # new `{t.name}` over the old: nothing later reads it")
-    ret = [em.var(written[id(v)]) if id(v) in written else em.var(v) for v in outs]
+    # an shm all-gather then finds this rank's part in place
+    for v, part in _into_own_part(em, index, outs, list(params.values())).items():
+        body.emit(f"{part}.copy_({em.var(v)})  # this rank's part of the state its all-gather fills")
+        written[id(v)] = part
+    ret = [written.get(id(v), em.var(v)) for v in outs]
     body.emit(f"return {', '.join(ret)}{',' if len(ret) == 1 else ''}")
     params_ = [em.ref(a) for a in params.values()] + list(body.extra)
     args = [em.ref(a) for a in params.values()] + list(body.extra.values())
@@ -471,6 +477,34 @@ def _emit_fused_call(em: Emitter, stage: Compute, index: int, indent: int) -> No
     em.defs += ([] if not em.defs else ["", ""]) + [f"def {name}({', '.join(params_)}):", f"    {doc}", *body.lines]
     em.emit(f"{', '.join(em.var(v) for v in outs)}{',' if len(outs) == 1 else ''} = ctx.stage({index}, {name})"
             f"({', '.join(args)})", indent)
+
+
+def _into_own_part(em: Emitter, index: int, outs: list[Value], params: list[Value]) -> dict[Value, str]:
+    """Live-outs of fused stage `index` that a shared-memory all-gather gathers straight into a state tensor the
+    stage reads, each with the expression of this rank's part of that tensor: computing them into it saves the
+    gather a copy of this rank's part. Only where nothing between the stage and the gather reads the state."""
+    out = {}
+    for v in outs:
+        for ag_id, (t, _) in em.into.items():
+            ag = next((x for x in em.plan.program.values if id(x) == ag_id), None)
+            if ag is None or ag.args[0] is not v or em.algorithms.get(ag_id) != "shm" or ag.layout.is_sliced or \
+                    not any(p is t for p in params):
+                continue
+            at = next(i for i, st in enumerate(em.plan.stages) if any(x is ag for x in st.values))
+            between = [x for st in em.plan.stages[index + 1:at + 1] for x in st.values if x is not ag]
+            if any(a is t for x in between for a in x.args):
+                continue
+            d, shares = ag.attrs["dim"], getattr(v.layout, "shares", None)
+            if shares or not v.layout.is_sliced or v.layout.dim != d or v.dtype != t.dtype:
+                continue
+            full = bind_shape(t.shape, em.view.sizes)[d]
+            gr, gs = em.view.group_rank(v)
+            start, stop = slice_bounds(full, gs, gr)
+            if tuple(em.view.local_shape(v)) != tuple(em.view.local_shape(t)[:d]) + (stop - start,) + \
+                    tuple(em.view.local_shape(t)[d + 1:]):
+                continue
+            out[v] = f"{em.var(t)}.narrow({d}, {start}, {stop - start})"
+    return out
 
 
 def _state_in_place(em: Emitter, index: int, outs: list[Value], params: list[Value]) -> list[tuple[Value, Value]]:

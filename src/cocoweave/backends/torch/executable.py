@@ -205,26 +205,34 @@ class Executable:
         self.ctx.provided[value] = result
 
     def shared_input(self, name: str) -> torch.Tensor | None:
-        """Where to put input `name` so that the step's opening shared-memory collective reads it without a copy:
-        this rank's slot of that collective (a gradient bucket can live there, filled by backward). None when the
-        step does not open with a shm reduce-scatter or all-reduce of `name` in its own dtype on this host."""
-        stage = next((s for s in self.plan.stages if self.plan.view(self.rank, self.world_size, self.sizes)
-                      .takes_part(s)), None)
+        """Where to put input `name` so that a shared-memory collective works on it without copies: for the operand of
+        the step's opening shm reduce-scatter or all-reduce, this rank's slot of it (a gradient bucket can live there,
+        filled by backward); for a state tensor an shm all-gather fills whole (an optimizer's parameters), a
+        whole-size slot the other ranks read this rank's part from. None when neither applies on this host."""
+        if self.world_size == 1:
+            return None
+        view = self.plan.view(self.rank, self.world_size, self.sizes)
+        stage = next((s for s in self.plan.stages if view.takes_part(s)), None)
         head = stage.values[0] if isinstance(stage, Collective | FusedCollective) else None
-        if head is None or stage.algorithm != "shm" or head.op not in ("all_reduce", "reduce_scatter") or \
-                head.args[0].name != name or head.args[0].op != "input" or self.world_size == 1:
-            return None
-        x = head.args[0]
-        if x.dtype in ("float16", "bfloat16") and self.ctx.backend == "gloo":  # reduced in float32: a copy anyway
-            return None
-        if head.op == "reduce_scatter" and head.attrs["dim"] != 0:
-            return None
+        if head is not None and stage.algorithm == "shm" and head.op in ("all_reduce", "reduce_scatter") and \
+                head.args[0].name == name and head.args[0].op == "input":
+            x, key = head.args[0], head.name
+            if (x.dtype in ("float16", "bfloat16") and self.ctx.backend == "gloo") or \
+                    (head.op == "reduce_scatter" and head.attrs["dim"] != 0):  # a copy is made anyway
+                return None
+        else:
+            new = self.plan.state.get(name)
+            at = next((s for s in self.plan.stages if new is not None and any(v is new for v in s.values)), None)
+            if new is None or new.op != "all_gather" or getattr(at, "algorithm", "") != "shm" or \
+                    new.attrs["dim"] != 0 or view.local_shape(new) != view.local_shape(self.program.inputs[name]):
+                return None
+            x, key, head = self.program.inputs[name], (new.name, "whole"), new
         g = shm.group_for(self.ctx.group(head.attrs.get("axis") or x.group.name))  # on a mesh: the axis' line
         if g is None:
             return None
-        shape = self.plan.view(self.rank, self.world_size, self.sizes).local_shape(x)
+        shape = view.local_shape(x)
         numel = math.prod(shape)
-        return self.ctx.shm_buffers.get(g, head.name, numel, DTYPES[x.dtype])[g.me][:numel].view(shape)
+        return self.ctx.shm_buffers.get(g, key, numel, DTYPES[x.dtype])[g.me][:numel].view(shape)
 
     def wait(self) -> None:
         """Complete the all-gathers a deferred step left in flight (their state tensors are then final)."""

@@ -467,6 +467,11 @@ class RankContext:
         flat = xt.reshape(-1) if xt.is_contiguous() else xt.contiguous().reshape(-1)
         row = flat.numel() // x.shape[dim] if x.shape[dim] else math.prod(xt.shape[1:])
         bounds = parts(total, g.size, shares)
+        wholes = self.shm_buffers.slots.get((out, "whole"))
+        if into is not None and dim == 0 and wholes is not None and into.data_ptr() == wholes[g.me].data_ptr():
+            # the state lives in shared memory (Executable.shared_input): the others read this rank's part there
+            shm.gather_in_place(g, wholes, [(a * row, (b - a) * row) for a, b in bounds], flat)
+            return self._done(None, lambda: res, async_op)
         biggest = max(stop - start for start, stop in bounds)
         slots = self.shm_buffers.get(g, out, biggest * row, x.dtype)
         rt_ = res.movedim(dim, 0)

@@ -225,6 +225,22 @@ def all_gather(g: ShmGroup, slots: list[torch.Tensor], part: torch.Tensor, outs:
     g.barrier()
 
 
+def gather_in_place(g: ShmGroup, wholes: list[torch.Tensor], bounds: list[tuple[int, int]],
+                    part: torch.Tensor) -> None:
+    """All-gather where every rank's destination is its own slot of `wholes` (a state tensor living in shared memory,
+    e.g. an optimizer's parameters): each rank's part is already in its destination at [start, start + length) of
+    `bounds`, so the others copy it from there. No slot is written, nothing else is read."""
+    me = wholes[g.me]
+    start, n = bounds[g.me]
+    if n and part.data_ptr() != me[start:start + n].data_ptr():
+        me[start:start + n].copy_(part.reshape(-1))
+    g.barrier()
+    for j, (s, k) in enumerate(bounds):
+        if j != g.me and k:
+            me[s:s + k].copy_(wholes[j][s:s + k])
+    g.barrier()  # a rank changes its part again only after every other rank has copied it
+
+
 class Pair:
     """Point-to-point through shared memory between a sender and a receiver of one host: the sender writes its slot
     and raises `sent`, the receiver copies and raises `taken`; the sender writes again only after `taken`."""
