@@ -14,6 +14,7 @@ import torch
 from cocoweave import checkpoint as ck
 from cocoweave import faults
 from cocoweave.errors import CheckpointError
+from cocoweave.ir.layout import split_sizes
 from cocoweave.loader import load_example
 from cocoweave.schedule.schedule import Schedule
 
@@ -21,10 +22,10 @@ N = 10  # uneven on 3 and 4 ranks
 SCALARS = {"lr": 0.05, "beta1": 0.9, "beta2": 0.99, "eps": 1e-3}
 
 
-def sliced_adam() -> Schedule:
-    """Adam with m and v kept sliced (1/p of them on each rank): RS, c, AG."""
+def sliced_adam(shares: tuple[int, ...] | None = None) -> Schedule:
+    """Adam with m and v kept sliced (1/p of them on each rank, or in proportion to `shares`): RS, c, AG."""
     s = Schedule(load_example("adam.py:adam", N=N))
-    _, ag = s.split(s.find("all_reduce")[0])
+    _, ag = s.split(s.find("all_reduce")[0], shares=shares)
     s.reorder(ag)
     s.as_slice("m", "v")
     return s
@@ -69,6 +70,28 @@ def test_sliced_state_reshards_4_then_2_then_3_ranks_like_an_uninterrupted_run(l
         assert all(torch.equal(r[name], whole[0][name]) for r in resumed), name
     assert ck.info(c)["world_size"] == 3 and ck.info(c)["step"] == 7
     assert not torch.equal(whole[0]["m"], torch.zeros(N))
+
+
+def test_uneven_sliced_state_reshards_to_other_shares_and_world_sizes(local_world, tmp_path):
+    a, b = str(tmp_path / "step-2"), str(tmp_path / "step-4")
+    local_world(2).run(train, sliced_adam((3, 1)), 1, 2, None, a)  # rank 0 keeps 8 of 10 elements
+    local_world(3).run(train, sliced_adam((1, 2, 2)), 3, 2, a, b)
+    resumed = local_world(2).run(train, sliced_adam(), 5, 1, b, None)
+    whole = local_world(2).run(train, sliced_adam(), 1, 5, None, None)
+    for name in ("w", "m", "v"):
+        assert all(torch.equal(r[name], whole[0][name]) for r in resumed), name
+
+
+def test_an_uneven_shard_saved_whole_loads_into_any_shares(tmp_path):
+    whole = torch.arange(3 * N, dtype=torch.float64).reshape(3, N)
+    ck.save(tmp_path / "c", {"x": ck.Shard(whole.clone(), 1, N, 0, 1)})
+    for shares in ((3, 1), (1, 2, 1), (5, 1, 1, 3)):
+        parts = [torch.zeros(p.shape, dtype=p.dtype) for p in torch.split(whole, split_sizes(N, shares), 1)]
+        for i, part in enumerate(parts):
+            ck.load(tmp_path / "c", {"x": ck.Shard(part, 1, N, i, len(shares), shares)})
+        assert torch.equal(torch.cat(parts, 1), whole), shares
+    with pytest.raises(CheckpointError, match="needs 2 positive int shares"):
+        ck.Shard(torch.zeros(3, 2), 1, N, 1, 2, (3,))
 
 
 def test_nested_state_with_a_fresh_torch_optimizer_round_trips(tmp_path):

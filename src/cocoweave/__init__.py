@@ -7,7 +7,7 @@
 """
 
 from . import errors
-from .ir import WORLD, Group, Local, Program, Replicated, Sliced, Value
+from .ir import WORLD, Group, Layout, Local, Mesh, Program, Replicated, Sliced, Value
 from .ir.ops import (
     abs,
     add,
@@ -62,7 +62,7 @@ def __getattr__(name: str):
     raise AttributeError(f"module 'cocoweave' has no attribute {name!r}")
 
 __all__ = [
-    "WORLD", "Group", "Local", "Program", "Replicated", "Sliced", "Value", "errors",
+    "WORLD", "Group", "Layout", "Local", "Mesh", "Program", "Replicated", "Sliced", "Value", "errors",
     "abs", "add", "all_gather", "all_reduce", "broadcast", "cast", "div", "dropout", "eq", "exp", "ge", "gt",
     "layer_norm", "le", "lt", "matmul", "max", "maximum", "min", "minimum", "mul", "ne", "neg", "norm", "pow",
     "recv", "reduce", "reduce_scatter", "rsqrt", "slice", "send", "sqrt", "sub", "sum", "update", "where",

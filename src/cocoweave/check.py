@@ -37,10 +37,9 @@ class CheckRow:
 
 
 def world_applicable(program: Program, world_size: int) -> str | None:
-    """None if the program can run on `world_size` ranks, else why not."""
+    """None if the program can run on `world_size` ranks (its stages, mesh and shares fit), else why not."""
     try:
-        for g in program.groups:
-            g.ranks(world_size)
+        program.check_world(world_size)
     except ProgramError as e:
         return str(e)
     return None

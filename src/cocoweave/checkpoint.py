@@ -8,10 +8,11 @@
 
 What is stored: plain tensors are taken to be identical on every rank (Replicated): DCP writes them
 once and every rank reads them whole. A `Shard` (rank r's part of a tensor split along `dim` with
-torch.tensor_split sizes, e.g. state a schedule keeps sliced) is stored as its own DCP entry
-`NAME.part-I-of-N`, plus a small layout record `NAME.layout` (dim, whole size, N). On load each rank
-computes the bounds of its part for the *current* group size and reads only the saved parts that
-overlap them, so a checkpoint written by 4 ranks loads on 2 or 3 ranks (or 1) with identical values.
+torch.tensor_split sizes or in proportion to `shares`, e.g. state a schedule keeps sliced) is stored as its
+own DCP entry `NAME.part-I-of-N`, plus a small layout record `NAME.layout` (dim, whole size, N, shares). On
+load each rank computes the bounds of its part for the *current* group size and shares and reads only the
+saved parts that overlap them, so a checkpoint written by 4 ranks loads on 2 or 3 ranks (or 1), or with
+other shares, with identical values.
 None, bools, ints, floats and strings are kept as JSON in the skeleton; other objects are pickled by DCP
 (and load only with `trusted=True`). Keys are joined with "/".
 
@@ -52,7 +53,7 @@ import torch.distributed.checkpoint as dcp
 
 from . import faults
 from .errors import CheckpointError
-from .ir.layout import slice_bounds
+from .ir.layout import share_bounds
 from .safe_dcp import SafePlanner, SafeReader, UnsafeCheckpoint, first_failure
 
 MARKER = "COMPLETE.json"
@@ -66,19 +67,30 @@ _CHUNK = 1 << 20
 
 @dataclass
 class Shard:
-    """Part `index` of `count` of a tensor whose whole size along `dim` is `total` (tensor_split sizes)."""
+    """Part `index` of `count` of a tensor whose whole size along `dim` is `total` (tensor_split sizes, or in
+    proportion to `shares`, one positive int per part)."""
 
     part: torch.Tensor
     dim: int
     total: int
     index: int
     count: int
+    shares: tuple[int, ...] | None = None
 
     def __post_init__(self) -> None:
-        start, stop = slice_bounds(self.total, self.count, self.index)
+        if self.shares is not None:
+            self.shares = tuple(self.shares)
+            if len(self.shares) != self.count or not all(isinstance(x, int) and x > 0 for x in self.shares):
+                raise CheckpointError(f"a Shard of {self.count} parts needs {self.count} positive int shares, got "
+                                      f"{self.shares}")
+        start, stop = self.bounds(self.index)
         if self.part.ndim <= self.dim or self.part.shape[self.dim] != stop - start:
             raise CheckpointError(f"a Shard of part {self.index} of {self.count} along dim {self.dim} of size "
                                   f"{self.total} needs {stop - start} rows there, got shape {list(self.part.shape)}")
+
+    def bounds(self, index: int) -> tuple[int, int]:
+        """[start, stop) of part `index` along `dim`."""
+        return share_bounds(self.total, self.shares if self.shares is not None else self.count, index)
 
 
 def _is_dist(group: Any) -> bool:
@@ -99,7 +111,8 @@ def _encode(value: Any, key: str, entries: dict[str, Any]) -> Any:
     structure (dict keys with their types, lists, tuples) with each leaf replaced by its kind and key."""
     if isinstance(value, Shard):
         entries[f"{key}.part-{value.index}-of-{value.count}"] = value.part.detach()
-        entries[f"{key}.layout"] = json.dumps({"dim": value.dim, "total": value.total, "count": value.count})
+        entries[f"{key}.layout"] = json.dumps({"dim": value.dim, "total": value.total, "count": value.count,
+                                               "shares": list(value.shares) if value.shares else None})
         return {"s": key}
     if isinstance(value, torch.Tensor):
         entries[key] = value.detach()
@@ -477,10 +490,11 @@ def _plan_shard(p: Path, name: str, shard: Shard, layout: Any, saved: Mapping[st
     if not isinstance(layout, dict) or layout.get("dim") != shard.dim or layout.get("total") != shard.total:
         raise CheckpointError(f"checkpoint {p}: sliced `{name}` was saved split along dim {layout.get('dim')} "
                               f"of size {layout.get('total')}, not dim {shard.dim} of size {shard.total}")
-    start, stop = slice_bounds(shard.total, shard.count, shard.index)
+    start, stop = shard.bounds(shard.index)
+    saved_split = tuple(layout["shares"]) if layout.get("shares") else layout["count"]
     copies = []
     for i in range(layout["count"]):
-        s, e = slice_bounds(shard.total, layout["count"], i)
+        s, e = share_bounds(shard.total, saved_split, i)
         lo, hi = max(s, start), min(e, stop)
         if lo >= hi:
             continue
@@ -509,19 +523,24 @@ def executable_state(exe: Any) -> dict[str, Shard]:
     State the executable has not been given yet is allocated (uninitialised), so that loading into a fresh
     executable on any world size restores it; its next `run` then continues from the loaded values."""
     from .backends.inputs import local_shape
+    from .ir.layout import placements
     from .ir.types import DTYPES, bind_shape
 
     out: dict[str, Shard] = {}
     for name in exe.plan.sliced_state:
         v = exe.program.inputs[name]
-        ranks = v.group.ranks(exe.world_size)
-        if exe.rank not in ranks:
+        if exe.rank not in v.group.ranks(exe.world_size):
             continue
-        gr, n = ranks.index(exe.rank), len(ranks)
+        pos = v.position(exe.rank, exe.world_size)
+        was = exe.plan.unsliced.get(name)
+        if was is not None and not was.is_replicated:
+            raise CheckpointError(f"state `{name}` is kept sliced along one mesh axis and was split along others "
+                                  "before; executable_state saves state that was Replicated before it was sliced")
+        axis, p = next((i, p) for i, p in enumerate(placements(v.layout, len(pos.coords))) if p.is_sliced)
         part = exe.kept.get(name)
         if part is None:
-            part = exe.kept[name] = torch.empty(local_shape(v, exe.sizes, gr, n), dtype=DTYPES[v.dtype],
+            part = exe.kept[name] = torch.empty(local_shape(v, exe.sizes, pos), dtype=DTYPES[v.dtype],
                                                 device=exe.device)
-        total = bind_shape(v.shape, exe.sizes)[v.layout.dim]
-        out[name] = Shard(part, v.layout.dim, total, gr, n)
+        total = bind_shape(v.shape, exe.sizes)[p.dim]
+        out[name] = Shard(part, p.dim, total, pos.coords[axis], pos.shape[axis], p.shares)
     return out

@@ -318,3 +318,75 @@ def test_adam_matches_torch_optim_adam(world):
     ins0 = [dict(i, m=torch.zeros(37), v=torch.zeros(37)) for i in ins]
     res = reference.run(p, ins0)
     assert_close(res[world - 1].state["w"], w.detach())
+
+
+# -- meshes and uneven shares -----------------------------------------------------------------------------------
+@pytest.mark.parametrize("shares", [(3, 1), (1, 2, 5)])
+def test_uneven_reduce_scatter_all_gather_and_slice(shares):
+    world = len(shares)
+    p = cw.Program("t")
+    g = p.tensor("g", (11, 3), "float32", cw.Local)
+    r = p.tensor("r", (11, 3), "float32")
+    rs = cw.reduce_scatter(g, "sum", 0, shares=shares)
+    p.output(rs, "rs")
+    p.output(cw.all_gather(rs * 2.0 + r), "ag")
+    p.output(cw.slice(r, 0, shares=shares), "sl")
+    v, res = run(p, world)
+    sizes = [len(t) for t in torch.arange(11).split(cw.ir.layout.split_sizes(11, shares))]
+    assert [tuple(x.outputs["rs"].shape) for x in res] == [(n, 3) for n in sizes]
+    assert_close(output(p, res, "rs"), v["g"].sum(0))
+    assert_close(output(p, res, "ag"), v["g"].sum(0) * 2 + v["r"])
+    assert_close(output(p, res, "sl"), v["r"])
+
+
+def test_weighted_average_weights_each_rank_by_its_count():
+    p = cw.Program("t")
+    g = p.tensor("g", (5,), "float32", cw.Local)
+    p.output(cw.all_reduce(g, "avg", weights=(3, 1)), "ar")
+    p.output(cw.reduce_scatter(g, "avg", 0, weights=(3, 1), shares=(3, 1)), "rs")
+    v, res = run(p, 2)
+    want = (3 * v["g"][0] + v["g"][1]) / 4
+    assert_close(output(p, res, "ar"), want)
+    assert_close(output(p, res, "rs"), want)
+
+
+def test_collectives_on_a_mesh_run_along_one_axis():
+    p = cw.Program("t")
+    p.mesh(x=2, y=3)
+    g = p.tensor("g", (6, 4), "float32", cw.Local)
+    along_y = cw.all_reduce(g, "sum", axis="y")
+    p.output(along_y, "y")
+    p.output(cw.all_reduce(along_y, "sum", axis="x"), "xy")
+    p.output(cw.all_gather(cw.reduce_scatter(g, "max", 1, axis="x"), axis="x"), "mx")
+    ins = make_inputs(p, 6)
+    res = reference.run(p, ins)
+    for r in range(6):
+        i, j = divmod(r, 3)
+        assert_close(res[r].outputs["y"], sum(ins[3 * i + k]["g"] for k in range(3)))
+        assert_close(res[r].outputs["xy"], sum(ins[k]["g"] for k in range(6)))
+        assert_close(res[r].outputs["mx"], torch.maximum(ins[j]["g"], ins[3 + j]["g"]))
+
+
+def test_mesh_inputs_are_parts_of_one_logical_tensor_per_local_rank():
+    p = cw.Program("t")
+    p.mesh(x=2, y=2)
+    a = p.tensor("a", (4, 6), "float32", cw.Layout(x=cw.Sliced(1), y=cw.Sliced(1, shares=(1, 2))))
+    loc = p.tensor("l", (3,), "float32", cw.Layout(x=cw.Local))
+    p.output(a + 1.0, "out0")
+    p.output(loc, "l")
+    ins = make_inputs(p, 4)
+    assert [tuple(i["a"].shape) for i in ins] == [(4, 1), (4, 2), (4, 1), (4, 2)]
+    assert torch.equal(ins[0]["l"], ins[1]["l"]) and not torch.equal(ins[0]["l"], ins[2]["l"])
+    v, res = run(p, 4)
+    assert_close(output(p, res), v["a"] + 1)
+
+
+def test_logical_value_of_a_local_and_sliced_mesh_tensor_stacks_every_rank():
+    p = cw.Program("t")
+    p.mesh(x=2, y=2)
+    v = p.tensor("g", (5, 2), "float32", cw.Layout(x=cw.Local, y=cw.Sliced(0, shares=(2, 3))))
+    ins = make_inputs(p, 4)
+    whole = gather_logical(v, [i["g"] for i in ins])
+    assert whole.shape == (4, 5, 2)
+    assert torch.equal(whole[0], whole[1]) and torch.equal(whole[0, :2], ins[0]["g"])
+    assert torch.equal(whole[2, 2:], ins[3]["g"])

@@ -139,7 +139,7 @@ def test_a_rewrite_after_a_grouping_is_refused_when_rebuilding_too():
     ({"step": "split"}, r"schedule step \{'step': 'split'\} lacks its 'ref' field"),
     ({"step": "overlap", "refs": ["a", "b"]}, r"lacks its 'chunks' field"),
     ({"step": "split", "ref": "%1", "dims": 0}, r"has a field 'dims' that a split step does not have \(its fields "
-                                                r"are ref, dim\)"),
+                                                r"are ref, dim, shares\)"),
     ({"step": "split", "ref": 3}, r"schedule step split has ref=3, but its ref must be a string"),
     ({"step": "split", "ref": "%1", "dim": True}, r"schedule step split has dim=True, but its dim must be an integer"),
     ({"step": "fuse", "refs": "%1"}, r"schedule step fuse has refs='%1', but its refs must be a list of strings"),

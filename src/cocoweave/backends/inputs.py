@@ -12,7 +12,8 @@ import torch
 
 from ..errors import InputError
 from ..ir.graph import Program, Value
-from ..ir.layout import local_shape, slice_bounds
+from ..ir.layout import Layout, Replicated, cut, local_shape, part_bounds, placements
+from ..ir.semantics import local_rank
 from ..ir.types import DTYPES, bind_shape
 
 RankInputs = dict[str, Any]
@@ -55,20 +56,15 @@ def make_inputs(program: Program, world_size: int, sizes: Mapping[str, int] | No
     gen = torch.Generator().manual_seed(seed)
     per_rank: list[RankInputs] = [{} for _ in range(world_size)]
     for v in program.tensor_inputs:
-        ranks = v.group.ranks(world_size)
         full = bind_shape(v.shape, sizes)
-        if v.layout.is_local:
-            for r in ranks:
-                per_rank[r][v.name] = _random(full, v.dtype, v.attrs["init"], gen, device)
-            continue
-        logical = _random(full, v.dtype, v.attrs["init"], gen, device)
-        for gr, r in enumerate(ranks):
-            if v.layout.is_sliced:
-                d = v.layout.dim
-                start, stop = slice_bounds(full[d], len(ranks), gr)
-                per_rank[r][v.name] = logical.narrow(d, start, stop - start).clone()
-            else:
-                per_rank[r][v.name] = logical.clone()
+        whole = [(0, n) for n in full]
+        logical: dict[int, torch.Tensor] = {}  # one logical tensor per set of ranks holding the same values
+        for r in v.group.ranks(world_size):
+            pos = v.position(r, world_size)
+            key = local_rank(v.layout, pos)
+            if key not in logical:
+                logical[key] = _random(full, v.dtype, v.attrs["init"], gen, device)
+            per_rank[r][v.name] = cut(logical[key], whole, part_bounds(v.layout, full, pos)).clone()
     for v in program.scalar_inputs:
         given = (scalars or {}).get(v.name, v.attrs.get("default"))
         value = float(given) if given is not None else 0.1 + 0.8 * torch.rand((), generator=gen).item()
@@ -112,8 +108,7 @@ def check_rank_inputs(program: Program, r: int, world_size: int, given: RankInpu
         if v.name not in given:
             continue
         t = given[v.name]
-        gr = v.group.ranks(world_size).index(r)
-        want = local_shape(v, sizes, gr, v.group.size(world_size))
+        want = local_shape(v, sizes, v.position(r, world_size))
         if not isinstance(t, torch.Tensor):
             raise InputError(f"rank {r}: input `{v.name}` must be a torch.Tensor, got {type(t).__name__}")
         if tuple(t.shape) != want:
@@ -141,31 +136,59 @@ def check_rank_inputs(program: Program, r: int, world_size: int, given: RankInpu
     return devices
 
 
+def _axis_names(v: Value) -> tuple[str | None, ...]:
+    mesh = v.group.mesh if v.group is not None else None
+    return mesh.axes if mesh is not None and len(mesh.axes) > 1 else (None,)
+
+
+def gather_axes(v: Value, parts: Sequence[torch.Tensor | None], world_size: int) -> list[torch.Tensor | None]:
+    """Per world rank, the whole of a value's parts along every axis that slices it (the innermost slicing
+    first, so each gather concatenates contiguous parts); Local and Replicated axes are left as they are."""
+    out = list(parts)
+    axes = _axis_names(v)
+    for axis, p in reversed(list(zip(axes, placements(v.layout, len(axes))))):
+        if not p.is_sliced:
+            continue
+        for line in v.group.lines(world_size, axis):
+            whole = torch.cat([out[r] for r in line], dim=p.dim)
+            for r in line:
+                out[r] = whole
+    return [None if t is None else t.clone() for t in out]
+
+
 def gather_logical(v: Value, parts: Sequence[torch.Tensor]) -> torch.Tensor:
-    """Rebuild a logical tensor from its group's per-rank parts: concatenate Sliced parts, take
-    rank 0's copy of a Replicated tensor, stack Local values along a new leading rank dimension."""
+    """Rebuild a logical tensor from its group's per-rank parts (in group order): put Sliced parts together,
+    take rank 0's copy of a Replicated tensor, stack Local values along a new leading rank dimension (on a mesh,
+    every rank's value with its sliced axes put together)."""
+    parts = list(parts)
     if v.layout.is_sliced:
-        return torch.cat(list(parts), dim=v.layout.dim)
+        world = len(parts) * v.group.count
+        offset = v.group.ranks(world)[0]
+        by_rank: list[torch.Tensor | None] = [None] * world
+        for i, t in enumerate(parts):
+            by_rank[offset + i] = t
+        parts = gather_axes(v, by_rank, world)[offset:offset + len(parts)]
     if v.layout.is_local:
-        return torch.stack(list(parts))
+        return torch.stack(parts)
     return parts[0]
 
 
 def reshard_inputs(program: Program, inputs: Sequence[RankInputs], names: Sequence[str],
-                   sizes: Mapping[str, int]) -> list[RankInputs]:
-    """Inputs given in the original layouts, adapted to `program` (a scheduled version) for the
-    tensors `names` it stores sliced (as_slice): each rank keeps its part of the whole tensor.
-    Tensors already given sliced are left as they are."""
+                   sizes: Mapping[str, int], unsliced: Mapping[str, Layout] | None = None) -> list[RankInputs]:
+    """Inputs given in the original layouts (`unsliced`, Replicated by default), adapted to `program` (a
+    scheduled version) for the tensors `names` it stores sliced (as_slice): each rank keeps its part of what
+    it was given. Tensors already given in their new part are left as they are."""
     world = len(inputs)
     out = [dict(i) for i in inputs]
     for name in names:
         v = program.inputs[name]
-        ranks = v.group.ranks(world)
-        full = bind_shape(v.shape, sizes)[v.layout.dim]
-        for gr, r in enumerate(ranks):
+        was = (unsliced or {}).get(name, Replicated)
+        full = bind_shape(v.shape, sizes)
+        for r in v.group.ranks(world):
             t = inputs[r].get(name)
-            if not isinstance(t, torch.Tensor) or t.ndim != v.ndim or t.shape[v.layout.dim] != full or world == 1:
+            pos = v.position(r, world)
+            have = part_bounds(was, full, pos)
+            if not isinstance(t, torch.Tensor) or tuple(t.shape) != tuple(b - a for a, b in have):
                 continue  # missing, malformed (check_inputs says so) or already sliced
-            start, stop = slice_bounds(t.shape[v.layout.dim], len(ranks), gr)
-            out[r][v.name] = t.narrow(v.layout.dim, start, stop - start).clone()
+            out[r][v.name] = cut(t, have, part_bounds(v.layout, full, pos)).clone()
     return out

@@ -13,24 +13,28 @@ import torch
 
 from ..errors import InputError
 from ..ir.graph import Program, Value
-from ..ir.layout import slice_bounds
+from ..ir.layout import Position, slice_bounds, split_sizes
 from ..ir.semantics import HALF, Place, compute
 from ..ir.types import bind_shape
 from ..plan import Overlap, Plan, Stage, lower
 from ..schedule.schedule import Schedule
 from .adasum import adasum_tree
-from .inputs import RankInputs, bound_sizes, check_inputs, reshard_inputs
+from .inputs import RankInputs, bound_sizes, check_inputs, gather_axes, reshard_inputs
 from .results import RankResult
 
 
-def combine(op: str, parts: Sequence[torch.Tensor]) -> torch.Tensor:
+def combine(op: str, parts: Sequence[torch.Tensor], weights: Sequence[int] | None = None) -> torch.Tensor:
     """Reduce the ranks' tensors with `op` in rank order (half types accumulate in float32; adasum in
-    float64, in adasum_tree's order)."""
+    float64, in adasum_tree's order). `weights` make "avg" the weighted average sum(w_r x_r) / sum(w_r)."""
     dtype = parts[0].dtype
     if op == "adasum":
         return adasum_tree(parts)
     acc = [p.float() if dtype in HALF else p for p in parts]
-    if op in ("sum", "avg"):
+    if weights is not None:
+        out = acc[0] * (weights[0] / sum(weights))
+        for p, w in zip(acc[1:], weights[1:]):
+            out = out + p * (w / sum(weights))
+    elif op in ("sum", "avg"):
         out = acc[0].clone()
         for p in acc[1:]:
             out = out + p
@@ -56,11 +60,16 @@ def _reduce(v: Value, parts: list[torch.Tensor]) -> list[torch.Tensor]:
     return [res if r == root else p.clone() for r, p in enumerate(parts)]
 
 
-# communication operation -> (value, the group's operands) -> result per group rank
+def _scatter(v: Value, parts: list[torch.Tensor]) -> list[torch.Tensor]:
+    whole = combine(v.attrs["op"], parts, v.attrs.get("weights"))
+    sizes = split_sizes(whole.shape[v.attrs["dim"]], v.attrs.get("shares") or len(parts))
+    return [part.clone() for part in whole.split(sizes, v.attrs["dim"])]
+
+
+# communication operation -> (value, the operands of the ranks it runs over) -> result per rank
 COLLECTIVES: dict[str, Callable[[Value, list[torch.Tensor]], list[torch.Tensor]]] = {
-    "all_reduce": lambda v, parts: [combine(v.attrs["op"], parts)] * len(parts),
-    "reduce_scatter": lambda v, parts: [
-        part.clone() for part in combine(v.attrs["op"], parts).tensor_split(len(parts), v.attrs["dim"])],
+    "all_reduce": lambda v, parts: [combine(v.attrs["op"], parts, v.attrs.get("weights"))] * len(parts),
+    "reduce_scatter": _scatter,
     "all_gather": lambda v, parts: [torch.cat(parts, dim=v.attrs["dim"])] * len(parts),
     "broadcast": lambda v, parts: [parts[_root(v, len(parts))]] * len(parts),
     "reduce": _reduce,
@@ -86,9 +95,8 @@ def run(target: Target, inputs: Sequence[RankInputs], sizes: Mapping[str, int] |
     program = plan.program
     world = len(inputs)
     sizes = bound_sizes(program, sizes)
-    for g in program.groups:
-        g.ranks(world)  # raises if the world does not split into the program's stages
-    inputs = reshard_inputs(program, inputs, plan.sliced_state, sizes)
+    program.check_world(world)  # raises if the world does not split into the program's stages or mesh
+    inputs = reshard_inputs(program, inputs, plan.sliced_state, sizes, plan.unsliced)
     check_inputs(program, inputs, sizes)
     env: dict[Value, list[Any]] = {}
     for v in program.values:
@@ -106,9 +114,7 @@ def run(target: Target, inputs: Sequence[RankInputs], sizes: Mapping[str, int] |
     for name, v in plan.state.items():
         parts = env[v]
         if whole_state and v.layout.is_sliced:
-            ranks = v.group.ranks(world)
-            full = torch.cat([parts[r] for r in ranks], dim=v.layout.dim)
-            parts = [full.clone() if r in ranks else None for r in range(world)]
+            parts = gather_axes(v, parts, world)
         for r, t in enumerate(parts):
             if t is not None:
                 results[r].state[name] = t
@@ -168,18 +174,22 @@ def _evaluate(v: Value, env: Mapping[Value, list[Any]], inputs: Sequence[RankInp
         s = inputs[0][v.name]
         return [torch.as_tensor(s, dtype=torch.float64).reshape(())] * world
     if v.is_scalar:
-        val = compute(v, [_get(env, a)[0] for a in v.args], Place(0, 1, sizes))
+        val = compute(v, [_get(env, a)[0] for a in v.args], Place(Position((0,), (1,)), sizes))
         return [val] * world
     ranks = v.group.ranks(world)
     out: list[Any] = [None] * world
     if v.op == "input":
         for r in ranks:
             out[r] = inputs[r][v.name]
-    elif v.op in COLLECTIVES:
+    elif v.op == "send":
         src = v.args[0].group.ranks(world)
         for r, t in zip(ranks, collective(v, [_get(env, v.args[0])[s] for s in src])):
             out[r] = t
+    elif v.op in COLLECTIVES:
+        for line in v.group.lines(world, v.attrs.get("axis")):
+            for r, t in zip(line, collective(v, [_get(env, v.args[0])[s] for s in line])):
+                out[r] = t
     else:
-        for gr, r in enumerate(ranks):
-            out[r] = compute(v, [_get(env, a)[r] for a in v.args], Place(gr, len(ranks), sizes, chunk))
+        for r in ranks:
+            out[r] = compute(v, [_get(env, a)[r] for a in v.args], Place(v.position(r, world), sizes, chunk))
     return out

@@ -15,7 +15,8 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from ..errors import ProgramError
-from .layout import Layout, Replicated, Sliced
+from .layout import Layout, MeshLayout, Position, Replicated, Sliced, placements
+from .mesh import Mesh
 from .printer import fingerprint, format_program
 from .registry import apply
 from .types import Dim, Shape, canonical_dtype, format_shape
@@ -48,24 +49,58 @@ def _short(path: str) -> str:
 
 @dataclass(frozen=True)
 class Group:
-    """A process group: the world, or stage `index` of the world split into `count` equal stages."""
+    """A process group: the world, or stage `index` of the world split into `count` equal stages; laid out
+    as `mesh` (named axes) when the program declares one."""
 
     name: str = "world"
     index: int = 0
     count: int = 1
+    mesh: Mesh | None = None
 
     def ranks(self, world_size: int) -> range:
-        """World ranks of this group; ProgramError if the world does not split evenly."""
+        """World ranks of this group; ProgramError if the world does not split evenly or fit the mesh."""
         if world_size % self.count:
             raise ProgramError(
                 f"world size {world_size} cannot be split into {self.count} equal pipeline stages "
                 f"(needed by process group `{self.name}`)"
             )
         size = world_size // self.count
+        if self.mesh is not None and size != self.mesh.size:
+            raise ProgramError(f"world size {world_size} does not fit the mesh {self.mesh} of process group "
+                               f"`{self.name}` (it needs {self.mesh.size} ranks)")
         return range(self.index * size, (self.index + 1) * size)
 
     def size(self, world_size: int) -> int:
         return len(self.ranks(world_size))
+
+    def position(self, rank: int, world_size: int) -> Position:
+        """Where world rank `rank` sits in this group: its mesh coordinates, or (group rank,) of (size,)."""
+        ranks = self.ranks(world_size)
+        gr = ranks.index(rank)
+        if self.mesh is None:
+            return Position((gr,), (len(ranks),))
+        return Position(self.mesh.coords(gr), self.mesh.shape)
+
+    def axis_size(self, world_size: int, axis: str | None) -> int:
+        """Number of ranks along mesh axis `axis` (the group's size when it has no mesh or axis is None)."""
+        if self.mesh is None or axis is None:
+            return self.size(world_size)
+        return self.mesh.shape[self.mesh.index(axis)]
+
+    def lines(self, world_size: int, axis: str | None) -> list[list[int]]:
+        """World ranks of every set of ranks a collective over `axis` runs within, each in order along the
+        axis (the whole group when it has no mesh or axis is None)."""
+        ranks = self.ranks(world_size)
+        if self.mesh is None or axis is None:
+            return [list(ranks)]
+        return [[ranks[r] for r in line] for line in self.mesh.axis_groups(self.mesh.index(axis))]
+
+    def line(self, rank: int, world_size: int, axis: str | None) -> list[int]:
+        """World ranks of the collective group over `axis` that world rank `rank` belongs to."""
+        ranks = self.ranks(world_size)
+        if self.mesh is None or axis is None:
+            return list(ranks)
+        return [ranks[r] for r in self.mesh.line(ranks.index(rank), self.mesh.index(axis))]
 
     def __repr__(self) -> str:
         return self.name
@@ -99,6 +134,12 @@ class Value:
     def is_scalar(self) -> bool:
         """True for runtime scalars, constants and arithmetic on them only (no tensor involved)."""
         return self.group is None
+
+    def position(self, rank: int, world_size: int) -> Position:
+        """Where world rank `rank` sits in this value's process group (its mesh coordinates)."""
+        if self.group is None:
+            return Position((0,), (1,))
+        return self.group.position(rank, world_size)
 
     def type_str(self) -> str:
         if self.is_scalar:
@@ -208,20 +249,12 @@ class Program:
             dtype = canonical_dtype(dtype)
         except ValueError as e:
             raise ProgramError(f"tensor `{name}`: {e}") from None
-        if not isinstance(layout, Layout):
-            raise ProgramError(f"tensor `{name}`: layout must be cw.Replicated, cw.Local or cw.Sliced(dim), "
-                               f"got {layout!r}")
-        if layout.is_sliced:
-            d = layout.dim + len(shape) if layout.dim < 0 else layout.dim
-            if not 0 <= d < len(shape):
-                raise ProgramError(f"tensor `{name}`: Sliced({layout.dim}) is out of range for a "
-                                   f"{len(shape)}-dim tensor {format_shape(shape)}")
-            layout = Sliced(d)
         if init not in ("normal", "positive", "unit"):
             raise ProgramError(f"tensor `{name}`: init must be 'normal', 'positive' or 'unit', got {init!r}")
-        group = group or WORLD
+        group = group or (self.groups[0] if len(self.groups) == 1 else WORLD)
         if group not in self.groups:
             raise ProgramError(f"tensor `{name}`: process group `{group.name}` does not belong to this program")
+        layout = bind_layout(layout, group, shape, f"tensor `{name}`")
         v = self._add("input", (), {"init": init}, dtype, shape, layout, group, name=name)
         self.inputs[name] = v
         return v
@@ -237,8 +270,44 @@ class Program:
         """Declare several float32 scalars from a space-separated list of names."""
         return tuple(self.scalar(n) for n in names.split())
 
+    def mesh(self, **axes: int) -> Mesh:
+        """Lay the world out as a mesh of named axes, e.g. `p.mesh(dp=2, tp=2)` (world rank r at the row-major
+        coordinates of r; the last axis varies fastest). Declared before any tensor."""
+        if len(self.groups) > 1:
+            raise ProgramError(f"program `{self.name}` splits the world into pipeline stages; it cannot also be a mesh")
+        if self.values:
+            raise ProgramError(f"program `{self.name}`: declare the mesh before any tensor or scalar")
+        if self.groups[0].mesh is not None:
+            raise ProgramError(f"program `{self.name}` already has the mesh {self.groups[0].mesh}")
+        mesh = Mesh(tuple(axes), tuple(axes.values()))
+        self.groups = (Group("world", 0, 1, mesh),)
+        return mesh
+
+    def like(self) -> Program:
+        """An empty program with this one's name and process groups (rewrites build into it)."""
+        new = Program(self.name)
+        new.groups = self.groups
+        return new
+
+    def check_world(self, world_size: int) -> None:
+        """ProgramError unless the program runs on `world_size` ranks: its groups split the world, fit their
+        meshes, and every value's shares and weights have one entry per rank along their axis."""
+        for g in self.groups:
+            g.ranks(world_size)
+        for v in self.values:
+            if v.group is None:
+                continue
+            for what, (axis, n) in shares_of(v).items():
+                size = v.group.axis_size(world_size, axis)
+                if n != size:
+                    where = f"axis `{axis}`" if axis else f"process group `{v.group.name}`"
+                    raise ProgramError(f"`{v.name}` has {what} for {n} ranks, but {where} has {size} ranks at "
+                                       f"world size {world_size}")
+
     def pipeline(self, stages: int) -> tuple[Group, ...]:
         """Split the world into `stages` equal consecutive process groups (pipeline stages)."""
+        if self.groups[0].mesh is not None:
+            raise ProgramError(f"program `{self.name}` is a mesh; it cannot also split into pipeline stages")
         if len(self.groups) > 1:
             raise ProgramError(f"program `{self.name}` already splits the world into {len(self.groups)} stages")
         if stages < 1:
@@ -307,3 +376,69 @@ class Program:
                   name or f"%{vid}", loc if loc is not None else user_location())
         self.values.append(v)
         return v
+
+
+def shares_of(v: Value) -> dict[str, tuple[str | None, int]]:
+    """What in `v` counts ranks along an axis: {'shares' / 'weights': (axis, number of entries)}."""
+    out: dict[str, tuple[str | None, int]] = {}
+    mesh = v.group.mesh if v.group is not None else None
+    axes = mesh.axes if mesh is not None and len(mesh.axes) > 1 else (None,)
+    for axis, p in zip(axes, placements(v.layout, len(axes))):
+        if p.is_sliced and p.shares is not None:
+            out["shares"] = (axis, len(p.shares))
+    if v.attrs.get("weights") is not None:
+        out["weights"] = (v.attrs.get("axis"), len(v.attrs["weights"]))
+    return out
+
+
+def bind_layout(layout: Any, group: Group, shape: tuple, what: str) -> Layout:
+    """`layout` bound to `group`'s mesh: a placement per axis (a mesh layout on a mesh of several axes, a bare
+    placement otherwise), sliced dims counted from 0 and within the tensor's dims; ProgramError otherwise."""
+    mesh = group.mesh
+    axes = mesh.axes if mesh is not None else (None,)
+    if isinstance(layout, dict):
+        layout = MeshLayout(**layout)
+    elif isinstance(layout, tuple | list):
+        layout = MeshLayout(*layout)
+    if not isinstance(layout, Layout):
+        raise ProgramError(f"{what}: layout must be cw.Replicated, cw.Local, cw.Sliced(dim) or cw.Layout(...) per "
+                           f"mesh axis, got {layout!r}")
+    if isinstance(layout, MeshLayout):
+        if mesh is None:
+            raise ProgramError(f"{what}: {layout!r} gives a placement per mesh axis, but the program has no mesh "
+                               "(declare one with p.mesh(...), or use a single placement)")
+        if layout.axes is None:
+            if len(layout.placements) != len(axes):
+                raise ProgramError(f"{what}: {layout!r} has {len(layout.placements)} placements for the "
+                                   f"{len(axes)} axes of the mesh {mesh}")
+            given = dict(zip(axes, layout.placements))
+        else:
+            given = dict(zip(layout.axes, layout.placements))
+            for a in given:
+                mesh.index(a)
+        chosen = [given.get(a, Replicated) for a in axes]
+    elif layout.is_sliced and len(axes) > 1:
+        raise ProgramError(f"{what}: on the mesh {mesh}, say which axis slices it, e.g. "
+                           f"cw.Layout({axes[-1]}={layout!r})")
+    else:
+        chosen = [layout] * len(axes)
+    bound = []
+    for a, p in zip(axes, chosen):
+        if p.is_sliced:
+            d = p.dim + len(shape) if p.dim < 0 else p.dim
+            if not 0 <= d < len(shape):
+                raise ProgramError(f"{what}: {p!r} is out of range for a {len(shape)}-dim tensor {format_shape(shape)}")
+            if p.shares is not None and mesh is not None and len(p.shares) != mesh.shape[mesh.index(a)]:
+                raise ProgramError(f"{what}: {p!r} has {len(p.shares)} shares for the "
+                                   f"{mesh.shape[mesh.index(a)]} ranks of axis `{a}`")
+            p = Sliced(d, p.shares)
+        bound.append(p)
+    return make_layout(group, bound)
+
+
+def make_layout(group: Group | None, per_axis: list | tuple) -> Layout:
+    """The layout with one placement per axis of `group`'s mesh (a bare placement without a mesh of several)."""
+    mesh = group.mesh if group is not None else None
+    if mesh is None or len(mesh.axes) == 1:
+        return per_axis[0]
+    return MeshLayout(**dict(zip(mesh.axes, per_axis)))

@@ -12,8 +12,8 @@ from typing import Any
 
 from ..errors import ProgramError
 from . import registry as R
-from .graph import Group, Program, Value, user_location
-from .layout import Layout, Local, Replicated, Sliced
+from .graph import Group, Program, Value, make_layout, user_location
+from .layout import Layout, Local, Placement, Replicated, Sliced, check_shares, placements
 from .types import Shape, broadcast_shapes, canonical_dtype, is_float, promote
 
 REDUCE_OPS = ("sum", "avg", "max", "min", "adasum")  # how a collective combines the ranks' tensors
@@ -34,7 +34,9 @@ def _fail(op: str, operands: Sequence[Value], rule: str) -> ProgramError:
     where = next((v.loc for v in operands if v.loc), None)
     loc = _caller_loc()
     args = ", ".join(v.describe() for v in operands)
-    return ProgramError(f"{loc or where or '?'}: {op}({args}): {rule}")
+    err = ProgramError(f"{loc or where or '?'}: {op}({args}): {rule}")
+    err.rule = rule  # the rule alone, for rewrites that explain why they cannot apply
+    return err
 
 
 def _caller_loc() -> str | None:
@@ -83,31 +85,81 @@ def _result_dtype(vals: Sequence[Value]) -> str:
     return dtype
 
 
+def _axes(group: Group | None) -> tuple[str | None, ...]:
+    """The mesh axes of `group` (one unnamed axis without a mesh of several)."""
+    mesh = group.mesh if group is not None else None
+    return mesh.axes if mesh is not None and len(mesh.axes) > 1 else (None,)
+
+
+def _at(v: Value, i: int, n: int) -> Placement:
+    """The placement of `v` along axis `i` of `n`."""
+    return placements(v.layout, n)[i]
+
+
+def _along(axis: str | None) -> str:
+    return "" if axis is None else f" along axis `{axis}`"
+
+
 def elementwise_layout(op: str, vals: Sequence[Value], shape: Shape) -> Layout:
-    """Layout rule for elementwise operations (DESIGN.md): equal layouts propagate, Replicated
+    """Layout rule for elementwise operations (DESIGN.md), per mesh axis: equal layouts propagate, Replicated
     with X gives X, Sliced(a) with Sliced(b) (a != b) and Local with Sliced are errors."""
+    group = next((v.group for v in vals if v.group is not None), None)
+    axes = _axes(group)
+    per = [_elementwise_placement(op, vals, shape, i, axes) for i in range(len(axes))]
+    if len(axes) > 1:
+        _check_nesting(op, vals, shape, per, axes)
+    return make_layout(group, per)
+
+
+def _elementwise_placement(op: str, vals: Sequence[Value], shape: Shape, i: int,
+                           axes: tuple[str | None, ...]) -> Placement:
     tensors = [v for v in vals if not v.is_scalar]
-    if any(v.layout.is_local for v in tensors) and any(v.layout.is_sliced for v in tensors):
-        raise _fail(op, vals, "a Local operand cannot combine with a Sliced one (reduce the Local one first)")
+    at = {v: _at(v, i, len(axes)) for v in tensors}
+    on = _along(axes[i])
+    if any(p.is_local for p in at.values()) and any(p.is_sliced for p in at.values()):
+        raise _fail(op, vals, f"a Local operand cannot combine with a Sliced one{on} (reduce the Local one first)")
     dims = {}
     for v in tensors:
-        if v.layout.is_sliced:
-            dims[v.layout.dim + len(shape) - v.ndim] = v
+        if at[v].is_sliced:
+            dims[at[v].dim + len(shape) - v.ndim] = v
     if len(dims) > 1:
         a, b = sorted(dims)
-        raise _fail(op, vals, f"operands are sliced along different dimensions ({a} and {b} of the result); "
+        raise _fail(op, vals, f"operands are sliced along different dimensions ({a} and {b} of the result){on}; "
                               "elementwise operands must be sliced along the same dimension")
     if dims:
         (d, _), = dims.items()
         for v in tensors:
             j = d - (len(shape) - v.ndim)
-            if v.layout.is_sliced and v.shape[j] != shape[d]:
+            if at[v].is_sliced and v.shape[j] != shape[d]:
                 raise _fail(op, vals, f"`{v.name}` is sliced along dimension {j}, which is broadcast; "
                                       "a sliced dimension cannot be broadcast")
-        return Sliced(d)
-    if any(v.layout.is_local for v in tensors):
+        shares = {at[v].shares for v in tensors if at[v].is_sliced}
+        if len(shares) > 1:
+            raise _fail(op, vals, f"operands are sliced along dimension {d}{on} in different shares "
+                                  f"({' and '.join(map(str, shares))}); elementwise operands must be sliced alike")
+        return Sliced(d, shares.pop())
+    if any(p.is_local for p in at.values()):
         return Local
     return Replicated
+
+
+def _check_nesting(op: str, vals: Sequence[Value], shape: Shape, per: list[Placement],
+                   axes: tuple[str | None, ...]) -> None:
+    """An operand cut to the result's part along an axis must not already be sliced along that dimension by a
+    later axis: dimensions sliced by several axes nest in mesh order, the first axis outermost."""
+    for v in (v for v in vals if not v.is_scalar):
+        mine = placements(v.layout, len(axes))
+        for i, p in enumerate(per):
+            if not p.is_sliced or not mine[i].is_replicated:
+                continue
+            j = p.dim - (len(shape) - v.ndim)
+            if j < 0 or v.shape[j] == 1:
+                continue
+            later = [axes[k] for k in range(i + 1, len(axes)) if mine[k].is_sliced and mine[k].dim == j]
+            if later:
+                raise _fail(op, vals, f"`{v.name}` is sliced along dimension {j} by axis `{later[0]}` but not by "
+                                      f"axis `{axes[i]}` before it, so its part along `{axes[i]}` cannot be cut "
+                                      "(a dimension sliced by several axes is split in mesh order)")
 
 
 def _elementwise(op: str, operands: Sequence[Any], attrs: dict | None = None, dtype: str | None = None) -> Value:
@@ -309,14 +361,17 @@ def _norm_dims(op: str, x: Value, dim: int | Sequence[int] | None) -> tuple[int,
 
 
 def reduction_layout(x: Value, dims: tuple[int, ...], keepdim: bool) -> Layout:
-    """A reduction over a sliced dimension gives a per-rank (Local) partial; otherwise the layout
-    follows the remaining dimensions."""
-    if x.layout.is_sliced:
-        d = x.layout.dim
-        if d in dims:
-            return Local
-        return Sliced(d if keepdim else d - builtins.sum(1 for r in dims if r < d))
-    return x.layout
+    """Per mesh axis: a reduction over a sliced dimension gives a per-rank (Local) partial; otherwise the
+    layout follows the remaining dimensions."""
+    axes = _axes(x.group)
+    per = []
+    for i in range(len(axes)):
+        p = _at(x, i, len(axes))
+        if p.is_sliced:
+            d = p.dim
+            p = Local if d in dims else Sliced(d if keepdim else d - builtins.sum(1 for r in dims if r < d), p.shares)
+        per.append(p)
+    return make_layout(x.group, per)
 
 
 def _reduce(op: str, x: Value, dim: int | Sequence[int] | None, keepdim: bool) -> Value:
@@ -373,20 +428,29 @@ def matmul(a: Value, b: Value) -> Value:
         raise _fail("matmul", vals, f"inner dimensions differ ({a.shape[-1]} vs {b.shape[0]})")
     _float_only("matmul", vals)
     group = _common_group("matmul", vals)
-    la, lb, last = a.layout, b.layout, a.ndim - 1
-    out_ndim = a.ndim
-    if la.is_sliced and la.dim == last and lb.is_sliced and lb.dim == 0:
-        layout: Layout = Local
-    elif la.is_replicated and lb.is_sliced and lb.dim == 1:
-        layout = Sliced(out_ndim - 1)
-    elif la.is_sliced and la.dim != last and lb.is_replicated:
-        layout = Sliced(la.dim)
-    elif (la.is_local or la.is_replicated) and lb.is_replicated:
-        layout = la
-    else:
-        raise _fail("matmul", vals, f"no layout rule applies ({la!r} x {lb!r}); the rules are: {MATMUL_RULES}")
+    axes = _axes(group)
+    per = [_matmul_placement(vals, _at(a, i, len(axes)), _at(b, i, len(axes)), axes[i]) for i in range(len(axes))]
+    layout = make_layout(group, per)
     shape = tuple(a.shape[:-1]) + (b.shape[1],)
     return program._add("matmul", vals, {}, promote(a.dtype, b.dtype), shape, layout, group)
+
+
+def _matmul_placement(vals: tuple[Value, Value], la: Placement, lb: Placement, axis: str | None) -> Placement:
+    a = vals[0]
+    last, out_ndim = a.ndim - 1, a.ndim
+    if la.is_sliced and la.dim == last and lb.is_sliced and lb.dim == 0:
+        if la.shares != lb.shares:
+            raise _fail("matmul", vals, f"the inner dimension is sliced in different shares{_along(axis)} "
+                                        f"({la!r} x {lb!r})")
+        return Local
+    if la.is_replicated and lb.is_sliced and lb.dim == 1:
+        return Sliced(out_ndim - 1, lb.shares)
+    if la.is_sliced and la.dim != last and lb.is_replicated:
+        return la
+    if (la.is_local or la.is_replicated) and lb.is_replicated:
+        return la
+    raise _fail("matmul", vals, f"no layout rule applies ({la!r} x {lb!r}{_along(axis)}); the rules are: "
+                                f"{MATMUL_RULES}")
 
 
 @operation("layer_norm", R.NORMALISATION, ("eps", "has_weight", "has_bias"), rebuild=lambda p, args, a: layer_norm(
@@ -399,7 +463,7 @@ def layer_norm(x: Value, weight: Value | None = None, bias: Value | None = None,
     if x.is_scalar or x.ndim < 1:
         raise _fail("layer_norm", ops, "needs a tensor operand")
     _float_only("layer_norm", ops)
-    if x.layout.is_sliced and x.layout.dim == x.ndim - 1:
+    if any(p.is_sliced and p.dim == x.ndim - 1 for p in placements(x.layout, len(_axes(x.group)))):
         raise _fail("layer_norm", ops, "normalises over the last dimension, which is sliced; all_gather first")
     for t in ops[1:]:
         if t.shape != (x.shape[-1],):
@@ -423,63 +487,149 @@ def _tensor_operand(name: str, x: Any) -> Value:
     return v
 
 
-@operation("all_reduce", R.COLLECTIVE, ("op",), rebuild=lambda p, args, a: all_reduce(args[0], a["op"]))
-def all_reduce(x: Value, op: str = "sum") -> Value:
-    """Combine the ranks' Local tensors with `op`; every rank gets the result (Replicated)."""
+def _axis(name: str, x: Value, axis: str | None) -> tuple[int, str | None]:
+    """(index, attribute) of the mesh axis a collective runs over: the attribute is the axis name on a mesh of
+    several axes and None otherwise (a program without a mesh, or with one axis, is the original model)."""
+    mesh = x.group.mesh
+    if mesh is None:
+        if axis is not None:
+            raise _fail(name, (x,), f"the program has no mesh, so it runs over the whole process group; leave out "
+                                    f"axis={axis!r} or declare the mesh with p.mesh(...)")
+        return 0, None
+    if axis is None:
+        if len(mesh.axes) > 1:
+            raise _fail(name, (x,), f"say which mesh axis it runs over: axis= one of {', '.join(mesh.axes)}")
+        return 0, None
+    if axis not in mesh.axes:
+        raise _fail(name, (x,), f"the mesh {mesh} has no axis {axis!r}")
+    return mesh.axes.index(axis), (axis if len(mesh.axes) > 1 else None)
+
+
+def _with(x: Value, i: int, p: Placement) -> Layout:
+    """x's layout with placement `p` along axis `i`."""
+    per = list(placements(x.layout, len(_axes(x.group))))
+    per[i] = p
+    return make_layout(x.group, per)
+
+
+def _innermost(name: str, x: Value, i: int, d: int, verb: str) -> None:
+    """Refuse to slice or gather dimension d along axis i when a later axis slices it (parts nest in mesh order)."""
+    axes = _axes(x.group)
+    per = placements(x.layout, len(axes))
+    later = [axes[k] for k in range(i + 1, len(axes)) if per[k].is_sliced and per[k].dim == d]
+    if later:
+        raise _fail(name, (x,), f"dimension {d} is also sliced by axis `{later[0]}`, after axis `{axes[i]}` in the "
+                                f"mesh; {verb} along `{later[0]}` first (a dimension sliced by several axes is split "
+                                "in mesh order)")
+
+
+def _counts(name: str, x: Value, values: Any, i: int, what: str) -> tuple[int, ...] | None:
+    """`values` (shares or weights) as positive ints, one per rank along axis i when the mesh fixes its size."""
+    if values is None:
+        return None
+    try:
+        out = check_shares(values, f"{name} {what}")
+    except ProgramError as e:
+        raise _fail(name, (x,), str(e).split(": ", 1)[1]) from None
+    mesh = x.group.mesh
+    if mesh is not None and len(out) != mesh.shape[i]:
+        raise _fail(name, (x,), f"{what} {out} name {len(out)} ranks, the axis has {mesh.shape[i]}")
+    return out
+
+
+def _weights(name: str, x: Value, op: str, weights: Any, i: int) -> tuple[int, ...] | None:
+    if weights is not None and op != "avg":
+        raise _fail(name, (x,), f"weights make a weighted average; use op='avg', not {op!r}")
+    w = _counts(name, x, weights, i, "weights")
+    return None if w is None or len(set(w)) == 1 else w
+
+
+@operation("all_reduce", R.COLLECTIVE, ("op", "axis", "weights"),
+           rebuild=lambda p, args, a: all_reduce(args[0], a["op"], a["axis"], a["weights"]))
+def all_reduce(x: Value, op: str = "sum", axis: str | None = None, weights: Sequence[int] | None = None) -> Value:
+    """Combine the Local tensors of the ranks along mesh axis `axis` with `op`; each of them gets the result
+    (Replicated along the axis). `weights` (one positive int per rank, e.g. its sample count) make "avg" the
+    weighted average sum(w_r x_r) / sum(w_r)."""
     x = _tensor_operand("all_reduce", x)
     _check_reduce_op("all_reduce", x, op)
-    if not x.layout.is_local:
-        raise _fail("all_reduce", (x,), f"needs a Local operand (per-rank values to combine), got {x.layout!r}")
+    i, ax = _axis("all_reduce", x, axis)
+    p = _at(x, i, len(_axes(x.group)))
+    if not p.is_local:
+        got = f"{x.layout!r}" if ax is None else f"{p!r} along axis `{ax}`"
+        raise _fail("all_reduce", (x,), f"needs a Local operand (per-rank values to combine), got {got}")
     if op == "adasum" and not is_float(x.dtype):
         raise _fail("all_reduce", (x,), "adasum needs a floating-point operand")
-    return x.program._add("all_reduce", (x,), {"op": op}, x.dtype, x.shape, Replicated, x.group)
+    w = _weights("all_reduce", x, op, weights, i)
+    return x.program._add("all_reduce", (x,), {"op": op, "axis": ax, "weights": w}, x.dtype, x.shape,
+                          _with(x, i, Replicated), x.group)
 
 
-@operation("reduce_scatter", R.COLLECTIVE, ("op", "dim"),
-           rebuild=lambda p, args, a: reduce_scatter(args[0], a["op"], a["dim"]))
-def reduce_scatter(x: Value, op: str = "sum", dim: int = 0) -> Value:
-    """Combine the ranks' Local tensors with `op`; rank r keeps part r along `dim` (Sliced(dim))."""
+@operation("reduce_scatter", R.COLLECTIVE, ("op", "dim", "axis", "shares", "weights"),
+           rebuild=lambda p, args, a: reduce_scatter(args[0], a["op"], a["dim"], a["axis"], a["shares"], a["weights"]))
+def reduce_scatter(x: Value, op: str = "sum", dim: int = 0, axis: str | None = None,
+                   shares: Sequence[int] | None = None, weights: Sequence[int] | None = None) -> Value:
+    """Combine the Local tensors of the ranks along `axis` with `op`; the i-th of them keeps part i along
+    `dim` (Sliced(dim, shares): equal parts, or in proportion to `shares`). `weights` as in all_reduce."""
     x = _tensor_operand("reduce_scatter", x)
     _check_reduce_op("reduce_scatter", x, op, ("sum", "avg", "max", "min"))
-    if not x.layout.is_local:
-        raise _fail("reduce_scatter", (x,), f"needs a Local operand, got {x.layout!r}")
+    i, ax = _axis("reduce_scatter", x, axis)
+    p = _at(x, i, len(_axes(x.group)))
+    if not p.is_local:
+        got = f"{x.layout!r}" if ax is None else f"{p!r} along axis `{ax}`"
+        raise _fail("reduce_scatter", (x,), f"needs a Local operand, got {got}")
     d = _norm_dims("reduce_scatter", x, dim)[0]
-    return x.program._add("reduce_scatter", (x,), {"op": op, "dim": d}, x.dtype, x.shape, Sliced(d), x.group)
+    _innermost("reduce_scatter", x, i, d, "scatter")
+    s = _counts("reduce_scatter", x, shares, i, "shares")
+    out = Sliced(d, s)
+    w = _weights("reduce_scatter", x, op, weights, i)
+    return x.program._add("reduce_scatter", (x,), {"op": op, "dim": d, "axis": ax, "shares": out.shares, "weights": w},
+                          x.dtype, x.shape, _with(x, i, out), x.group)
 
 
-@operation("all_gather", R.COLLECTIVE, ("dim",))
-def all_gather(x: Value, dim: int | None = None) -> Value:
-    """Concatenate the ranks' slices; every rank gets the full tensor (Replicated)."""
+@operation("all_gather", R.COLLECTIVE, ("dim", "axis"),
+           rebuild=lambda p, args, a: all_gather(args[0], a["dim"], a["axis"]))
+def all_gather(x: Value, dim: int | None = None, axis: str | None = None) -> Value:
+    """Concatenate the slices of the ranks along `axis`; each of them gets the whole (Replicated along it)."""
     x = _tensor_operand("all_gather", x)
-    if not x.layout.is_sliced:
-        raise _fail("all_gather", (x,), f"needs a Sliced operand, got {x.layout!r}")
-    if dim is not None and _norm_dims("all_gather", x, dim)[0] != x.layout.dim:
-        raise _fail("all_gather", (x,), f"gathers along the sliced dimension {x.layout.dim}, not {dim}")
-    return x.program._add("all_gather", (x,), {"dim": x.layout.dim}, x.dtype, x.shape, Replicated, x.group)
+    i, ax = _axis("all_gather", x, axis)
+    p = _at(x, i, len(_axes(x.group)))
+    if not p.is_sliced:
+        got = f"{x.layout!r}" if ax is None else f"{p!r} along axis `{ax}`"
+        raise _fail("all_gather", (x,), f"needs a Sliced operand, got {got}")
+    if dim is not None and _norm_dims("all_gather", x, dim)[0] != p.dim:
+        raise _fail("all_gather", (x,), f"gathers along the sliced dimension {p.dim}, not {dim}")
+    _innermost("all_gather", x, i, p.dim, "gather")
+    return x.program._add("all_gather", (x,), {"dim": p.dim, "axis": ax}, x.dtype, x.shape,
+                          _with(x, i, Replicated), x.group)
 
 
-@operation("broadcast", R.COLLECTIVE, ("root",), rebuild=lambda p, args, a: broadcast(args[0], a["root"]))
-def broadcast(x: Value, root: int = 0) -> Value:
-    """Every rank gets group rank `root`'s tensor (Replicated)."""
+@operation("broadcast", R.COLLECTIVE, ("root", "axis"),
+           rebuild=lambda p, args, a: broadcast(args[0], a["root"], a["axis"]))
+def broadcast(x: Value, root: int = 0, axis: str | None = None) -> Value:
+    """Every rank along `axis` gets the tensor of rank `root` along it (Replicated along the axis)."""
     x = _tensor_operand("broadcast", x)
-    if x.layout.is_sliced:
+    i, ax = _axis("broadcast", x, axis)
+    if _at(x, i, len(_axes(x.group))).is_sliced:
         raise _fail("broadcast", (x,), "needs a Local or Replicated operand; all_gather a Sliced one")
     if not isinstance(root, int) or root < 0:
         raise _fail("broadcast", (x,), f"root must be a non-negative group rank, got {root!r}")
-    return x.program._add("broadcast", (x,), {"root": root}, x.dtype, x.shape, Replicated, x.group)
+    return x.program._add("broadcast", (x,), {"root": root, "axis": ax}, x.dtype, x.shape, _with(x, i, Replicated),
+                          x.group)
 
 
-@operation("reduce", R.COLLECTIVE, ("op", "root"), rebuild=lambda p, args, a: reduce(args[0], a["op"], a["root"]))
-def reduce(x: Value, op: str = "sum", root: int = 0) -> Value:
-    """Combine the ranks' Local tensors with `op` onto group rank `root`; the other ranks keep their
-    own input (the result is Local)."""
+@operation("reduce", R.COLLECTIVE, ("op", "root", "axis"),
+           rebuild=lambda p, args, a: reduce(args[0], a["op"], a["root"], a["axis"]))
+def reduce(x: Value, op: str = "sum", root: int = 0, axis: str | None = None) -> Value:
+    """Combine the Local tensors of the ranks along `axis` with `op` onto rank `root` along it; the other
+    ranks keep their own input (the result is Local)."""
     x = _tensor_operand("reduce", x)
     _check_reduce_op("reduce", x, op, ("sum", "avg", "max", "min"))
-    if not x.layout.is_local:
+    i, ax = _axis("reduce", x, axis)
+    if not _at(x, i, len(_axes(x.group))).is_local:
         raise _fail("reduce", (x,), f"needs a Local operand, got {x.layout!r}")
     if not isinstance(root, int) or root < 0:
         raise _fail("reduce", (x,), f"root must be a non-negative group rank, got {root!r}")
-    return x.program._add("reduce", (x,), {"op": op, "root": root}, x.dtype, x.shape, Local, x.group)
+    return x.program._add("reduce", (x,), {"op": op, "root": root, "axis": ax}, x.dtype, x.shape, x.layout, x.group)
 
 
 @operation("send", R.P2P, ("to",),
@@ -526,14 +676,19 @@ def update(state: Value, value: Any) -> Value:
 
 
 # -- local re-layout --------------------------------------------------------------------------
-@operation("slice", R.LAYOUT, ("dim",), rebuild=lambda p, args, a: slice(args[0], a["dim"]))
-def slice(x: Value, dim: int = 0) -> Value:  # noqa: A001 - the DSL's name
-    """Keep this rank's part of a Replicated tensor along `dim` (Sliced(dim)); no communication."""
+@operation("slice", R.LAYOUT, ("dim", "axis", "shares"),
+           rebuild=lambda p, args, a: slice(args[0], a["dim"], a["axis"], a["shares"]))
+def slice(x: Value, dim: int = 0, axis: str | None = None, shares: Sequence[int] | None = None) -> Value:  # noqa: A001
+    """Keep this rank's part along `axis` of a tensor Replicated along it (Sliced(dim, shares)); no communication."""
     x = _tensor_operand("slice", x)
-    if not x.layout.is_replicated:
+    i, ax = _axis("slice", x, axis)
+    if not _at(x, i, len(_axes(x.group))).is_replicated:
         raise _fail("slice", (x,), f"needs a Replicated operand, got {x.layout!r}")
     d = _norm_dims("slice", x, dim)[0]
-    return x.program._add("slice", (x,), {"dim": d}, x.dtype, x.shape, Sliced(d), x.group)
+    _innermost("slice", x, i, d, "slice")
+    out = Sliced(d, _counts("slice", x, shares, i, "shares"))
+    return x.program._add("slice", (x,), {"dim": d, "axis": ax, "shares": out.shares}, x.dtype, x.shape,
+                          _with(x, i, out), x.group)
 
 
 for _source in ("input", "scalar", "const"):  # made by Program.tensor / scalar and by constants, not by a builder

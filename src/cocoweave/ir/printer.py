@@ -39,6 +39,8 @@ def format_value(v: Value) -> str:
 def format_program(p: Program) -> str:
     """The whole program: header, inputs, operations (constants folded into operands), results."""
     groups = "" if len(p.groups) == 1 else "  groups: " + ", ".join(g.name for g in p.groups)
+    if p.groups[0].mesh is not None:
+        groups += f"  mesh: {p.groups[0].mesh}"
     lines = [f"program {p.name}{groups}"]
     for v in p.values:
         if v.op != "const":

@@ -17,7 +17,7 @@ import torch
 from .. import rng
 from . import registry as R
 from .graph import Value
-from .layout import slice_bounds
+from .layout import Position, cut, part_bounds, placements
 from .types import DTYPES, bind_shape
 
 HALF = (torch.float16, torch.bfloat16)
@@ -25,30 +25,42 @@ HALF = (torch.float16, torch.bfloat16)
 
 @dataclass(frozen=True)
 class Place:
-    """Where a rank sits for one value: its index and size within the value's process group, the bound sizes,
-    and, inside a chunked chain, (dim, ndim of the chain, start, length) of the chunk."""
+    """Where a rank sits for one value: its position in the value's process group (mesh coordinates), the
+    bound sizes, and, inside a chunked chain, (dim, ndim of the chain, start, length) of the chunk."""
 
-    group_rank: int
-    group_size: int
+    pos: Position
     sizes: Mapping[str, int]
     chunk: tuple[int, int, int, int] | None = None
 
+    @property
+    def group_rank(self) -> int:
+        return self.pos.group_rank
+
+    @property
+    def group_size(self) -> int:
+        return self.pos.group_size
+
 
 def align(arg: Value, t: Any, out: Value, place: Place) -> Any:
-    """Slice a Replicated operand to this rank's part when the result is Sliced (Replicated with
-    Sliced gives Sliced): along the aligned dimension, unless that dimension is broadcast (size 1)."""
-    if not out.layout.is_sliced or arg.is_scalar or not arg.layout.is_replicated:
+    """Cut an operand to the part of the result this rank computes: a Replicated operand (along an axis where
+    the result is Sliced) is narrowed to the rank's part, unless the dimension is broadcast (size 1)."""
+    if out.is_scalar or arg.is_scalar:
         return t
-    j = out.layout.dim - (out.ndim - arg.ndim)
-    if j < 0 or t.shape[j] == 1:
-        return t
-    return own_part(t, j, place)
+    full = bind_shape(arg.shape, place.sizes)
+    have = part_bounds(arg.layout, full, place.pos)
+    want = part_bounds(out.layout, bind_shape(out.shape, place.sizes), place.pos)[out.ndim - arg.ndim:]
+    want = [h if n == 1 else w for h, w, n in zip(have, want, full)]
+    return cut(t, have, want)
 
 
-def own_part(t: torch.Tensor, dim: int, place: Place) -> torch.Tensor:
-    """This rank's part of `t` along `dim` (torch.tensor_split sizes)."""
-    start, stop = slice_bounds(t.shape[dim], place.group_size, place.group_rank)
-    return t.narrow(dim, start, stop - start)
+def local_rank(layout: Any, pos: Position) -> int:
+    """The index that tells apart the ranks holding different values of a Local tensor: the row-major index of
+    the rank's coordinates along the axes where the layout is Local (rng.NO_RANK if none is)."""
+    per = placements(layout, len(pos.coords))
+    axes = [i for i, p in enumerate(per) if p.is_local]
+    if not axes:
+        return rng.NO_RANK
+    return Position(tuple(pos.coords[i] for i in axes), tuple(pos.shape[i] for i in axes)).group_rank
 
 
 def _up(t: Any) -> Any:
@@ -69,10 +81,7 @@ def dropout_index(v: Value, local_shape: tuple[int, ...], place: Place, device: 
     x = v.args[0]
     full = bind_shape(x.shape, place.sizes)
     idx = rng.logical_index(full, device)
-    if x.layout.is_sliced:
-        d = x.layout.dim
-        start, stop = slice_bounds(full[d], place.group_size, place.group_rank)
-        idx = idx.narrow(d, start, stop - start)
+    idx = cut(idx, [(0, n) for n in full], part_bounds(x.layout, full, place.pos))
     if place.chunk is not None:
         dim, nd, start, length = place.chunk
         j = dim - (nd - x.ndim)
@@ -124,7 +133,7 @@ def _const(v: Value, a: list, place: Place) -> torch.Tensor:
 def _dropout(v: Value, a: list, place: Place) -> Any:
     seed = v.attrs["seed"] if v.attrs["seed"] is not None else int(a[1])
     x = a[0]
-    rank = place.group_rank if v.args[0].layout.is_local else rng.NO_RANK
+    rank = local_rank(v.args[0].layout, place.pos)
     idx = dropout_index(v, tuple(x.shape), place, x.device)
     return _finish(v, rng.dropout(_up(x), idx, v.attrs["p"], seed, rank))
 
@@ -153,7 +162,7 @@ MEANINGS: dict[str, Meaning] = {
     "norm": lambda v, a, place: _finish(v, reduce_local("norm", a[0], v.attrs["dims"], v.attrs["keepdim"])),
     "matmul": lambda v, a, place: _finish(v, torch.matmul(a[0].float(), a[1].float())),
     "layer_norm": _layer_norm,
-    "slice": lambda v, a, place: own_part(a[0], v.attrs["dim"], place),
+    "slice": lambda v, a, place: align(v.args[0], a[0], v, place),
 }
 
 
@@ -162,8 +171,8 @@ def compute(v: Value, args: list[Any], place: Place) -> Any:
     meaning = R.opdef(v.op).meaning
     if meaning is None:
         raise NotImplementedError(f"no local semantics for operation {v.op!r}")
-    if R.opdef(v.op).elementwise or v.op in R.names(R.REDUCTION, R.NORMALISATION):  # operands line up with
-        args = [align(a, t, v, place) for a, t in zip(v.args, args)]  # the result's slice
+    if R.opdef(v.op).elementwise or v.op in R.names(R.NORMALISATION):  # operands line up with the result's part
+        args = [align(a, t, v, place) for a, t in zip(v.args, args)]
     return meaning(v, args, place)
 
 

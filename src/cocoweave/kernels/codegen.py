@@ -132,6 +132,8 @@ class _Gen:
         self.inside = {id(v) for v in vals}
         tensors = {id(t): t for v in vals for t in (v, *map(_arg, v.args)) if not t.is_scalar}
         self.nd = max(t.ndim for t in tensors.values())
+        if any(t.layout.kind == "mesh" or getattr(t.layout, "shares", None) for t in tensors.values()):
+            raise NoKernel("values laid out on a mesh of several axes or in uneven shares run as torch ops")
         dims = {t.layout.dim + self.nd - t.ndim for t in tensors.values() if t.layout.is_sliced}
         if len(dims) > 1:
             raise NoKernel(f"values are sliced along several dimensions {sorted(dims)}")

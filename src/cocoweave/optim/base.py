@@ -25,6 +25,7 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
+from ..backends.torch import shm
 from ..compiler import compile as compile_schedule
 from ..errors import OptimizerError
 from ..ir.graph import Program
@@ -141,6 +142,7 @@ class DistributedOptimizer(torch.optim.Optimizer):
         self._deferred: list[Bucket] = []
         self._forward_hook: Any = None
         self._sd_calls = 0
+        self._flag_slots: list[torch.Tensor] | None = None
         super().__init__(params, defaults)
         self._ensure_buckets()  # compile now, and start every rank from rank 0's parameters, as DDP does
 
@@ -274,7 +276,8 @@ class DistributedOptimizer(torch.optim.Optimizer):
             if act is not None and not act.any():
                 b.exe.cancel()  # no rank has a gradient for any of its parameters: torch leaves them as they are
                 continue
-            runs.append((b, b.exe, b.exe.steps(self._inputs(b, act), defer_gathers=self._defer(b))))
+            inputs = self._inputs(b, act)  # first: it may switch the bucket to its masked program
+            runs.append((b, b.exe, b.exe.steps(inputs, defer_gathers=self._defer(b))))
         if self.max_grad_norm is not None:
             self._clip(runs)
         for b, _, steps in runs:
@@ -342,13 +345,22 @@ class DistributedOptimizer(torch.optim.Optimizer):
         return out
 
     def _agree(self, flags: list[int]) -> list[int]:
-        """The maximum over the ranks of each flag (one small all-reduce; none without zero_grad(set_to_none))."""
+        """The maximum over the ranks of each flag, as DDP's find_unused_parameters all-reduces its used-parameter
+        map: through shared memory on one host, else one small all-reduce (none without zero_grad(set_to_none))."""
         _, size = world(self.process_group)
         if size == 1 or not self._set_to_none or not flags:
             return flags
         t = torch.tensor(flags, dtype=torch.int32)
-        dist.all_reduce(t, op=dist.ReduceOp.MAX, group=self.process_group)
-        return t.tolist()
+        g = shm.group_for(self.process_group)
+        if g is None:
+            dist.all_reduce(t, op=dist.ReduceOp.MAX, group=self.process_group)
+            return t.tolist()
+        if self._flag_slots is None or self._flag_slots[0].numel() != t.numel():
+            self._flag_slots = g.slots("optim-flags", t.numel(), torch.int32)
+        out = torch.empty_like(t)
+        shm.all_reduce(g, self._flag_slots, t, "max", [(0, t.numel()) if j == 0 else (t.numel(), 0)
+                                                      for j in range(g.size)], out)
+        return out.tolist()
 
     def _clip(self, runs: list[tuple[Bucket, Any, Iterator]]) -> None:
         """Clip by the global norm of the reduced gradient, as torch.nn.utils.clip_grad_norm_ after DDP: each
@@ -420,8 +432,11 @@ class DistributedOptimizer(torch.optim.Optimizer):
         for n in list(b.state) + [n for n in b.exe.plan.sliced_state if n not in b.state]:
             if n in b.state:
                 out[n] = b.state[n]
-            elif n in b.pending:
-                out[n] = b.pending[n]
+            elif n in b.pending:  # not handed over yet: whole, or a slice of a constant start (see _reset_state)
+                t = b.pending[n]
+                out[n] = t if t.numel() == b.numel else torch.full(b.shape, float(t.reshape(-1)[0]) if t.numel() else
+                                                                   self.initial_state(b, n), dtype=t.dtype,
+                                                                   device=t.device)
             else:
                 out[n] = b.exe.gather_state(n)
         return out
@@ -549,8 +564,6 @@ def _finish(steps: Iterator) -> Any:
 
 def _one_host(group: Any) -> bool:
     """Whether every rank of `group` runs on this host (the shared-memory algorithm then applies)."""
-    from ..backends.torch import shm
-
     return shm.group_for(group) is not None
 
 

@@ -23,7 +23,7 @@ from ..atomic import write_text
 from ..errors import CocoweaveError
 from ..ir import registry as R
 from ..ir.graph import Value
-from ..ir.layout import slice_bounds
+from ..ir.layout import largest_position, part_shape
 from ..ir.types import DTYPES, bind_shape
 from ..plan import P2P, Collective, Compute, FusedCollective, MatMul, Overlap, Plan, Stage
 
@@ -147,15 +147,22 @@ def _itemsize(dtype: str) -> int:
     return DTYPES[dtype].itemsize
 
 
+def largest_part(v: Value, sizes: Mapping[str, int], world_size: int) -> tuple[int, ...]:
+    """The shape of the largest per-rank part of `v` (the whole tensor unless it is sliced; on a mesh, nested
+    parts at their largest along every axis; uneven shares at the largest share)."""
+    full = bind_shape(v.shape, sizes)
+    if v.group is None or not v.layout.is_sliced:
+        return tuple(full)
+    mesh = v.group.mesh
+    shape = mesh.shape if mesh is not None else (v.group.size(world_size),)
+    return part_shape(v.layout, full, largest_position(v.layout, full, shape))
+
+
 def local_bytes(v: Value, sizes: Mapping[str, int], world_size: int) -> int:
     """Bytes of the largest per-rank part of `v` (the whole tensor unless it is sliced)."""
     if v.is_scalar:
         return 0
-    shape = list(bind_shape(v.shape, sizes))
-    if v.layout.is_sliced and v.group is not None:
-        start, stop = slice_bounds(shape[v.layout.dim], v.group.size(world_size), 0)
-        shape[v.layout.dim] = stop - start
-    return math.prod(shape) * _itemsize(v.dtype)
+    return math.prod(largest_part(v, sizes, world_size)) * _itemsize(v.dtype)
 
 
 @dataclass
@@ -172,7 +179,7 @@ def _comm_term(v: Value, algorithm: str, sizes: Mapping[str, int], world_size: i
     src = v.args[0]
     if v.op == "send":
         return Term("comm", "p2p/library", local_bytes(src, sizes, world_size))
-    p = v.group.size(world_size) if v.group is not None else world_size
+    p = v.group.axis_size(world_size, v.attrs.get("axis")) if v.group is not None else world_size
     whole = local_bytes(src if v.op != "all_gather" else v, sizes, world_size)
     if backend_wire == "gloo" and v.dtype in ("float16", "bfloat16"):
         whole *= 2  # Gloo reduces half types in float32
@@ -200,11 +207,7 @@ def _kernel_terms(values: Sequence[Value], sizes: Mapping[str, int], world_size:
 
 def _matmul_term(v: Value, sizes: Mapping[str, int], world_size: int) -> Term:
     out = local_bytes(v, sizes, world_size) // _itemsize(v.dtype)
-    a = v.args[0]
-    k_dim = list(bind_shape(a.shape, sizes))[-1]
-    if a.layout.is_sliced and a.layout.dim in (-1, a.ndim - 1) and a.group is not None:
-        start, stop = slice_bounds(k_dim, a.group.size(world_size), 0)
-        k_dim = stop - start
+    k_dim = largest_part(v.args[0], sizes, world_size)[-1]  # the inner dimension of this rank's part
     return Term("matmul", v.dtype, 2.0 * out * k_dim)
 
 

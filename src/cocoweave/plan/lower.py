@@ -63,4 +63,5 @@ def lower(schedule: Schedule | Program) -> Plan:
         needed |= {id(a) for a in s.reads()}
     stages = [_with_live_outs(s, needed) for s in stages]
     return Plan(name=schedule.name, program=p, stages=stages, host=host, state=state,
-                sliced_state=schedule.sliced_state, outputs=list(p.outputs), fingerprint=schedule.fingerprint())
+                sliced_state=schedule.sliced_state, outputs=list(p.outputs), fingerprint=schedule.fingerprint(),
+                unsliced={n: schedule.original.inputs[n].layout for n in schedule.sliced_state})

@@ -10,9 +10,10 @@ it takes part in) is `plan.view(rank, world_size, sizes)`.
 from __future__ import annotations
 
 from collections.abc import Iterator, Mapping
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 from ..ir.graph import Program, Value
+from ..ir.layout import Layout
 from ..schedule.stages import Overlap, Stage
 from .view import RankView
 
@@ -29,9 +30,11 @@ class Plan:
     sliced_state: list[str]  # inputs the schedule stores sliced (as_slice)
     outputs: list[tuple[str, Value]]
     fingerprint: str
+    unsliced: dict[str, Layout] = field(default_factory=dict)  # sliced state -> its layout in the program as written
 
     def view(self, rank: int, world_size: int, sizes: Mapping[str, int]) -> RankView:
         """World rank `rank`'s view of this plan at `world_size` ranks with `sizes` bound."""
+        self.program.check_world(world_size)
         return RankView(rank, world_size, dict(sizes))
 
     def walk(self) -> Iterator[Stage]:

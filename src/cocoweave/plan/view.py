@@ -7,7 +7,7 @@ from collections.abc import Mapping
 from dataclasses import dataclass
 
 from ..ir.graph import Value
-from ..ir.layout import local_shape
+from ..ir.layout import Position, local_shape
 from ..schedule.stages import Stage
 
 
@@ -28,10 +28,18 @@ class RankView:
         ranks = v.group.ranks(self.world_size)
         return ranks.index(self.rank), len(ranks)
 
+    def position(self, v: Value) -> Position:
+        """Where this rank sits in v's group: its mesh coordinates (its group rank without a mesh)."""
+        return v.position(self.rank, self.world_size)
+
+    def line(self, v: Value) -> tuple[int, int]:
+        """(index of this rank, number of ranks) along the mesh axis that communication value v runs over."""
+        line = v.args[0].group.line(self.rank, self.world_size, v.attrs.get("axis"))
+        return line.index(self.rank), len(line)
+
     def local_shape(self, v: Value) -> tuple[int, ...]:
         """The shape of this rank's part of v."""
-        gr, gs = self.group_rank(v)
-        return local_shape(v, self.sizes, gr, gs)
+        return local_shape(v, self.sizes, self.position(v))
 
     def takes_part(self, stage: Stage) -> bool:
         """A rank runs a stage if it holds any of its values or sends any of them."""

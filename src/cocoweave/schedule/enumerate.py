@@ -20,7 +20,7 @@ from ..ir.graph import Program
 from .as_slice import sliced_dim
 from .schedule import Schedule
 from .stages import Stage, value
-from .steps import Step
+from .steps import Reorder, Split, Step
 
 CHUNKS = (2, 4, 8)
 
@@ -42,9 +42,7 @@ def _rewrites(program: Program) -> list[Schedule]:
     def split_all(reorder: bool) -> Schedule:
         s = Schedule(program)
         for ar in ars:
-            _, ag = s.split(ar)
-            if reorder:
-                s.reorder(ag)
+            _split(s, ar, reorder)
         return s
 
     split = _try(lambda: split_all(False))
@@ -60,6 +58,20 @@ def _rewrites(program: Program) -> list[Schedule]:
         if s is not None:
             out.append(s)
     return out
+
+
+def _split(s: Schedule, ar: str, reorder: bool) -> None:
+    """Split `ar` (and reorder its all_gather) along dimension 0; on a mesh of several axes, along the first
+    dimension where that works (another axis may slice a dimension already, or the epilogue another one)."""
+    mesh = value(s.program, ar).group.mesh
+    dims = range(value(s.program, ar).ndim) if mesh is not None and len(mesh.axes) > 1 else (0,)
+    for d in dims:
+        try:
+            s._apply(Split(ar, d), *([Reorder(f"{ar}.ag")] if reorder else []))
+            return
+        except ScheduleError:
+            if d == dims[-1]:
+                raise
 
 
 def _try_dim(program: Program, name: str) -> bool:

@@ -11,8 +11,8 @@ from __future__ import annotations
 from collections.abc import Callable
 
 from ..ir import ops, registry
-from ..ir.graph import Program, Value
-from ..ir.layout import Layout
+from ..ir.graph import Program, Value, make_layout
+from ..ir.layout import Layout, Placement, placements
 
 # (old value, mapping of old values to new ones, new program) -> new value, or None to copy as is
 Hook = Callable[[Value, dict[Value, Value], Program], Value | None]
@@ -32,6 +32,26 @@ def copy_value(v: Value, env: dict[Value, Value], new: Program, layout: Layout |
     return named(out, v.name, v.loc)
 
 
+def axis_of(v: Value) -> tuple[int, int]:
+    """(index of the mesh axis communication value v runs over, number of axes) (0 of 1 without a mesh)."""
+    mesh = v.group.mesh
+    if mesh is None or len(mesh.axes) == 1:
+        return 0, 1
+    return mesh.index(v.attrs["axis"]), len(mesh.axes)
+
+
+def on_axis(v: Value, axis: int, n: int) -> Placement:
+    """The placement of tensor v along mesh axis number `axis` of `n`."""
+    return placements(v.layout, n)[axis]
+
+
+def with_placement(v: Value, axis: int, n: int, p: Placement) -> Layout:
+    """v's layout with placement `p` along mesh axis number `axis` of `n`."""
+    per = list(placements(v.layout, n))
+    per[axis] = p
+    return make_layout(v.group, per)
+
+
 def named(v: Value, name: str, loc: str | None = None) -> Value:
     """Give a rewrite-created value a stable name (and the location of the value it came from)."""
     v.name = name
@@ -42,9 +62,7 @@ def named(v: Value, name: str, loc: str | None = None) -> Value:
 
 def rebuild(old: Program, hook: Hook | None = None) -> Program:
     """A new program equal to `old` except where `hook` builds replacements, without dead values."""
-    new = Program(old.name)
-    if len(old.groups) > 1:
-        new.pipeline(len(old.groups))
+    new = old.like()
     env: dict[Value, Value] = {}
     for v in old.values:
         out = hook(v, env, new) if hook else None
@@ -66,9 +84,7 @@ def prune(p: Program) -> Program:
         stack.extend(v.args)
     if len(live) == len(p.values):
         return _unique_names(p)
-    new = Program(p.name)
-    if len(p.groups) > 1:
-        new.pipeline(len(p.groups))
+    new = p.like()
     env: dict[Value, Value] = {}
     for v in p.values:
         if id(v) in live:

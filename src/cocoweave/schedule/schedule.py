@@ -65,9 +65,10 @@ class Schedule:
         self._stages = stages
 
     # -- graph rewrites -----------------------------------------------------------------------
-    def split(self, all_reduce: Ref, dim: int = 0) -> tuple[Stage, Stage]:
-        """AllReduce -> ReduceScatter + AllGather. Returns the two new stages."""
-        return self._apply(Split(_name(all_reduce), dim))
+    def split(self, all_reduce: Ref, dim: int = 0, shares: tuple[int, ...] | None = None) -> tuple[Stage, Stage]:
+        """AllReduce -> ReduceScatter + AllGather (over the all_reduce's mesh axis), the scattered parts in
+        proportion to `shares` (one positive int per rank along the axis) when given. Returns the two new stages."""
+        return self._apply(Split(_name(all_reduce), dim, tuple(shares) if shares is not None else None))
 
     def reorder(self, all_gather: Ref) -> list[Stage]:
         """Move the computation after an AllGather onto slices, before it. Returns the stages

@@ -2,16 +2,17 @@
 
 from __future__ import annotations
 
-from ..errors import ScheduleError
+from ..errors import ProgramError, ScheduleError
 from ..ir import ops
 from ..ir.graph import Program, Value
 from .find import find
 from .rewrite import named, rebuild
 
 
-def split(program: Program, ref: str | Value, dim: int = 0) -> tuple[Program, str, str]:
-    """Rewrite all_reduce `ref` as reduce_scatter(dim) + all_gather; returns the program and the
-    names of the new reduce_scatter and all_gather."""
+def split(program: Program, ref: str | Value, dim: int = 0,
+          shares: tuple[int, ...] | None = None) -> tuple[Program, str, str]:
+    """Rewrite all_reduce `ref` as reduce_scatter(dim) + all_gather over the same mesh axis; returns the program
+    and the names of the new reduce_scatter and all_gather. `shares` split the scattered parts unevenly."""
     ar = find(program, ref, "all_reduce", "split")
     op = ar.attrs["op"]
     if op == "adasum":
@@ -27,7 +28,12 @@ def split(program: Program, ref: str | Value, dim: int = 0) -> tuple[Program, st
     def hook(v: Value, env: dict[Value, Value], new: Program) -> Value | None:
         if v is not ar:
             return None
-        rs = named(ops.reduce_scatter(env[v.args[0]], op, d), rs_name, v.loc)
-        return named(ops.all_gather(rs), ag_name, v.loc)
+        axis = v.attrs.get("axis")
+        try:
+            rs = ops.reduce_scatter(env[v.args[0]], op, d, axis, shares, v.attrs.get("weights"))
+        except ProgramError as e:
+            raise ScheduleError(f"cannot split `{ar.name}` along dimension {d}: {getattr(e, 'rule', e)}") from None
+        rs = named(rs, rs_name, v.loc)
+        return named(ops.all_gather(rs, axis=axis), ag_name, v.loc)
 
     return rebuild(program, hook), rs_name, ag_name

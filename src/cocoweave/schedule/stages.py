@@ -18,6 +18,8 @@ from typing import Any, ClassVar
 from ..errors import ScheduleError
 from ..ir import registry as R
 from ..ir.graph import Program, Value
+from ..ir.layout import placements
+from .rewrite import axis_of, on_axis
 
 COMPUTE_OPS = R.names(*R.COMPUTE_GROUPS)
 ELEMENTWISE_OPS = R.names(*R.ELEMENTWISE_GROUPS)
@@ -270,9 +272,9 @@ def _fused_collective(program: Program, group: list[Stage]) -> Stage:
     rs = value(program, group[0].anchor)
     for s in group[len(group) - n_ag:]:
         ag = value(program, s.anchor)
-        if ag.attrs["dim"] != rs.attrs["dim"] or ag.group != rs.group:
-            raise ScheduleError(f"cannot fuse `{ag.name}` with `{rs.name}`: it gathers along another dimension "
-                                "or group than the reduce_scatter scatters")
+        if ag.attrs["dim"] != rs.attrs["dim"] or ag.group != rs.group or ag.attrs.get("axis") != rs.attrs.get("axis"):
+            raise ScheduleError(f"cannot fuse `{ag.name}` with `{rs.name}`: it gathers along another dimension, "
+                                "group or mesh axis than the reduce_scatter scatters")
     parts = tuple(replace(s, fused=True) if isinstance(s, Compute) else s for s in group)
     return FusedCollective(tuple(n for s in group for n in s.values), parts=parts)
 
@@ -330,14 +332,21 @@ def set_algorithm(program: Program, stages: list[Stage], ref: str | Stage, algor
                             f"reduces with one of {', '.join(RING_OPS)}")
     if isinstance(s, FusedCollective) and algorithm == "ring":
         dim = head.attrs["dim"]
+        axis, count = axis_of(head)
         for n in (n for p in s.parts if isinstance(p, Compute) for n in p.names):
             v = value(program, n)
             piecewise = v.op in ELEMENTWISE_OPS + ("slice",) and v.ndim == head.ndim
-            if not piecewise or not v.layout.is_sliced or v.layout.dim != dim:
+            at = on_axis(v, axis, count)
+            if not piecewise or not at.is_sliced or at.dim != dim:
                 raise ScheduleError(f"cannot run {lab} as a {algorithm}: `{v.name} = {v.op}(...)` is not an "
                                     f"elementwise value sliced along dimension {dim}, so it cannot be computed "
                                     "piece by piece as the ring reduces")
     return stages[:i] + [replace(s, algorithm=algorithm)] + stages[i + 1:]
+
+
+def _axis_count(v: Value) -> int:
+    mesh = v.group.mesh if v.group is not None else None
+    return len(mesh.axes) if mesh is not None else 1
 
 
 def chunk_dim(program: Program, members: list[str], names: str) -> int:
@@ -360,8 +369,8 @@ def chunk_dim(program: Program, members: list[str], names: str) -> int:
         if v.op == "matmul":
             banned.add(nd - 1)
         for t in [v, *v.args]:
-            if not t.is_scalar and t.layout.is_sliced and t.ndim == nd:
-                banned.add(t.layout.dim)
+            if not t.is_scalar and t.ndim == nd:
+                banned |= {p.dim for p in placements(t.layout, _axis_count(t)) if p.is_sliced}
         if v.op in ("reduce_scatter", "all_gather"):
             banned.add(v.attrs["dim"])
     for d in range(nd):

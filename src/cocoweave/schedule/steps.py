@@ -27,6 +27,9 @@ _TYPES: dict[Any, tuple[str, Callable[[Any], bool]]] = {
     str: ("a string", lambda v: isinstance(v, str)),
     int: ("an integer", lambda v: isinstance(v, int) and not isinstance(v, bool)),
     tuple[str, ...]: ("a list of strings", lambda v: isinstance(v, tuple) and all(isinstance(x, str) for x in v)),
+    tuple[int, ...] | None: ("a list of positive integers or null", lambda v: v is None or (
+        isinstance(v, tuple) and len(v) > 0 and all(isinstance(x, int) and not isinstance(x, bool) and x > 0
+                                                    for x in v))),
 }
 
 
@@ -55,8 +58,10 @@ class Step:
         raise NotImplementedError
 
     def to_json(self) -> dict[str, Any]:
-        """{"step": kind, field: value, ...} in field order (the saved form of schedules and tune caches)."""
-        return {"step": self.kind} | {f.name: _plain(getattr(self, f.name)) for f in fields(self)}
+        """{"step": kind, field: value, ...} in field order (the saved form of schedules and tune caches); a field
+        left at a default of None is left out (so that steps saved before it existed read and hash the same)."""
+        return {"step": self.kind} | {f.name: _plain(getattr(self, f.name)) for f in fields(self)
+                                      if not (f.default is None and getattr(self, f.name) is None)}
 
     @classmethod
     def from_json(cls, data: Mapping[str, Any]) -> Step:
@@ -102,19 +107,21 @@ class Rewrite(Step):
 
 @dataclass(frozen=True)
 class Split(Rewrite):
-    """AllReduce `ref` -> ReduceScatter + AllGather along `dim`; returns the two new stages."""
+    """AllReduce `ref` -> ReduceScatter + AllGather along `dim` (over the same mesh axis), the scattered parts in
+    proportion to `shares` when given; returns the two new stages."""
 
     ref: str
     dim: int = 0
+    shares: tuple[int, ...] | None = None
     kind: ClassVar[str] = "split"
 
     def rewrite(self, schedule: Schedule) -> tuple[Stage, Stage]:
-        program, rs, ag = split(schedule.program, self.ref, self.dim)
+        program, rs, ag = split(schedule.program, self.ref, self.dim, self.shares)
         schedule._set_program(program)
         return schedule.stage(rs), schedule.stage(ag)
 
     def __str__(self) -> str:
-        return f"split({self.ref}, dim={self.dim})"
+        return f"split({self.ref}, dim={self.dim}" + (f", shares={self.shares})" if self.shares else ")")
 
 
 @dataclass(frozen=True)

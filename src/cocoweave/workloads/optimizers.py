@@ -8,6 +8,8 @@ Algorithm 2 with phi = identity) operation by operation, so float32 results agre
 
 Options every program takes:
 - `grad`: "local" (all_reduce the ranks' gradients) or "reduced" (already reduced, Replicated).
+- `weights` (Adam, AdamW): one positive int per rank, e.g. its batch size (HetSeq's per-rank batch), make the
+  "avg" reduction the weighted average sum(w_r g_r) / sum(w_r).
 - `param_dtype`: float32, bfloat16 or float16. For low precision, `master_weights=True` keeps float32 weights `w`
   and optimizer state, reduces the gradients in float32 and writes `p = cast(w)` (Megatron's mixed precision);
   `master_weights=False` is torch's
@@ -56,13 +58,14 @@ class _Parts:
     value is written, state tensors in the right dtype, and the `active` mask of a masked program."""
 
     def __init__(self, p: Program, shape: tuple[Dim, ...], grad: str, reduction: str, param_dtype: str,
-                 master_weights: bool, clip: bool, masked: bool):
+                 master_weights: bool, clip: bool, masked: bool, weights: tuple[int, ...] | None = None):
         _check(p, grad, reduction, param_dtype)
         self.p, self.shape, self.low = p, shape, param_dtype != "float32"
         self.state_dtype = "float32" if master_weights or not self.low else param_dtype
         g = p.tensor("g", shape, param_dtype, Replicated if grad == "reduced" else Local)
         if grad == "local":  # with fp32 masters the gradients are reduced in float32 too (as Megatron does)
-            g = _f32(all_reduce(_f32(g), reduction) if master_weights else all_reduce(g, reduction))
+            g = _f32(all_reduce(_f32(g), reduction, weights=weights) if master_weights
+                     else all_reduce(g, reduction, weights=weights))
         if clip:
             (max_norm,) = p.scalars("max_norm")
             g = g * minimum(max_norm / (norm(g) + CLIP_EPS), 1.0)
@@ -137,10 +140,12 @@ def _moments(x: _Parts, torch_order: bool = True) -> tuple[Value, Value]:
 
 
 def adam(N: int = 1 << 20, grad: str = "local", reduction: str = "avg", param_dtype: str = "float32", *,
-         master_weights: bool = True, clip: bool = False, masked: bool = False) -> Program:
-    """Data-parallel Adam (CoCoNet's first workload): average the gradients, then update w, m, v."""
+         master_weights: bool = True, clip: bool = False, masked: bool = False,
+         weights: tuple[int, ...] | None = None) -> Program:
+    """Data-parallel Adam (CoCoNet's first workload): average the gradients (weighted by `weights`), then update
+    w, m, v."""
     p = Program("adam")
-    x = _Parts(p, (N,), grad, reduction, param_dtype, master_weights, clip, masked)
+    x = _Parts(p, (N,), grad, reduction, param_dtype, master_weights, clip, masked, weights)
     lr, b1, b2, eps, step = p.scalars("lr beta1 beta2 eps step")
     m1, v1 = _moments(x, torch_order=False)
     t = x.steps(step)
@@ -149,11 +154,12 @@ def adam(N: int = 1 << 20, grad: str = "local", reduction: str = "avg", param_dt
 
 
 def adamw(N: int = 1 << 20, grad: str = "local", reduction: str = "avg", param_dtype: str = "float32", *,
-          master_weights: bool = True, clip: bool = False, masked: bool = False) -> Program:
+          master_weights: bool = True, clip: bool = False, masked: bool = False,
+          weights: tuple[int, ...] | None = None) -> Program:
     """torch.optim.AdamW: decoupled weight decay w *= 1 - lr * wd, then the bias-corrected Adam
     step w -= (lr / bc1) * m / (sqrt(v) / sqrt(bc2) + eps), in torch's order of operations."""
     p = Program("adamw")
-    x = _Parts(p, (N,), grad, reduction, param_dtype, master_weights, clip, masked)
+    x = _Parts(p, (N,), grad, reduction, param_dtype, master_weights, clip, masked, weights)
     lr, b1, b2, eps, wd, step = p.scalars("lr beta1 beta2 eps weight_decay step")
     m1, v1 = _moments(x)
     t = x.steps(step)

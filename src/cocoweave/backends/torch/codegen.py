@@ -13,9 +13,11 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from ... import rng
+from ...ir import registry as R
 from ...ir.graph import Value
-from ...ir.layout import slice_bounds
+from ...ir.layout import part_bounds, placements, slice_bounds
 from ...ir.printer import operand
+from ...ir.semantics import local_rank
 from ...ir.types import bind_shape
 from ...plan import P2P, Collective, Compute, FusedCollective, Overlap, Plan, RankView, Stage
 
@@ -72,19 +74,21 @@ class Emitter:
             raise NotImplementedError(f"host scalar operation {v.op}")
         return emit(v, [self.ref(x) for x in v.args])
 
+    def bounds(self, v: Value) -> list[tuple[int, int]]:
+        """[start, stop) per dimension of this rank's part of v in the logical tensor."""
+        return part_bounds(v.layout, bind_shape(v.shape, self.view.sizes), self.view.position(v))
+
     def operand_expr(self, v: Value, a: Value, up: bool) -> str:
-        """Operand a of elementwise v: sliced to this rank's part when v is Sliced and a is a whole
-        Replicated tensor; upcast to float32 when v computes in half precision."""
+        """Operand a of elementwise v: cut to this rank's part of v where a is whole along an axis that slices v
+        (a Replicated operand of a Sliced result); upcast to float32 when v computes in half precision."""
         e = self.ref(a)
         if a.is_scalar:
             return e
-        if v.op not in ("matmul", "slice") and v.layout.is_sliced and a.layout.is_replicated:
-            j = v.layout.dim - (v.ndim - a.ndim)
+        if (R.opdef(v.op).elementwise or v.op == "layer_norm") and v.layout.is_sliced:
             full = bind_shape(a.shape, self.view.sizes)
-            if j >= 0 and full[j] != 1:
-                gr, gs = self.view.group_rank(v)
-                s, t = slice_bounds(full[j], gs, gr)
-                e = f"{e}.narrow({j}, {s}, {t - s})"
+            for j, (h, w) in enumerate(zip(self.bounds(a), self.bounds(v)[v.ndim - a.ndim:])):
+                if full[j] != 1 and h != w:
+                    e = f"{e}.narrow({j}, {w[0] - h[0]}, {w[1] - w[0]})"
         if not (v.op == "matmul" and a is v.args[1]):
             e = self.chunked(a, e)
         if up and a.dtype in HALF:
@@ -135,7 +139,7 @@ class Emitter:
         """Counter-based dropout: a constant seed's mask is the same every step (the executable hashes it once,
         ctx.keep); a runtime seed hashes the precomputed logical indices each step."""
         seed = v.attrs["seed"] if v.attrs["seed"] is not None else f"int({a[1]})"
-        rank = self.view.group_rank(v)[0] if v.args[0].layout.is_local else 0
+        rank = local_rank(v.args[0].layout, self.view.position(v))
         key, p = f"rt.dropout_key({seed}, {rank})", v.attrs["p"]
         if self.in_function:  # a fused loop: the logical index is arithmetic on the element's position
             if v.attrs["seed"] is not None:
@@ -155,16 +159,14 @@ class Emitter:
     def logical_index(self, x: Value, expr: str) -> str:
         """An expression of the logical indices of this rank's part of `x` (its slice of the whole tensor)."""
         full = bind_shape(x.shape, self.view.sizes)
-        dim, start = None, 0
-        if x.layout.is_sliced:
-            gr, gs = self.view.group_rank(x)
-            dim, start = x.layout.dim, slice_bounds(full[x.layout.dim], gs, gr)[0]
+        cuts = [(d, s) for d, (s, t) in enumerate(self.bounds(x)) if (s, t) != (0, full[d])]
+        dim, start = (None, 0) if not cuts else cuts[0] if len(cuts) == 1 else tuple(zip(*cuts))
         return f"rt.logical_index({full}, {self.view.local_shape(x)}, {dim}, {start}, {expr}.device)"
 
     def slice(self, v: Value, a: list[str]) -> str:
-        full = bind_shape(v.args[0].shape, self.view.sizes)
-        gr, gs = self.view.group_rank(v)
-        s, t = slice_bounds(full[v.attrs["dim"]], gs, gr)
+        d = v.attrs["dim"]
+        (s, t), s0 = self.bounds(v)[d], self.bounds(v.args[0])[d][0]
+        s, t = s - s0, t - s0  # within this rank's part of the operand
         if self.chunk is not None and v.attrs["dim"] == self.chunk[0] - (self.chunk[1] - v.ndim):
             # a piece of this rank's part (fused ring): offset within the part, from the whole tensor
             se = self.chunk[2]
@@ -176,10 +178,32 @@ class Emitter:
         x = self.chunked(v.args[0])
         key = f'("{v.name}", k)' if self.chunk is not None else f'"{v.name}"'  # a buffer per chunk in flight
         tail = f", out={key}" + (", async_op=True" if async_op else "")
+        if v.attrs.get("weights") is not None:  # a weighted average: scale by w_r / sum(w), then sum
+            w = v.attrs["weights"]
+            x = f"({x} * {w[self.view.line(v)[0]] / sum(w)!r})"
+        shares = self.shares(v)
+        tail = (f", shares={shares}" if shares is not None else "") + tail
         if id(v) in self.into and self.chunk is None:  # gathered straight into the state it becomes
             t, deferrable = self.into[id(v)]
             tail += f", into={self.var(t)}" + (", deferrable=True" if deferrable else "")
-        return COMM[v.op](self, v, x, f'ctx.group("{v.args[0].group.name}")', tail)
+        return COMM[v.op](self, v, x, self.group(v), tail)
+
+    def group(self, v: Value) -> str:
+        """The process group communication value v runs over: its mesh axis' line through this rank, or its group."""
+        axis = v.attrs.get("axis")
+        return f'ctx.group("{axis if axis is not None else v.args[0].group.name}")'
+
+    def shares(self, v: Value) -> tuple[int, ...] | None:
+        """The shares of the parts a reduce_scatter or all_gather splits (None: equal parts)."""
+        if v.op == "reduce_scatter":
+            return v.attrs.get("shares")
+        if v.op == "all_gather":
+            x = v.args[0]
+            mesh = x.group.mesh
+            per = placements(x.layout, len(mesh.axes) if mesh is not None else 1)
+            i = mesh.index(v.attrs["axis"]) if v.attrs.get("axis") is not None else 0
+            return per[i].shares
+        return None
 
     def send(self, v: Value, x: str, tail: str) -> str:
         src = v.args[0].group.ranks(self.view.world_size)
@@ -193,6 +217,10 @@ class Emitter:
             shape = f"rt.with_dim({shape}, {dim - (nd - v.ndim)}, {se}[1])"
         return (f"ctx.{self.prefix()}send_recv({x if sending else 'None'}, peer={peer}, sending={sending}, "
                 f"shape={shape}, dtype=torch.{v.dtype}{tail})")
+
+    def op(self, v: Value) -> str:
+        """The reduction a collective runs: a weighted average sums operands scaled by their weights."""
+        return "sum" if v.attrs.get("weights") is not None else v.attrs["op"]
 
     def prefix(self) -> str:
         """The runtime method's prefix for the stage's algorithm: ring_ (ring.py) and shm_ (shm.py) take the
@@ -267,9 +295,9 @@ HOST: dict[str, Callable[[Value, list[str]], str]] = {
 
 # communication -> (emitter, value, operand, group, tail arguments) -> runtime call
 COMM: dict[str, Callable[[Emitter, Value, str, str, str], str]] = {
-    "all_reduce": lambda em, v, x, g, t: f"ctx.{em.prefix()}all_reduce({x}, {v.attrs['op']!r}, {g}{t})",
+    "all_reduce": lambda em, v, x, g, t: f"ctx.{em.prefix()}all_reduce({x}, {em.op(v)!r}, {g}{t})",
     "reduce_scatter": lambda em, v, x, g, t:
-        f"ctx.{em.prefix()}reduce_scatter({x}, {v.attrs['op']!r}, {v.attrs['dim']}, {g}{t})",
+        f"ctx.{em.prefix()}reduce_scatter({x}, {em.op(v)!r}, {v.attrs['dim']}, {g}{t})",
     "all_gather": lambda em, v, x, g, t:
         f"ctx.{em.prefix()}all_gather({x}, {v.attrs['dim']}, {em.view.local_shape(v)[v.attrs['dim']]}, {g}{t})",
     "broadcast": lambda em, v, x, g, t: f"ctx.broadcast({x}, {v.attrs['root']}, {g}{t})",
@@ -505,7 +533,10 @@ def _emit_fused_ring(em: Emitter, stage: FusedCollective, index: int) -> None:
     rs, ags = stage.reduce_scatter, stage.all_gathers
     inside = [rs] + (list(stage.kernel.values) if stage.kernel is not None else [])
     kept = [v for v in inside if id(v) in em.live_out]
-    x, g = em.ref(rs.args[0]), f'ctx.group("{rs.args[0].group.name}")'
+    x, g = em.ref(rs.args[0]), em.group(rs)
+    if rs.attrs.get("weights") is not None:
+        w = rs.attrs["weights"]
+        x = f"({x} * {w[em.view.line(rs)[0]] / sum(w)!r})"
     em.chain_ids = {id(v) for v in inside}
     em.chunk = (rs.attrs["dim"], rs.ndim, "piece")
     em.emit(f'with ctx.span("{stage.label}", {index}):')
@@ -519,8 +550,9 @@ def _emit_fused_ring(em: Emitter, stage: FusedCollective, index: int) -> None:
         return f'("{v.name}", {em.view.local_shape(v)}, torch.{v.dtype})'
 
     em.emit(f"[{', '.join(em.var(a) for a in ags)}], [{', '.join(em.var(v) for v in kept)}] = ctx.fused_ring(", 2)
-    em.emit(f"{x}, {rs.attrs['dim']}, {rs.attrs['op']!r}, {g}, ring{index},", 3)
-    em.emit(f"gathered=[{', '.join(spec(a) for a in ags)}], kept=[{', '.join(spec(v) for v in kept)}])", 3)
+    em.emit(f"{x}, {rs.attrs['dim']}, {em.op(rs)!r}, {g}, ring{index},", 3)
+    shares = f", shares={rs.attrs['shares']}" if rs.attrs.get("shares") is not None else ""
+    em.emit(f"gathered=[{', '.join(spec(a) for a in ags)}], kept=[{', '.join(spec(v) for v in kept)}]{shares})", 3)
 
 
 def _scratch(em: Emitter, stage: Stage) -> dict[int, int]:

@@ -15,8 +15,8 @@ import torch.distributed as dist
 
 from ...codecache import write_source
 from ...errors import BackendError, InputError
-from ...ir.graph import Program
-from ...ir.layout import slice_bounds
+from ...ir.graph import Program, make_layout
+from ...ir.layout import Replicated, cut, part_bounds, part_shape, placements
 from ...ir.semantics import Place, dropout_index
 from ...ir.types import DTYPES, bind_shape
 from ...plan import Collective, FusedCollective, Plan
@@ -40,9 +40,21 @@ def default_kernels() -> str:
     return os.environ.get(KERNELS_ENV, "auto")
 
 
-def process_groups(program: Program, world_size: int) -> dict[str, Any]:
-    """torch.distributed groups of the program's stages. Every rank creates every group, in the
-    same order (new_group is collective); groups are shared by all executables of a process."""
+def process_groups(program: Program, world_size: int, rank: int = 0) -> dict[str, Any]:
+    """torch.distributed groups of the program's stages, and on a mesh, for each axis, the line of ranks along it
+    through `rank` (keyed by the axis name). Every rank creates every group, in the same order (new_group is
+    collective); groups are shared by all executables of a process."""
+    mesh = program.groups[0].mesh
+    if mesh is not None and len(mesh.axes) > 1:
+        out: dict[str, Any] = {program.groups[0].name: None}
+        for axis in mesh.axes:
+            for line in program.groups[0].lines(world_size, axis):
+                ranks = tuple(line)
+                if ranks not in _GROUPS:
+                    _GROUPS[ranks] = dist.new_group(list(ranks))
+                if rank in ranks:
+                    out[axis] = _GROUPS[ranks]
+        return out
     if len(program.groups) == 1:
         return {program.groups[0].name: None}
     out = {}
@@ -62,14 +74,14 @@ class Executable:
         """`group`: a torch.distributed process group that plays the program's world (e.g. the data-parallel
         group of a data x tensor parallel grid); `rank` and `world_size` are then this rank's place in it."""
         self.plan, self.rank, self.world_size = plan, rank, world_size
-        if group is not None and len(plan.program.groups) > 1:
-            raise BackendError(f"program `{plan.program.name}` splits its world into process groups; it cannot "
-                               "run on a given group (pass group=None)")
+        mesh = plan.program.groups[0].mesh
+        if group is not None and (len(plan.program.groups) > 1 or (mesh is not None and len(mesh.axes) > 1)):
+            raise BackendError(f"program `{plan.program.name}` splits its world into process groups or a mesh; it "
+                               "cannot run on a given group (pass group=None)")
         self.program = plan.program
         self.sizes = bound_sizes(self.program, sizes)
         self.device = torch.device(device)
-        for g in self.program.groups:
-            g.ranks(world_size)
+        self.program.check_world(world_size)
         kernels = kernels or default_kernels()
         fused = self._fused_kernels(kernels)
         self.source = generate(plan, rank, world_size, self.sizes, fused)
@@ -89,7 +101,7 @@ class Executable:
         if group is not None:
             groups = {self.program.groups[0].name: group}
         elif world_size > 1:
-            groups = process_groups(self.program, world_size)
+            groups = process_groups(self.program, world_size, rank)
         else:
             groups = {g.name: None for g in self.program.groups}
         compiled = kernels == "compiled" or kernels == "auto"
@@ -124,9 +136,8 @@ class Executable:
         out = {}
         for v in self.program.values:
             if v.op == "dropout" and self.rank in v.group.ranks(self.world_size):
-                ranks = v.group.ranks(self.world_size)
-                place = Place(ranks.index(self.rank), len(ranks), self.sizes)
-                shape = local_shape(v, self.sizes, place.group_rank, place.group_size)
+                place = Place(v.position(self.rank, self.world_size), self.sizes)
+                shape = local_shape(v, self.sizes, place.pos)
                 out[v.name] = dropout_index(v, shape, place, self.device)
         return out
 
@@ -140,11 +151,10 @@ class Executable:
                 continue
             if name in given:
                 t = given.pop(name)
-                d, full = v.layout.dim, bind_shape(v.shape, self.sizes)
-                ranks = v.group.ranks(self.world_size)
-                if isinstance(t, torch.Tensor) and t.ndim == v.ndim and t.shape[d] == full[d] and len(ranks) > 1:
-                    s, e = slice_bounds(full[d], len(ranks), ranks.index(self.rank))
-                    t = t.narrow(d, s, e - s)
+                full, pos = bind_shape(v.shape, self.sizes), v.position(self.rank, self.world_size)
+                have = part_bounds(self.plan.unsliced.get(name, Replicated), full, pos)  # its part as written
+                if isinstance(t, torch.Tensor) and tuple(t.shape) == tuple(b - a for a, b in have):
+                    t = cut(t, have, part_bounds(v.layout, full, pos))
                 self.kept[name] = t.clone() if isinstance(t, torch.Tensor) else t
             if name not in self.kept:
                 raise InputError(f"rank {self.rank}: state `{name}` was never given; pass it on the first call")
@@ -209,10 +219,10 @@ class Executable:
             return None
         if head.op == "reduce_scatter" and head.attrs["dim"] != 0:
             return None
-        g = shm.group_for(self.ctx.group(x.group.name))
+        g = shm.group_for(self.ctx.group(head.attrs.get("axis") or x.group.name))  # on a mesh: the axis' line
         if g is None:
             return None
-        shape = local_shape(x, self.sizes, *self.plan.view(self.rank, self.world_size, self.sizes).group_rank(x))
+        shape = self.plan.view(self.rank, self.world_size, self.sizes).local_shape(x)
         numel = math.prod(shape)
         return self.ctx.shm_buffers.get(g, head.name, numel, DTYPES[x.dtype])[g.me][:numel].view(shape)
 
@@ -227,15 +237,26 @@ class Executable:
     def local_shape(self, name: str) -> tuple[int, ...]:
         """The shape of this rank's part of input `name` in the plan's layouts (a state kept sliced: its slice)."""
         v = self.program.inputs[name]
-        return local_shape(v, self.sizes, *self.plan.view(self.rank, self.world_size, self.sizes).group_rank(v))
+        return self.plan.view(self.rank, self.world_size, self.sizes).local_shape(v)
 
     def gather_state(self, name: str) -> torch.Tensor:
-        """The whole tensor of state kept sliced (a collective: every rank of its group calls it)."""
+        """The whole tensor of state kept sliced (a collective: every rank of its group calls it); on a mesh,
+        gathered along every axis that slices it, the innermost first."""
         v = self.program.inputs[name]
         part = self.kept[name]
-        full = bind_shape(v.shape, self.sizes)
-        return self.ctx.all_gather(part, v.layout.dim, full[v.layout.dim], self.ctx.group(v.group.name),
-                                   out=("gather_state", name)).clone()
+        full, pos = bind_shape(v.shape, self.sizes), v.position(self.rank, self.world_size)
+        mesh = v.group.mesh
+        axes = mesh.axes if mesh is not None and len(mesh.axes) > 1 else (None,)
+        per = list(placements(v.layout, len(axes)))
+        for i in reversed(range(len(axes))):
+            p = per[i]
+            if not p.is_sliced:
+                continue
+            per[i] = Replicated
+            total = part_shape(make_layout(v.group, per), full, pos)[p.dim]
+            group = self.ctx.group(axes[i] if axes[i] is not None else v.group.name)
+            part = self.ctx.all_gather(part, p.dim, total, group, out=("gather_state", name, i), shares=p.shares)
+        return part.clone()
 
     def trace(self, enabled: bool = True) -> None:
         self.ctx.tracing = enabled

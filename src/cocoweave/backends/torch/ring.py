@@ -1,7 +1,8 @@
 """Ring collectives over point-to-point messages, and CoCoNet's fused ReduceScatter + computation + AllGather.
 
 Every rank of the group calls the same function with tensors of the same shape. Parts follow
-`torch.tensor_split` along `dim` (rank r owns part r; sizes may differ by one, and may be zero).
+`torch.tensor_split` along `dim` (rank r owns part r; sizes may differ by one, and may be zero), or are in
+proportion to `shares` when given (uneven parts: the messages of a step then differ in size).
 
 A ring collective over p ranks runs p-1 steps; in each step rank r sends one chunk to r+1 and receives
 one from r-1 (`dist.batch_isend_irecv`). Each ring is written as a generator that yields the P2P ops
@@ -21,7 +22,7 @@ import torch
 import torch.distributed as dist
 
 from ...errors import BackendError
-from ...ir.layout import slice_bounds
+from ...ir.layout import share_bounds, slice_bounds
 
 OPS = ("sum", "avg", "max", "min")
 _HALF = (torch.float16, torch.bfloat16)
@@ -161,8 +162,8 @@ def _all_gather_steps(peers: _Peers, mine: torch.Tensor, out_t: torch.Tensor, bo
         send = inbox
 
 
-def _part_bounds(size: int, p: int) -> Bounds:
-    return [slice_bounds(size, p, r) for r in range(p)]
+def _part_bounds(size: int, p: int, shares: Sequence[int] | None = None) -> Bounds:
+    return [share_bounds(size, tuple(shares) if shares is not None else p, r) for r in range(p)]
 
 
 def _check_shape(name: str, t: torch.Tensor, expected: tuple[int, ...], why: str) -> None:
@@ -176,23 +177,24 @@ def with_dim(shape: Sequence[int], dim: int, size: int) -> tuple[int, ...]:
 
 
 def ring_reduce_scatter(x: torch.Tensor, dim: int, op: str, group: dist.ProcessGroup | None,
-                        out: torch.Tensor) -> None:
+                        out: torch.Tensor, shares: Sequence[int] | None = None) -> None:
     """Reduce this rank's full-shape `x` over the group with `op`; `out` receives this rank's part (along `dim`,
     torch.tensor_split sizes) of the result. Half inputs are accumulated in float32."""
     _check_op(op)
     peers = _Peers(group)
     dim = dim % x.dim()
-    bounds = _part_bounds(x.shape[dim], peers.size)
+    bounds = _part_bounds(x.shape[dim], peers.size, shares)
     start, stop = bounds[peers.me]
     _check_shape("ring_reduce_scatter's out", out, with_dim(x.shape, dim, stop - start), f"part {peers.me} of x")
     _drive(_Ring(_reduce_scatter_steps(peers, x.movedim(dim, 0), bounds, op, out.movedim(dim, 0), _RS_TAG)))
 
 
-def ring_all_gather(part: torch.Tensor, dim: int, group: dist.ProcessGroup | None, out: torch.Tensor) -> None:
+def ring_all_gather(part: torch.Tensor, dim: int, group: dist.ProcessGroup | None, out: torch.Tensor,
+                    shares: Sequence[int] | None = None) -> None:
     """Gather every rank's `part` into the full-shape `out`, part r at its torch.tensor_split position along `dim`."""
     peers = _Peers(group)
     dim = dim % out.dim()
-    bounds = _part_bounds(out.shape[dim], peers.size)
+    bounds = _part_bounds(out.shape[dim], peers.size, shares)
     start, stop = bounds[peers.me]
     _check_shape("ring_all_gather's part", part, with_dim(out.shape, dim, stop - start),
                  f"part {peers.me} of out")
@@ -201,7 +203,7 @@ def ring_all_gather(part: torch.Tensor, dim: int, group: dist.ProcessGroup | Non
 
 def fused_ring(x: torch.Tensor, dim: int, op: str, group: dist.ProcessGroup | None,
                compute: Callable[[torch.Tensor, int, int], list[torch.Tensor]],
-               outs: list[torch.Tensor], subchunks: int = 2) -> None:
+               outs: list[torch.Tensor], subchunks: int = 2, shares: Sequence[int] | None = None) -> None:
     """CoCoNet's fused ReduceScatter + computation + AllGather.
 
     Each rank's part of `x` (along `dim`) is cut into `subchunks` pieces (torch.tensor_split of the part).
@@ -231,7 +233,7 @@ def fused_ring(x: torch.Tensor, dim: int, op: str, group: dist.ProcessGroup | No
         if o.dim() != x.dim() or o.shape[dim] != size:
             raise BackendError(f"fused_ring's outs[{i}] has shape {tuple(o.shape)}; it must have {x.dim()} "
                                f"dimensions and size {size} along dim {dim} like x")
-    parts = _part_bounds(size, p)
+    parts = _part_bounds(size, p, shares)
     x_t, outs_t = x.movedim(dim, 0), [o.movedim(dim, 0) for o in outs]
 
     def piece_bounds(s: int) -> Bounds:

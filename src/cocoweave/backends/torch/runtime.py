@@ -2,9 +2,9 @@
 dropout and trace spans. One `RankContext` per executable; buffers are allocated on first use and
 reused by every later step.
 
-Uneven splits (torch.tensor_split sizes) are handled by padding every part to the largest one, so
-the library's equal-size reduce_scatter / all_gather apply; when the split is even along dim 0 the
-tensors are used as they are, without copies.
+Uneven splits (torch.tensor_split sizes, or parts in proportion to `shares`) are handled by padding every
+part to the largest one, so the library's equal-size reduce_scatter / all_gather apply; when the split is
+even along dim 0 the tensors are used as they are, without copies.
 """
 
 from __future__ import annotations
@@ -20,7 +20,7 @@ import torch
 import torch.distributed as dist
 
 from ... import faults, rng
-from ...ir.layout import slice_bounds
+from ...ir.layout import share_bounds, slice_bounds
 from ...ir.semantics import reduce_local
 from . import ring, shm
 from .ring import with_dim  # generated code calls rt.with_dim
@@ -74,16 +74,18 @@ def concat(parts: Sequence[torch.Tensor], dim: int) -> torch.Tensor:
     return torch.cat(list(parts), dim=dim)
 
 
-def logical_index(full: Sequence[int], local: Sequence[int], dim: int | None, start: int,
-                  device: torch.device) -> torch.Tensor:
+def logical_index(full: Sequence[int], local: Sequence[int], dim: int | Sequence[int] | None,
+                  start: int | Sequence[int], device: torch.device) -> torch.Tensor:
     """Row-major indices in a tensor of shape `full` of the elements of its part of shape `local` that starts at
     `start` along `dim` (None: the whole tensor), as a sum of broadcast aranges: inside a compiled stage this is
     index arithmetic in the loop, no tensor in memory (cocoweave.rng.logical_index, narrowed, gives the same)."""
     nd = len(full)
+    dims = () if dim is None else (dim,) if isinstance(dim, int) else tuple(dim)
+    offsets = dict(zip(dims, (start,) if isinstance(start, int) else tuple(start)))  # a part cut on several dims
     index = torch.zeros((), dtype=torch.int64, device=device)
     stride = 1
     for d in range(nd - 1, -1, -1):
-        part = torch.arange(local[d], dtype=torch.int64, device=device) + (start if d == dim else 0)
+        part = torch.arange(local[d], dtype=torch.int64, device=device) + offsets.get(d, 0)
         index = index + (part * stride).view([local[d] if j == d else 1 for j in range(nd)])
         stride *= full[d]
     return index
@@ -128,6 +130,11 @@ class CompiledStage:
             return self.eager(*args)
         self.compiled = True
         return out
+
+
+def parts(size: int, n: int, shares: Sequence[int] | None) -> list[tuple[int, int]]:
+    """[start, stop) of each of n ranks' parts of `size`: tensor_split sizes, or in proportion to `shares`."""
+    return [share_bounds(size, tuple(shares) if shares is not None else n, r) for r in range(n)]
 
 
 class Pending:
@@ -287,16 +294,22 @@ class RankContext:
         return adasum_all_reduce(x, group, self.buffer(out, x.shape, x.dtype))
 
     def reduce_scatter(self, x: torch.Tensor, op: str, dim: int, group: Any, out: Any,
-                       async_op: bool = False) -> Any:
+                       async_op: bool = False, shares: Sequence[int] | None = None) -> Any:
         if (alone := self._alone(x, out, async_op)) is not None:
             return alone
         n, me = dist.get_world_size(group), dist.get_rank(group)
         size = x.shape[dim]
-        bounds = [slice_bounds(size, n, r) for r in range(n)]
+        bounds = parts(size, n, shares)
         c = max(stop - start for start, stop in bounds)
         wire = self._wire(x).movedim(dim, 0)
         rest = tuple(wire.shape[1:])
-        if size % n == 0 and dim == 0 and wire.is_contiguous():
+        mine = bounds[me][1] - bounds[me][0]
+        if shares is not None and self.backend == "gloo":  # Gloo reduces uneven parts as they are: no padding
+            part = self.buffer((out, "part"), (mine, *rest), wire.dtype)
+            pieces = [wire[start:stop].contiguous() for start, stop in bounds]
+            work = dist.reduce_scatter(part, pieces, op=_REDUCE[op], group=group, async_op=async_op)
+            return self._done(work if async_op else None, self._scattered(x, dim, mine, part, op, n, out), async_op)
+        if size % n == 0 and dim == 0 and wire.is_contiguous() and shares is None:
             inp = wire
         else:  # pad each rank's segment to c rows so that equal-size reduce_scatter applies
             inp = self.buffer((out, "in"), (c * n, *rest), wire.dtype)
@@ -304,7 +317,12 @@ class RankContext:
                 inp[r * c:r * c + stop - start].copy_(wire[start:stop])
         part = self.buffer((out, "part"), (c, *rest), wire.dtype)
         work = _REDUCE_SCATTER(part, inp, op=_REDUCE[op], group=group, async_op=async_op)
-        mine = bounds[me][1] - bounds[me][0]
+
+        return self._done(work if async_op else None, self._scattered(x, dim, mine, part, op, n, out), async_op)
+
+    def _scattered(self, x: torch.Tensor, dim: int, mine: int, part: torch.Tensor, op: str, n: int,
+                   out: Any) -> Callable[[], torch.Tensor]:
+        """What completes a reduce_scatter: this rank's `mine` rows of `part` into its buffer, averaged for avg."""
 
         def finish() -> torch.Tensor:
             res = self.buffer(out, with_dim(x.shape, dim, mine), x.dtype)
@@ -313,27 +331,28 @@ class RankContext:
                 res.div_(n)
             return res
 
-        return self._done(work if async_op else None, finish, async_op)
+        return finish
 
     def all_gather(self, x: torch.Tensor, dim: int, total: int, group: Any, out: Any, async_op: bool = False,
-                   into: torch.Tensor | None = None, deferrable: bool = False) -> Any:
-        """Gather the ranks' tensor_split parts of a tensor whose whole size along `dim` is `total` (into `into`,
-        when given: a state tensor the result becomes). A deferrable gather is left in flight while the executable
-        defers (its result is only read after Executable.wait)."""
+                   into: torch.Tensor | None = None, deferrable: bool = False,
+                   shares: Sequence[int] | None = None) -> Any:
+        """Gather the ranks' parts (tensor_split sizes, or in proportion to `shares`) of a tensor whose whole size
+        along `dim` is `total` (into `into`, when given: a state tensor the result becomes). A deferrable gather is
+        left in flight while the executable defers (its result is only read after Executable.wait)."""
         if (alone := self._alone(x, out, async_op, into)) is not None:
             return alone
         if deferrable and self.defer and not async_op:
-            self.deferred.append(self.all_gather(x, dim, total, group, out, True, into))
+            self.deferred.append(self.all_gather(x, dim, total, group, out, True, into, shares=shares))
             return into
         n = dist.get_world_size(group)
-        bounds = [slice_bounds(total, n, r) for r in range(n)]
+        bounds = parts(total, n, shares)
         sizes = [stop - start for start, stop in bounds]
         c = max(sizes)
         xt = x.movedim(dim, 0)
         rest = tuple(xt.shape[1:])
         full_shape = with_dim(x.shape, dim, total)
         res = into if into is not None else self.buffer(out, full_shape, x.dtype)
-        if total % n == 0 and dim == 0 and x.is_contiguous() and res.is_contiguous():
+        if total % n == 0 and dim == 0 and x.is_contiguous() and res.is_contiguous() and shares is None:
             work = _ALL_GATHER(res, x, group=group, async_op=async_op)
             return self._done(work if async_op else None, lambda: res, async_op)
         inp = self.buffer((out, "in"), (c, *rest), x.dtype)
@@ -397,9 +416,9 @@ class RankContext:
                           "does not order stores); shm collectives run as the library's", RuntimeWarning, stacklevel=3)
         return g
 
-    def _rows(self, rows: int, row: int, n: int) -> list[tuple[int, int]]:
+    def _rows(self, rows: int, row: int, n: int, shares: Sequence[int] | None = None) -> list[tuple[int, int]]:
         """(flat start, length) of each rank's part of a tensor of `rows` rows of `row` elements."""
-        return [(start * row, (stop - start) * row) for start, stop in (slice_bounds(rows, n, r) for r in range(n))]
+        return [(start * row, (stop - start) * row) for start, stop in parts(rows, n, shares)]
 
     def shm_all_reduce(self, x: torch.Tensor, op: str, group: Any, out: Any, async_op: bool = False) -> Any:
         if (alone := self._alone(x, out, async_op)) is not None:
@@ -417,39 +436,41 @@ class RankContext:
         return self._done(None, lambda: res, async_op)
 
     def shm_reduce_scatter(self, x: torch.Tensor, op: str, dim: int, group: Any, out: Any,
-                           async_op: bool = False) -> Any:
+                           async_op: bool = False, shares: Sequence[int] | None = None) -> Any:
         if (alone := self._alone(x, out, async_op)) is not None:
             return alone
         g = self._shm_group(group)
         if g is None:
-            return self.reduce_scatter(x, op, dim, group, out, async_op)
+            return self.reduce_scatter(x, op, dim, group, out, async_op, shares)
         wire = self._wire(x).movedim(dim, 0)
         flat = wire.reshape(-1) if wire.is_contiguous() else wire.contiguous().reshape(-1)
         rows = x.shape[dim]
-        parts = self._rows(rows, flat.numel() // rows if rows else 0, g.size)
+        flat_parts = self._rows(rows, flat.numel() // rows if rows else 0, g.size, shares)
         slots = self.shm_buffers.get(g, out, flat.numel(), flat.dtype)
-        mine = slice_bounds(rows, g.size, g.me)
+        mine = parts(rows, g.size, shares)[g.me]
         part = self.buffer((out, "part"), (mine[1] - mine[0], *wire.shape[1:]), flat.dtype)
-        shm.reduce_scatter(g, slots, flat, op, parts, part.view(-1))
+        shm.reduce_scatter(g, slots, flat, op, flat_parts, part.view(-1))
         res = self.buffer(out, with_dim(x.shape, dim, mine[1] - mine[0]), x.dtype)
         res.movedim(dim, 0).copy_(part)
         return self._done(None, lambda: res, async_op)
 
     def shm_all_gather(self, x: torch.Tensor, dim: int, total: int, group: Any, out: Any,
-                       async_op: bool = False, into: torch.Tensor | None = None, deferrable: bool = False) -> Any:
+                       async_op: bool = False, into: torch.Tensor | None = None, deferrable: bool = False,
+                       shares: Sequence[int] | None = None) -> Any:
         if (alone := self._alone(x, out, async_op, into)) is not None:
             return alone
         g = self._shm_group(group)
         if g is None:
-            return self.all_gather(x, dim, total, group, out, async_op, into, deferrable)
+            return self.all_gather(x, dim, total, group, out, async_op, into, deferrable, shares=shares)
         res = into if into is not None else self.buffer(out, with_dim(x.shape, dim, total), x.dtype)
         xt = x.movedim(dim, 0)
         flat = xt.reshape(-1) if xt.is_contiguous() else xt.contiguous().reshape(-1)
         row = flat.numel() // x.shape[dim] if x.shape[dim] else math.prod(xt.shape[1:])
-        biggest = max(stop - start for start, stop in (slice_bounds(total, g.size, r) for r in range(g.size)))
+        bounds = parts(total, g.size, shares)
+        biggest = max(stop - start for start, stop in bounds)
         slots = self.shm_buffers.get(g, out, biggest * row, x.dtype)
         rt_ = res.movedim(dim, 0)
-        outs = [rt_[start:stop] for start, stop in (slice_bounds(total, g.size, r) for r in range(g.size))]
+        outs = [rt_[start:stop] for start, stop in bounds]
         if dim == 0 and res.is_contiguous():
             shm.all_gather(g, slots, flat, outs)
         else:  # gather flat pieces, then place them along `dim`
@@ -489,27 +510,30 @@ class RankContext:
         ring.ring_all_gather(part, 0, group, res.view(-1))
         return res
 
-    def ring_reduce_scatter(self, x: torch.Tensor, op: str, dim: int, group: Any, out: Any) -> torch.Tensor:
+    def ring_reduce_scatter(self, x: torch.Tensor, op: str, dim: int, group: Any, out: Any,
+                            shares: Sequence[int] | None = None) -> torch.Tensor:
         if (alone := self._alone(x, out, False)) is not None:
             return alone
-        start, stop = slice_bounds(x.shape[dim], dist.get_world_size(group), dist.get_rank(group))
+        start, stop = parts(x.shape[dim], dist.get_world_size(group), shares)[dist.get_rank(group)]
         res = self.buffer(out, with_dim(x.shape, dim, stop - start), x.dtype)
-        ring.ring_reduce_scatter(x, dim, op, group, res)
+        ring.ring_reduce_scatter(x, dim, op, group, res, shares)
         return res
 
     def ring_all_gather(self, x: torch.Tensor, dim: int, total: int, group: Any, out: Any,
-                        into: torch.Tensor | None = None, deferrable: bool = False) -> torch.Tensor:
+                        into: torch.Tensor | None = None, deferrable: bool = False,
+                        shares: Sequence[int] | None = None) -> torch.Tensor:
         if (alone := self._alone(x, out, False, into)) is not None:
             return alone
         res = into if into is not None else self.buffer(out, with_dim(x.shape, dim, total), x.dtype)
-        ring.ring_all_gather(x, dim, group, res)
+        ring.ring_all_gather(x, dim, group, res, shares)
         return res
 
     def fused_ring(self, x: torch.Tensor, dim: int, op: str, group: Any,
                    compute: Callable[[torch.Tensor, tuple[int, int]], tuple[list, list]],
                    gathered: Sequence[tuple[Any, Sequence[int], torch.dtype]],
                    kept: Sequence[tuple[Any, Sequence[int], torch.dtype]],
-                   subchunks: int = 2) -> tuple[list[torch.Tensor], list[torch.Tensor]]:
+                   subchunks: int = 2, shares: Sequence[int] | None = None) -> tuple[list[torch.Tensor],
+                                                                                    list[torch.Tensor]]:
         """CoCoNet's fused RS-C-AG (ring.fused_ring). `compute(piece, (offset, length))` returns the
         piece of every gathered output and of every kept value (this rank's part, assembled here)."""
         outs = [self.buffer(key, shape, dtype) for key, shape, dtype in gathered]
@@ -525,7 +549,7 @@ class RankContext:
             for o, r in zip(outs, piece(x, 0, x.shape[dim])):
                 o.copy_(r)
             return outs, keep
-        ring.fused_ring(x, dim, op, group, piece, outs, subchunks)
+        ring.fused_ring(x, dim, op, group, piece, outs, subchunks, shares)
         return outs, keep
 
     # -- overlap ------------------------------------------------------------------------------
