@@ -80,7 +80,7 @@ class Config:
         if self.batch_policy == "scale":
             return BatchPolicy.scale(self.batch, self.base_world or base_world or self.data_parallel,
                                      self.lr_rule or "linear", self.micro_batch)
-        return BatchPolicy(self.batch_policy, self.batch, lr_rule=self.lr_rule,  # type: ignore[arg-type]
+        return BatchPolicy(self.batch_policy, self.batch, lr_rule=self.lr_rule,
                            micro_batch=self.micro_batch)
 
     def validate(self) -> Config:
