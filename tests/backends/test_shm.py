@@ -123,3 +123,39 @@ def test_ranks_on_different_hosts_fall_back_to_the_library():
     with LocalWorld(2) as world:  # its own world: the patched host name must not reach other tests
         got = [r[0] for r in world.run(_other_hosts, program, inputs)]
     assert compare_results(program, got, want).ok
+
+
+def test_a_process_that_exited_is_not_alive_and_a_zombie_neither():
+    import subprocess
+    import sys
+
+    child = subprocess.Popen([sys.executable, "-c", "pass"])
+    time.sleep(0.5)  # exited, not reaped yet: a zombie
+    assert shm._alive(os.getpid()) and not shm._alive(child.pid)
+    child.wait()
+    assert not shm._alive(child.pid) and shm._alive(0)
+
+
+def _die_in_barrier(rank: int, world_size: int, program: cw.Program, inputs: list) -> float:
+    os.environ[shm.TIMEOUT_ENV] = "60"
+    exe = Executable(lower(_on_shm(program)), rank, world_size, {}, "cpu")
+    exe.run(dict(inputs[rank]))
+    if rank == 1:
+        os._exit(3)
+    start = time.monotonic()
+    try:
+        exe.run(dict(inputs[rank]))
+    except BackendError as e:
+        assert "rank 1 exited while the ranks [0, 1] waited for it" in str(e), str(e)
+        return time.monotonic() - start
+    return float("inf")
+
+
+def test_a_rank_that_exits_is_named_at_once_not_after_the_timeout():
+    program = _collectives(4, 2, "float32", "sum", 0)
+    inputs = make_inputs(program, 2, {}, seed=0)
+    with LocalWorld(2, timeout_s=30) as world:
+        start = time.monotonic()
+        with pytest.raises(BackendError, match="rank 1 exited"):
+            world.run(_die_in_barrier, program, inputs)
+        assert time.monotonic() - start < 20

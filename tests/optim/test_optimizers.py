@@ -169,8 +169,8 @@ def scenarios(rank: int, world_size: int) -> dict[str, float]:
 
 
 def _adasum(rank: int, world_size: int) -> float:
-    """reduction="adasum" runs the unsplit schedule and combines the flat gradient of the bucket with
-    Adasum; the reference gathers every rank's flat gradient and combines them with the oracle's tree."""
+    """reduction="adasum" combines each parameter's gradient with Adasum on its own (as Horovod does: a bucket per
+    tensor); the reference gathers every rank's gradient of each parameter and combines them with the oracle's tree."""
     from cocoweave.backends.adasum import adasum_tree
 
     ours, ref = _mlp(), _mlp()
@@ -179,16 +179,15 @@ def _adasum(rank: int, world_size: int) -> float:
     for step in range(STEPS):
         _backward_all((ours, ref), step, rank, world_size)
         opt.step()
-        flat = torch.cat([p.grad.reshape(-1) for p in ref.parameters()])
-        parts = [flat]
-        if world_size > 1:
-            parts = [torch.empty_like(flat) for _ in range(world_size)]
-            dist.all_gather(parts, flat)
-        combined = adasum_tree(parts)
-        for p, g in zip(ref.parameters(), combined.split([p.numel() for p in ref.parameters()]), strict=True):
-            p.grad = g.reshape(p.shape).to(p.dtype)
+        for p in ref.parameters():
+            parts = [p.grad]
+            if world_size > 1:
+                parts = [torch.empty_like(p.grad) for _ in range(world_size)]
+                dist.all_gather(parts, p.grad.contiguous())
+            p.grad = adasum_tree(parts)
         ref_opt.step()
-    assert opt._buckets[0].schedule.name in ("AR-C", "C")
+    assert len(opt._buckets) == len(list(ours.parameters()))  # one tensor per bucket
+    assert all(b.schedule.name in ("AR-C", "C") for b in opt._buckets)
     return _worst(ours, ref)
 
 

@@ -1,11 +1,13 @@
-"""Drop-in optimizers that replace DDP + a torch optimizer: after loss.backward() on the plain model,
-step() reduces the gradients and updates the parameters with one tuned cocoweave program per bucket.
+"""Drop-in optimizers that replace DDP + a torch optimizer: train the plain model (no DDP wrapper); step() reduces
+the gradients and updates the parameters with one compiled cocoweave program per bucket.
 
-    opt = cocoweave.optim.DistributedAdamW(model.parameters(), lr=1e-3, weight_decay=0.01)
+    dist.init_process_group("gloo")          # or NCCL; under torchrun
+    opt = cocoweave.optim.DistributedAdamW(model.parameters(), lr=1e-3, weight_decay=0.01, max_grad_norm=1.0)
     loss.backward(); opt.step(); opt.zero_grad()
 """
 
 from .base import DistributedOptimizer, resolve_schedule
-from .optimizers import DistributedAdamW, DistributedLAMB, DistributedSGD
+from .optimizers import DistributedAdam, DistributedAdamW, DistributedLAMB, DistributedSGD
 
-__all__ = ["DistributedAdamW", "DistributedLAMB", "DistributedOptimizer", "DistributedSGD", "resolve_schedule"]
+__all__ = ["DistributedAdam", "DistributedAdamW", "DistributedLAMB", "DistributedOptimizer", "DistributedSGD",
+           "resolve_schedule"]

@@ -15,6 +15,7 @@ The step of one bucket, with the usual sliced schedule RS-C-AG+slice(m,v) on p r
 from __future__ import annotations
 
 import contextlib
+import itertools
 import logging
 import math
 import os
@@ -115,7 +116,7 @@ class DistributedOptimizer(torch.optim.Optimizer):
     def __init__(self, params: Any, defaults: dict[str, Any], schedule: str = "auto", reduction: str = "avg",
                  max_grad_norm: float | None = None, process_group: Any = None, *, bucket_cap_mb: float = 25.0,
                  overlap: bool = True, gather: str = "auto", master_weights: bool = False,
-                 kernels: str | None = None):
+                 kernels: str | None = None, module: torch.nn.Module | None = None):
         if reduction not in REDUCTION_MODES:
             raise OptimizerError(f"reduction must be one of {', '.join(REDUCTION_MODES)}, got {reduction!r}")
         if max_grad_norm is not None and not (isinstance(max_grad_norm, int | float) and max_grad_norm > 0):
@@ -142,9 +143,14 @@ class DistributedOptimizer(torch.optim.Optimizer):
         self._deferred: list[Bucket] = []
         self._forward_hook: Any = None
         self._sd_calls = 0
+        self._instance = next(_INSTANCES)  # the same on every rank: ranks make their optimizers in the same order
         self._flag_slots: list[torch.Tensor] | None = None
+        self._paused: list[tuple[Bucket, Any, Iterator]] | None = None  # steps paused by clip_grad_norm_
         super().__init__(params, defaults)
         self._ensure_buckets()  # compile now, and start every rank from rank 0's parameters, as DDP does
+        self._publish_state()
+        if module is not None and world(process_group)[1] > 1:  # DDP's broadcast_buffers: rank 0's before forward
+            self._buffer_hook = module.register_forward_pre_hook(self._broadcast_buffers)
 
     # -- hooks of the subclasses ----------------------------------------------------------------
     def check_group(self, group: dict[str, Any]) -> None:
@@ -183,7 +189,7 @@ class DistributedOptimizer(torch.optim.Optimizer):
     def _ensure_buckets(self) -> list[Bucket]:
         """Buckets (compiled, with views and hooks) for every parameter group not yet bucketed."""
         done = {b.group for b in self._buckets}
-        cap = int(self.bucket_cap_mb * 2**20)
+        cap = 0 if self.reduction == "adasum" else int(self.bucket_cap_mb * 2**20)  # Adasum combines each tensor
         for gi, group in enumerate(self.param_groups):
             if gi not in done:
                 for b in make_buckets(gi, group["params"], cap, self.rows):
@@ -233,6 +239,7 @@ class DistributedOptimizer(torch.optim.Optimizer):
                 p.grad = view
             b.arrived.add(i)
             b.has_grad.add(i)
+            b.version = b.grad._version  # any later in-place change of the gradients shows in this counter
             if self._sync and self.overlap and len(b.arrived) == len(b.params):
                 b.launched = b.exe.launch({"g": b.grad}) or b.launched
                 b.arrived.clear()  # the next backward (accumulation) launches again
@@ -270,18 +277,13 @@ class DistributedOptimizer(torch.optim.Optimizer):
         buckets = self._ensure_buckets()
         self.wait()
         start = time.perf_counter()
-        active = self._active(buckets)
-        runs = []
-        for b, act in zip(buckets, active, strict=True):
-            if act is not None and not act.any():
-                b.exe.cancel()  # no rank has a gradient for any of its parameters: torch leaves them as they are
-                continue
-            inputs = self._inputs(b, act)  # first: it may switch the bucket to its masked program
-            runs.append((b, b.exe, b.exe.steps(inputs, defer_gathers=self._defer(b))))
-        if self.max_grad_norm is not None:
+        paused, self._paused = self._paused, None
+        runs = paused if paused is not None else self._start(buckets)
+        if self.max_grad_norm is not None and paused is None:  # clip_grad_norm_ clipped the paused ones
             self._clip(runs)
-        for b, _, steps in runs:
-            _finish(steps)
+        phases: dict[str, float] = {}
+        for b, exe, steps in runs:
+            _finish(steps, exe, phases)
             b.step += 1
             b.pending, b.launched = {}, False
             if self._defer(b):
@@ -290,9 +292,56 @@ class DistributedOptimizer(torch.optim.Optimizer):
             self._forward_hook = torch.nn.modules.module.register_module_forward_pre_hook(self._before_forward)
         for b in buckets:
             b.arrived.clear()
+            b.version = None
         self._publish_state()
-        self.last_step_ms = {"step": (time.perf_counter() - start) * 1e3}
+        self.last_step_ms = {**phases, "step": (time.perf_counter() - start) * 1e3}
         return loss
+
+    def _start(self, buckets: list[Bucket]) -> list[tuple[Bucket, Any, Iterator]]:
+        """Each bucket's step, not yet run (a generator paused before its first stage)."""
+        self._check_untouched(buckets)
+        runs = []
+        for b, act in zip(buckets, self._active(buckets), strict=True):
+            if act is not None and not act.any():
+                b.exe.cancel()  # no rank has a gradient for any of its parameters: torch leaves them as they are
+                continue
+            inputs = self._inputs(b, act)  # first: it may switch the bucket to its masked program
+            runs.append((b, b.exe, b.exe.steps(inputs, defer_gathers=self._defer(b))))
+        return runs
+
+    def _check_untouched(self, buckets: list[Bucket]) -> None:
+        """Gradients are reduced in step(), after backward: an in-place change of them in between (torch's
+        clip_grad_norm_, a GradScaler's unscale_, a DDP wrapper writing its reduced gradients back) would act on
+        each rank's local gradient, or be lost under a reduction already launched. Refuse it with a sentence."""
+        for b in buckets:
+            if b.version is not None and b.grad._version != b.version:
+                b.version = None
+                raise OptimizerError(
+                    f"{type(self).__name__}: the gradients changed between backward() and step(); cocoweave reduces "
+                    "them in step(), so a change before it sees only this rank's local gradient. Clip with "
+                    "max_grad_norm= or opt.clip_grad_norm_(max_norm) (not torch.nn.utils.clip_grad_norm_), scale the "
+                    "loss instead of the gradients, and do not wrap the model in DistributedDataParallel")
+
+    def clip_grad_norm_(self, max_norm: float) -> torch.Tensor:
+        """Clip the gradients by their global norm, as FSDP's clip_grad_norm_: the norm of the reduced gradient over
+        every bucket and rank (one scalar all-reduce), which is what torch.nn.utils.clip_grad_norm_ after DDP
+        computes. Returns that norm (before clipping); the next step() applies the clipping. Call it between
+        backward() and step(), on every rank."""
+        if not (isinstance(max_norm, int | float) and max_norm > 0):
+            raise OptimizerError(f"max_norm must be a positive number, got {max_norm!r}")
+        if self._paused is not None:
+            raise OptimizerError("clip_grad_norm_ was already called for this step; call step() next")
+        if self.max_grad_norm is None:  # the programs that clip: rebuilt once, state carried over
+            self.max_grad_norm = float(max_norm)
+            for b in self._ensure_buckets():
+                whole = self._gather_whole(b)
+                b.exe.cancel()
+                b.schedule, b.exe = self._compile(b, self._program(b, masked=b.masked))
+                self._reset_state(b, whole)
+        self.max_grad_norm = float(max_norm)
+        self._paused = self._start(self._ensure_buckets())
+        self._clip(self._paused)
+        return torch.tensor(self.last_grad_norm)
 
     def _defer(self, b: Bucket) -> bool:
         return self.gather == "forward" or (self.gather == "auto" and b.device.type == "cuda")
@@ -387,8 +436,11 @@ class DistributedOptimizer(torch.optim.Optimizer):
         """Zero the gradient buffers (the `.grad` views stay, so backward accumulates into the buckets). With
         set_to_none, as torch, a parameter backward does not reach before the next step has no gradient: it is
         skipped, not updated with zeros."""
+        if self._paused is not None:
+            raise OptimizerError("clip_grad_norm_ reduced this step's gradients: call step() before zero_grad()")
         self._set_to_none = set_to_none
         for b in self._ensure_buckets():
+            b.version = None
             if b.launched:
                 b.exe.cancel()
                 b.launched = False
@@ -414,6 +466,24 @@ class DistributedOptimizer(torch.optim.Optimizer):
         if self._forward_hook is not None:
             self._forward_hook.remove()
             self._forward_hook = None
+
+    def _broadcast_buffers(self, module: torch.nn.Module, args: Any) -> None:
+        """Module buffers (BatchNorm's running statistics) become rank 0's before each forward, as DDP does."""
+        buffers = [b for b in module.buffers() if b.is_floating_point() or b.dtype == torch.int64]
+        if not buffers or not module.training:
+            return
+        src = dist.get_global_rank(self.process_group, 0) if self.process_group is not None else 0
+        for dtype in sorted({b.dtype for b in buffers}, key=str):  # the same order on every rank
+            same = [b for b in buffers if b.dtype == dtype]
+            flat = torch.cat([b.reshape(-1) for b in same])
+            dist.broadcast(flat, src, group=self.process_group)
+            for b, part in zip(same, flat.split([b.numel() for b in same]), strict=True):
+                b.copy_(part.view_as(b))
+
+    @property
+    def schedules(self) -> list[str]:
+        """The schedule each bucket runs (chosen by `schedule`, e.g. "auto": the tuned or most-sliced one)."""
+        return [b.schedule.name for b in self._ensure_buckets()]
 
     def _before_forward(self, module: torch.nn.Module, args: Any) -> None:
         """A module is about to run: the all-gathers of its parameters' buckets complete first."""
@@ -462,7 +532,7 @@ class DistributedOptimizer(torch.optim.Optimizer):
             return
         self._sd_calls += 1
         store = dist.distributed_c10d._get_default_store()
-        key = f"cocoweave/optim/{type(self).__name__}/state_dict/{self._sd_calls}"
+        key = f"cocoweave/optim/{self._instance}/state_dict/{self._sd_calls}"
         arrived = store.add(key, 1)
         deadline = time.monotonic() + _SD_WAIT_S
         while arrived < size and time.monotonic() < deadline:
@@ -487,14 +557,10 @@ class DistributedOptimizer(torch.optim.Optimizer):
         finally:
             self.state = saved
         index = {id(p): i for i, p in enumerate(p for g in self.param_groups for p in g["params"])}
-        for b in self._ensure_buckets():
-            if b.step == 0:
-                continue
+        for b in self._ensure_buckets():  # every parameter, a fresh optimizer's at step 0 (a template DCP can fill)
             whole = self._gather_whole(b)
             for i, p in enumerate(b.params):
                 step = int(b.part(whole["t"], i).reshape(-1)[0]) if "t" in whole and p.numel() else b.step
-                if step == 0:
-                    continue
                 entry = {key: b.part(whole[n], i).detach().clone() for n, key in self.state_keys.items()}
                 if self.has_step:
                     entry = {"step": torch.tensor(float(step))} | entry
@@ -509,10 +575,13 @@ class DistributedOptimizer(torch.optim.Optimizer):
         self.wait()
         super().load_state_dict({"state": {}, "param_groups": state_dict["param_groups"]})
         saved = state_dict.get("state", {})
+        # as torch: the saved groups list their parameters' keys (indices, or names from torch's DCP helpers) in the
+        # order of ours
+        keys = [k for g in state_dict["param_groups"] for k in g["params"]]
         params = [p for g in self.param_groups for p in g["params"]]
-        index = {id(p): i for i, p in enumerate(params)}
+        entry_of = {id(p): saved.get(k, saved.get(str(k))) for p, k in zip(params, keys, strict=True)}
         for b in self._ensure_buckets():
-            entries = [saved.get(index[id(p)], saved.get(str(index[id(p)]))) for p in b.params]
+            entries = [entry_of[id(p)] for p in b.params]
             if all(e is None for e in entries):
                 b.step = 0
                 self._reset_state(b, {})
@@ -551,14 +620,28 @@ class DistributedOptimizer(torch.optim.Optimizer):
         return head[:-1] + "\n".join(["Buckets (schedule):", *lines]) + "\n)"
 
 
+_INSTANCES = itertools.count()
 _TORCH = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 
 
-def _finish(steps: Iterator) -> Any:
+PHASES = {"reduce_scatter": "reduce", "all_reduce": "reduce", "all_gather": "gather"}
+
+
+def _finish(steps: Iterator, exe: Any, phases: dict[str, float]) -> Any:
+    """Run a paused step to its end, adding the wall time of its stages to `phases` ("reduce": the gradient's
+    reduce-scatter or all-reduce, "update": computation, "gather": the all-gathers of new weights)."""
+    t, phase = time.perf_counter(), None
     try:
         while True:
-            next(steps)
+            index, _ = next(steps)
+            now = time.perf_counter()
+            if phase is not None:
+                phases[phase] = phases.get(phase, 0.0) + (now - t) * 1e3
+            stage = exe.plan.stages[index]
+            phase, t = PHASES.get(getattr(stage, "op", ""), "gather" if getattr(stage, "op", "") else "update"), now
     except StopIteration as done:
+        if phase is not None:
+            phases[phase] = phases.get(phase, 0.0) + (time.perf_counter() - t) * 1e3
         return done.value
 
 

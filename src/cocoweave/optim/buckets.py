@@ -36,6 +36,7 @@ class Bucket:
     arrived: set[int] = field(default_factory=set)  # parameters backward reached since the last launch or step
     has_grad: set[int] = field(default_factory=set)  # parameters with a gradient since zero_grad(set_to_none)
     launched: bool = False  # the gradient reduction was issued from a backward hook
+    version: int | None = None  # the gradients' version counter when backward last wrote them
 
     def __post_init__(self) -> None:
         sizes = [p.numel() for p in self.params]

@@ -7,8 +7,10 @@ from __future__ import annotations
 from collections.abc import Iterable
 from typing import Any
 
+import torch
+
 from ..errors import OptimizerError
-from ..workloads.optimizers import adamw, lamb, sgd
+from ..workloads.optimizers import adam_l2, adamw, lamb, sgd
 from .base import DistributedOptimizer
 
 # torch.optim's implementation switches: one fused program runs every step here, so they change nothing
@@ -64,7 +66,11 @@ class DistributedAdamW(_AdamLike):
     reduce over (as DDP's); bucket_cap_mb: bucket size (DDP's 25); overlap: launch each bucket's reduction from
     backward; gather: "step" (the new parameters are in place when step() returns), "forward" (finished just
     before a module that uses them runs) or "auto" (forward on CUDA, step on CPU); master_weights: fp32 master
-    weights and state for bf16/fp16 parameters (default False: torch's own semantics, state in their dtype)."""
+    weights and state for bf16/fp16 parameters (default False: torch's own semantics, state in their dtype);
+    module: the model, to broadcast its buffers (BatchNorm statistics) from rank 0 before each forward, as DDP does.
+    torch.optim's fused=, foreach=, capturable=False, differentiable=False and amsgrad=False are accepted.
+    Clip with max_grad_norm= or opt.clip_grad_norm_(max_norm), never torch.nn.utils.clip_grad_norm_: gradients are
+    reduced in step(), so between backward() and step() each rank holds its own (a change there is refused)."""
 
     workload = staticmethod(adamw)
 
@@ -72,12 +78,23 @@ class DistributedAdamW(_AdamLike):
                  eps: float = 1e-8, weight_decay: float = 1e-2, *, schedule: str = "auto", reduction: str = "avg",
                  max_grad_norm: float | None = None, process_group: Any = None, bucket_cap_mb: float = 25.0,
                  overlap: bool = True, gather: str = "auto", master_weights: bool = False, kernels: str | None = None,
-                 **torch_options: Any):
+                 module: torch.nn.Module | None = None, **torch_options: Any):
         _torch_options(type(self).__name__, torch_options)
         defaults = {"lr": lr, "betas": tuple(betas), "eps": eps, "weight_decay": weight_decay}
         super().__init__(params, defaults, schedule, reduction, max_grad_norm, process_group,
                          bucket_cap_mb=bucket_cap_mb, overlap=overlap, gather=gather, master_weights=master_weights,
-                         kernels=kernels)
+                         kernels=kernels, module=module)
+
+
+class DistributedAdam(DistributedAdamW):
+    """torch.optim.Adam (L2 weight decay: weight_decay * w is added to the gradient) with DDP's gradient reduction;
+    the same machinery and options as DistributedAdamW."""
+
+    workload = staticmethod(adam_l2)
+
+    def __init__(self, params: Iterable[Any], lr: float = 1e-3, betas: tuple[float, float] = (0.9, 0.999),
+                 eps: float = 1e-8, weight_decay: float = 0.0, **options: Any):
+        super().__init__(params, lr, betas, eps, weight_decay, **options)
 
 
 class DistributedLAMB(_AdamLike):
@@ -91,11 +108,12 @@ class DistributedLAMB(_AdamLike):
     def __init__(self, params: Iterable[Any], lr: float = 1e-3, betas: tuple[float, float] = (0.9, 0.999),
                  eps: float = 1e-6, weight_decay: float = 0.0, *, schedule: str = "auto", reduction: str = "avg",
                  max_grad_norm: float | None = None, process_group: Any = None, bucket_cap_mb: float = 25.0,
-                 overlap: bool = True, gather: str = "auto", master_weights: bool = False, kernels: str | None = None):
+                 overlap: bool = True, gather: str = "auto", master_weights: bool = False, kernels: str | None = None,
+                 module: torch.nn.Module | None = None):
         defaults = {"lr": lr, "betas": tuple(betas), "eps": eps, "weight_decay": weight_decay}
         super().__init__(params, defaults, schedule, reduction, max_grad_norm, process_group,
                          bucket_cap_mb=bucket_cap_mb, overlap=overlap, gather=gather, master_weights=master_weights,
-                         kernels=kernels)
+                         kernels=kernels, module=module)
 
 
 class DistributedSGD(DistributedOptimizer):
@@ -110,13 +128,14 @@ class DistributedSGD(DistributedOptimizer):
                  weight_decay: float = 0.0, nesterov: bool = False, *, schedule: str = "auto",
                  reduction: str = "avg", max_grad_norm: float | None = None, process_group: Any = None,
                  bucket_cap_mb: float = 25.0, overlap: bool = True, gather: str = "auto",
-                 master_weights: bool = False, kernels: str | None = None, **torch_options: Any):
+                 master_weights: bool = False, kernels: str | None = None, module: torch.nn.Module | None = None,
+                 **torch_options: Any):
         _torch_options(type(self).__name__, torch_options)
         defaults = {"lr": lr, "momentum": momentum, "dampening": dampening, "weight_decay": weight_decay,
                     "nesterov": nesterov}
         super().__init__(params, defaults, schedule, reduction, max_grad_norm, process_group,
                          bucket_cap_mb=bucket_cap_mb, overlap=overlap, gather=gather, master_weights=master_weights,
-                         kernels=kernels)
+                         kernels=kernels, module=module)
 
     def check_group(self, group: dict[str, Any]) -> None:
         if group["nesterov"] and (group["momentum"] <= 0 or group["dampening"] != 0):

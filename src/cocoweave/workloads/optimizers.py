@@ -155,17 +155,20 @@ def adam(N: int = 1 << 20, grad: str = "local", reduction: str = "avg", param_dt
 
 def adamw(N: int = 1 << 20, grad: str = "local", reduction: str = "avg", param_dtype: str = "float32", *,
           master_weights: bool = True, clip: bool = False, masked: bool = False,
-          weights: tuple[int, ...] | None = None) -> Program:
+          weights: tuple[int, ...] | None = None, decoupled: bool = True) -> Program:
     """torch.optim.AdamW: decoupled weight decay w *= 1 - lr * wd, then the bias-corrected Adam
-    step w -= (lr / bc1) * m / (sqrt(v) / sqrt(bc2) + eps), in torch's order of operations."""
-    p = Program("adamw")
+    step w -= (lr / bc1) * m / (sqrt(v) / sqrt(bc2) + eps), in torch's order of operations. With
+    decoupled=False it is torch.optim.Adam: L2 weight decay added to the gradient, g += wd * w."""
+    p = Program("adamw" if decoupled else "adam_l2")
     x = _Parts(p, (N,), grad, reduction, param_dtype, master_weights, clip, masked, weights)
     lr, b1, b2, eps, wd, step = p.scalars("lr beta1 beta2 eps weight_decay step")
+    if not decoupled:
+        x.g = x.g + wd * x.w
     m1, v1 = _moments(x)
     t = x.steps(step)
     step_size = lr / (1 - b1**t)
     denom = sqrt(v1) / (1 - b2**t) ** 0.5 + eps
-    x.write_weights(x.w * (1 - lr * wd) - step_size * (m1 / denom))
+    x.write_weights((x.w * (1 - lr * wd) if decoupled else x.w) - step_size * (m1 / denom))
     return p
 
 
@@ -198,3 +201,9 @@ def reduce_gradient(shape: tuple[Dim, ...] = (1 << 20,), reduction: str = "avg")
 
 
 OPTIMIZERS: dict[str, Callable[..., Program]] = {"sgd": sgd, "adam": adam, "adamw": adamw, "lamb": lamb}
+
+
+def adam_l2(N: int = 1 << 20, grad: str = "local", reduction: str = "avg", param_dtype: str = "float32",
+            **options) -> Program:
+    """torch.optim.Adam (L2 weight decay added to the gradient): adamw with decoupled=False."""
+    return adamw(N, grad, reduction, param_dtype, decoupled=False, **options)

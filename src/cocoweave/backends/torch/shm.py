@@ -50,6 +50,23 @@ def _timeout() -> float:
     return float(os.environ.get(TIMEOUT_ENV, "300"))
 
 
+def _alive(pid: int) -> bool:
+    """Whether process `pid` (on this host) is running: not gone, not a zombie. 0 (not known yet) counts as alive."""
+    if pid <= 0:
+        return True
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:
+        return True
+    try:
+        with open(f"/proc/{pid}/stat", encoding="ascii") as f:
+            return f.read().rsplit(")", 1)[1].split()[0] != "Z"
+    except (OSError, IndexError):
+        return True
+
+
 def _store() -> Any:
     return dist.distributed_c10d._get_default_store()
 
@@ -87,18 +104,27 @@ class ShmGroup:
         self.ranks = list(ranks)
         self.size, self.me = len(ranks), self.ranks.index(dist.get_rank())
         self.key = "-".join(map(str, ranks))
-        flags = _map(_unique(f"{self.key}/flags"), self.size * LINE * 8, ranks)
-        self.flags = flags.view(torch.int64).view(self.size, LINE)[:, 0]
+        lines = _map(_unique(f"{self.key}/flags"), self.size * LINE * 8, ranks).view(torch.int64).view(self.size, LINE)
+        self.flags, self.pids = lines[:, 0], lines[:, 1]
+        self.pids[self.me] = os.getpid()  # so that a waiting rank can tell a peer that died from one that is slow
         self.epoch = 0
 
     def barrier(self) -> None:
         """Wait until every rank of the group has reached its same-numbered barrier."""
         self.epoch += 1
         self.flags[self.me] = self.epoch
-        start = time.monotonic()
+        start = look = time.monotonic()
         while int(self.flags.min()) < self.epoch:
             os.sched_yield()
-            if time.monotonic() - start > _timeout():
+            now = time.monotonic()
+            if now - look > 0.2:  # every fifth of a second: has a rank we wait for died?
+                look = now
+                late = [i for i, e in enumerate(self.flags.tolist()) if e < self.epoch]
+                dead = [i for i in late if not _alive(int(self.pids[i]))]
+                if dead:
+                    raise BackendError(f"rank {dist.get_rank()}: rank {self.ranks[dead[0]]} exited while the ranks "
+                                       f"{self.ranks} waited for it in a shared-memory barrier")
+            if now - start > _timeout():
                 late = [self.ranks[i] for i, e in enumerate(self.flags.tolist()) if e < self.epoch]
                 raise BackendError(f"rank {dist.get_rank()}: shared-memory barrier of ranks {self.ranks} waited "
                                    f"{_timeout():g} s for rank{'s' if len(late) > 1 else ''} "
@@ -207,15 +233,23 @@ class Pair:
         ranks = [sender, receiver]
         itemsize = torch.empty((), dtype=dtype).element_size()
         seg = _map(_unique(f"p2p-{sender}-{receiver}/{key}"), 128 + max(numel * itemsize, 1), ranks)
-        self.flags = seg[:128].view(torch.int64)[::LINE]  # [sent, taken]
+        lines = seg[:128].view(torch.int64).view(2, LINE)
+        self.flags, self.pids = lines[:, 0], lines[:, 1]  # [sent, taken] and [sender's pid, receiver's pid]
+        self.pids[ranks.index(dist.get_rank())] = os.getpid()
         self.data = seg[128:128 + numel * itemsize].view(dtype)
         self.epoch = 0
 
     def _wait(self, i: int, what: str) -> None:
-        start = time.monotonic()
+        start = look = time.monotonic()
         while int(self.flags[i]) < self.epoch:
             os.sched_yield()
-            if time.monotonic() - start > _timeout():
+            now = time.monotonic()
+            if now - look > 0.2:
+                look = now
+                if not _alive(int(self.pids[i])):  # flag 0 is raised by the sender (pid 0), flag 1 by the receiver
+                    raise BackendError(f"rank {dist.get_rank()}: its peer exited while it waited for it to {what} a "
+                                       "shared-memory send")
+            if now - start > _timeout():
                 raise BackendError(f"rank {dist.get_rank()}: waited {_timeout():g} s for its peer to {what} a "
                                    "shared-memory send")
 
