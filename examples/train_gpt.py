@@ -310,11 +310,15 @@ def train_step(state: TrainState, data: CharData, cfg: Config, plan: StepPlan, d
     state.optimizer.zero_grad()
     total = torch.zeros((), dtype=torch.float64)
     used: list[int] = []
-    for k, part in enumerate(parts):
+    # One micro-batch on every rank: its backward launches the reduction (overlap). More on some rank: all ranks
+    # accumulate under no_sync and step() reduces (after no_sync backwards, DistributedAdamW's hooks launch at the
+    # first gradient of the synced one, before the rest of it is in). The ranks must agree on where the reduction
+    # starts. AdaScale reads the local gradients before any reduction.
+    sync = plan.accumulation == 1 and state.adascale is None
+    for part in parts:
         mine = [indices[i] for i in part]
         x, y = data.samples(mine)
         loss = loss_of(state.model, x, y, state.step, part.start * cfg.block * cfg.d_model)
-        sync = k == len(parts) - 1 and state.adascale is None  # AdaScale reads the local gradients first
         with contextlib.nullcontext() if sync else state.optimizer.no_sync():
             (loss * plan.weight(len(part))).backward()
         total += loss.detach().double() * len(part)
