@@ -45,3 +45,7 @@ class OptimizerError(CocoweaveError, ValueError):
 
 class CheckpointError(CocoweaveError):
     """A checkpoint is missing, incomplete (a save was interrupted) or does not match what loads it."""
+
+
+class ElasticError(CocoweaveError, ValueError):
+    """An elastic-training policy, sampler state or resize schedule cannot be used as given."""

@@ -6,6 +6,7 @@ from __future__ import annotations
 import importlib.util
 import json
 import sys
+from dataclasses import asdict
 from pathlib import Path
 
 import pytest
@@ -45,3 +46,33 @@ def test_batches_are_deterministic_next_character_windows(train_gpt):
 def test_bad_layout_is_one_sentence_and_exit_code_2(train_gpt, capsys):
     assert train_gpt.main(["--tensor-parallel", "3"]) == 2  # checked before any rank starts
     assert capsys.readouterr().err.strip() == "error: --tensor-parallel 3 must divide the world size 4"
+
+
+@pytest.mark.parametrize("args, message", [
+    (["--lr-rule", "sqrt"], "learning-rate rule 'sqrt' applies to the scale policy only"),
+    (["--tensor-parallel", "1", "--batch", "3"], "a global batch of 3 samples cannot be split over 4 ranks"),
+    (["--batch-policy", "scale", "--lr-rule", "adascale"], "--lr-rule adascale needs --tensor-parallel 1"),
+    (["--batch-policy", "scale", "--base-world", "3"], "does not split evenly over 3 base ranks"),
+    (["--corpus-chars", "20"], "--corpus-chars 20 holds no sample of 33 characters"),
+    (["--micro-batch", "0"], "the micro-batch cap must be an integer of at least 1, got 0"),
+])
+def test_a_batch_policy_it_cannot_use_is_one_sentence_and_exit_code_2(train_gpt, capsys, args, message):
+    assert train_gpt.main(args) == 2  # checked before any rank starts
+    err = capsys.readouterr().err.strip()
+    assert err.startswith("error: ") and message in err and "\n" not in err
+
+
+def test_a_checkpoint_resumes_only_with_the_batch_policy_it_was_trained_with(train_gpt, local_world, tmp_path):
+    from cocoweave.errors import BackendError
+
+    fields = dict(steps=2, tensor_parallel=1, world_size=2, batch=4, corpus_chars=801)
+    world = local_world(2)
+    world.run(train_gpt.train_parallel, asdict(train_gpt.Config(batch_policy="scale", lr_rule="sqrt", **fields)),
+              str(tmp_path), 2)
+    with pytest.raises(BackendError, match="were trained with batch policy scale: 2 samples per rank .* not "
+                                           "keep_global: 4 samples per step"):
+        world.run(train_gpt.train_parallel, asdict(train_gpt.Config(**fields | {"steps": 3})), str(tmp_path), 2)
+    with pytest.raises(BackendError, match="trained without AdaScale"):
+        world.run(train_gpt.train_parallel,
+                  asdict(train_gpt.Config(batch_policy="scale", lr_rule="adascale", **fields | {"steps": 3})),
+                  str(tmp_path), 2)

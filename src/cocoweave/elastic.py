@@ -1,0 +1,481 @@
+"""Elastic training: what a data-parallel job trains when its world grows or shrinks, chosen explicitly.
+
+    policy = BatchPolicy.keep_global(12, micro_batch=4)          # or BatchPolicy.scale(16, 4, lr_rule="sqrt")
+    sampler = ElasticSampler(len(dataset), seed=0)               # sampler.state_dict() goes into the checkpoint
+    plan = policy.plan(world_size)                               # again after every restart at a new size
+    batch = sampler.next_batch(plan.global_batch)                # every step; the same on every rank
+    for part in plan.micro_batches(rank):                        # no_sync() for all but the last
+        (mean_loss(batch[part.start:part.stop]) * plan.weight(len(part))).backward()
+    optimizer.param_groups[0]["lr"] = base_lr * plan.lr_scale    # (x AdaScale's gain for lr_rule="adascale")
+
+Policies:
+- `keep_global`: the global batch B stays fixed. Rank r of W takes B // W samples, one more for r < B % W
+  (12 on 5 ranks: 3, 3, 2, 2, 2), in micro-batches of at most `micro_batch` samples with gradient accumulation;
+  each micro-batch's mean loss is weighted so that the gradient averaged over the ranks is the mean over all B
+  samples. The optimisation is the same at every world size, float rounding aside.
+- `scale`: each rank keeps b = B0 / W0 samples (B0 the global batch at the base world size W0), so the global
+  batch is b x W, and the learning rate follows a rule of k = W / W0:
+    linear   lr0 x k            Goyal et al. 2017, "Accurate, Large Minibatch SGD: Training ImageNet in 1 Hour"
+    sqrt     lr0 x sqrt(k)      Krizhevsky 2014, "One weird trick for parallelizing convolutional neural
+                                networks"; Hoffer et al. 2017, "Train longer, generalize better"; for Adam,
+                                Malladi et al. 2022, "On the SDEs and Scaling Rules for Adaptive Gradient Algorithms"
+    adascale lr0 x r_t          Johnson et al. 2020, "AdaScale SGD: A User-Friendly Algorithm for Distributed
+                                Training": r_t = (s2/B0 + m2) / (s2/B + m2) in [min(1, k), max(1, k)], from the
+                                per-sample gradient variance s2 and squared gradient norm m2, estimated each step
+                                from the ranks' gradients (`AdaScale`, `gradient_moments`); its theory is for SGD
+                                (with Adam the gain is a heuristic).
+
+`ElasticSampler` fixes the global sample order by (seed, epoch) and counts the samples consumed; each step takes
+the next global batch of that order, split over the current ranks, so within an epoch no sample is skipped or seen
+twice across resizes. `predict_resizes` gives the time and cost of a job under a resize schedule for each policy.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass
+from typing import Any, Literal
+
+import torch
+import torch.distributed as dist
+
+from .errors import ElasticError
+
+Mode = Literal["keep_global", "scale"]
+MODES = ("keep_global", "scale")
+LR_RULES = ("linear", "sqrt", "adascale")
+
+
+def _count(value: Any, what: str, low: int = 1) -> int:
+    if isinstance(value, bool) or not isinstance(value, int) or value < low:
+        raise ElasticError(f"{what} must be an integer of at least {low}, got {value!r}")
+    return value
+
+
+def split_evenly(total: int, parts: int) -> tuple[int, ...]:
+    """`total` items in `parts` contiguous shares, the first `total % parts` one larger (torch.tensor_split sizes)."""
+    q, r = divmod(total, parts)
+    return tuple(q + (i < r) for i in range(parts))
+
+
+# ---------------------------------------------------------------------------------------------------------
+# Batch policies
+# ---------------------------------------------------------------------------------------------------------
+
+
+@dataclass(frozen=True)
+class StepPlan:
+    """What every rank of a world of `world_size` does in one optimizer step under a policy."""
+
+    world_size: int
+    global_batch: int
+    shares: tuple[int, ...]  # samples of each rank, in rank order (positions within the global batch)
+    micro_batch: int | None  # the most samples a rank runs forward at once (None: its whole share)
+    lr_scale: float  # the base learning rate's multiplier (AdaScale's gain, when used, comes on top, per step)
+
+    def rank_range(self, rank: int) -> range:
+        """Positions of `rank`'s samples within the global batch."""
+        if not 0 <= rank < self.world_size:
+            raise ElasticError(f"rank {rank} is not in a world of {self.world_size}")
+        start = sum(self.shares[:rank])
+        return range(start, start + self.shares[rank])
+
+    def micro_batches(self, rank: int) -> list[range]:
+        """Positions (within the global batch) of each micro-batch of `rank`, as evenly sized as the cap allows."""
+        mine = self.rank_range(rank)
+        count = 1 if self.micro_batch is None else -(-len(mine) // self.micro_batch)
+        out, start = [], mine.start
+        for size in split_evenly(len(mine), count):
+            out.append(range(start, start + size))
+            start += size
+        return out
+
+    @property
+    def accumulation(self) -> int:
+        """The most micro-batches any rank runs in one step."""
+        return max(len(self.micro_batches(r)) for r in range(self.world_size))
+
+    def weight(self, count: int) -> float:
+        """The factor for the mean loss of `count` samples of one rank such that the gradient averaged over the
+        ranks (DDP, DistributedAdamW with reduction="avg") is the mean over the whole global batch."""
+        return count * self.world_size / self.global_batch
+
+
+@dataclass(frozen=True)
+class BatchPolicy:
+    """How the global batch and learning rate follow the world size (see the module's docstring).
+
+    `global_batch` is the fixed global batch (keep_global) or the global batch at `base_world` ranks (scale);
+    `micro_batch` caps the samples a rank runs forward at once (gradient accumulation beyond it)."""
+
+    mode: Mode
+    global_batch: int
+    base_world: int = 1
+    lr_rule: str | None = None
+    micro_batch: int | None = None
+
+    def __post_init__(self) -> None:
+        if self.mode not in MODES:
+            raise ElasticError(f"the batch policy must be one of {', '.join(MODES)}, got {self.mode!r}")
+        _count(self.global_batch, "the global batch")
+        _count(self.base_world, "the base world size")
+        if self.micro_batch is not None:
+            _count(self.micro_batch, "the micro-batch cap")
+        if self.mode == "keep_global" and self.lr_rule is not None:
+            raise ElasticError(f"learning-rate rule {self.lr_rule!r} applies to the scale policy only: keep_global "
+                               "keeps the global batch, and so the learning rate")
+        if self.mode == "scale":
+            if self.lr_rule not in LR_RULES:
+                raise ElasticError(f"the scale policy needs a learning-rate rule, one of {', '.join(LR_RULES)}; "
+                                   f"got {self.lr_rule!r}")
+            if self.global_batch % self.base_world:
+                raise ElasticError(f"the scale policy keeps each rank's batch, but a global batch of "
+                                   f"{self.global_batch} does not split evenly over {self.base_world} base ranks")
+
+    @classmethod
+    def keep_global(cls, global_batch: int, micro_batch: int | None = None) -> BatchPolicy:
+        """The global batch stays `global_batch` at every world size."""
+        return cls("keep_global", global_batch, micro_batch=micro_batch)
+
+    @classmethod
+    def scale(cls, global_batch: int, base_world: int, lr_rule: str = "linear",
+              micro_batch: int | None = None) -> BatchPolicy:
+        """Each rank keeps `global_batch // base_world` samples; the learning rate follows `lr_rule`."""
+        return cls("scale", global_batch, base_world, lr_rule, micro_batch)
+
+    @property
+    def rank_batch(self) -> int:
+        """scale: the samples of each rank per step."""
+        return self.global_batch // self.base_world
+
+    def batch_at(self, world_size: int) -> int:
+        """The global batch at `world_size` ranks."""
+        _count(world_size, "the world size")
+        return self.global_batch if self.mode == "keep_global" else self.rank_batch * world_size
+
+    def lr_scale(self, world_size: int) -> float:
+        """The base learning rate's multiplier at `world_size` ranks: 1 (keep_global, adascale before its gain),
+        k (linear) or sqrt(k) (sqrt), k = the global batch over the base one."""
+        k = self.batch_at(world_size) / self.global_batch
+        return {"linear": k, "sqrt": math.sqrt(k)}.get(self.lr_rule or "", 1.0)
+
+    def plan(self, world_size: int) -> StepPlan:
+        """Each rank's share of a step at `world_size` ranks; every rank needs at least one sample."""
+        batch = self.batch_at(world_size)
+        if batch < world_size:
+            raise ElasticError(f"a global batch of {batch} samples cannot be split over {world_size} ranks: "
+                               "every rank needs at least one sample")
+        return StepPlan(world_size, batch, split_evenly(batch, world_size), self.micro_batch,
+                        self.lr_scale(world_size))
+
+    def describe(self) -> str:
+        cap = f", micro-batches of at most {self.micro_batch}" if self.micro_batch else ""
+        if self.mode == "keep_global":
+            return f"keep_global: {self.global_batch} samples per step at any world size{cap}"
+        return (f"scale: {self.rank_batch} samples per rank (global {self.global_batch} at {self.base_world} "
+                f"ranks), learning rate by the {self.lr_rule} rule{cap}")
+
+
+# ---------------------------------------------------------------------------------------------------------
+# The sample order
+# ---------------------------------------------------------------------------------------------------------
+
+
+class ElasticSampler:
+    """The global order of a dataset's samples and how far training has consumed it.
+
+    Epoch e is a permutation of range(num_samples) drawn from (seed, e) (the identity without `shuffle`); the
+    position counts the samples consumed since the start, so a batch that crosses an epoch's end takes the rest
+    of that epoch and the start of the next. The state (`state_dict`) is four integers: save it with the model."""
+
+    def __init__(self, num_samples: int, seed: int = 0, shuffle: bool = True) -> None:
+        self.num_samples = _count(num_samples, "the number of samples")
+        self.seed = _count(seed, "the sampler's seed", low=0)
+        self.shuffle = bool(shuffle)
+        self.position = 0
+        self._orders: dict[int, list[int]] = {}
+
+    @property
+    def epoch(self) -> int:
+        """The epoch the next sample belongs to."""
+        return self.position // self.num_samples
+
+    def order(self, epoch: int) -> list[int]:
+        """The sample indices of `epoch` in the order training sees them."""
+        if epoch not in self._orders:
+            if not self.shuffle:
+                order = list(range(self.num_samples))
+            else:
+                gen = torch.Generator().manual_seed(self.seed * 1_000_003 + epoch)
+                order = torch.randperm(self.num_samples, generator=gen).tolist()
+            self._orders = {e: o for e, o in self._orders.items() if e >= epoch - 1}
+            self._orders[epoch] = order
+        return self._orders[epoch]
+
+    def indices(self, start: int, count: int) -> list[int]:
+        """The `count` sample indices at positions start, start + 1, ... of the global order."""
+        out: list[int] = []
+        while len(out) < count:
+            epoch, offset = divmod(start + len(out), self.num_samples)
+            out += self.order(epoch)[offset:offset + count - len(out)]
+        return out
+
+    def next_batch(self, count: int) -> list[int]:
+        """The next `count` samples of the global order (the same on every rank); moves the position past them."""
+        out = self.indices(self.position, _count(count, "the batch size"))
+        self.position += count
+        return out
+
+    def state_dict(self) -> dict[str, int]:
+        return {"num_samples": self.num_samples, "seed": self.seed, "shuffle": int(self.shuffle),
+                "position": self.position}
+
+    def load_state_dict(self, state: Mapping[str, Any]) -> None:
+        """Continue from a saved position; the saved order must be this sampler's (same samples, seed, shuffle)."""
+        try:
+            saved = (int(state["num_samples"]), int(state["seed"]), bool(state["shuffle"]))
+            position = _count(state["position"], "the saved sampler position", low=0)
+        except (KeyError, TypeError, ValueError) as exc:
+            raise ElasticError(f"a sampler state needs integer num_samples, seed, shuffle and position ({exc})") \
+                from None
+        if saved != (self.num_samples, self.seed, self.shuffle):
+            raise ElasticError(f"the saved sampler order (samples, seed, shuffle) = {saved} is not this sampler's "
+                               f"{(self.num_samples, self.seed, self.shuffle)}; resume with the same data and seed")
+        self.position = position
+
+
+# ---------------------------------------------------------------------------------------------------------
+# AdaScale (Johnson et al. 2020)
+# ---------------------------------------------------------------------------------------------------------
+
+
+def gradient_moments(grads: Sequence[torch.Tensor], group: Any = None) -> tuple[float, float]:
+    """(sum over the ranks of |g_i|^2, |mean of the g_i|^2) of this rank's local gradients `grads` (before any
+    reduction) and the other ranks' of `group`: every rank calls it. Costs one all-reduce of the gradients (and one
+    of a scalar), on top of the optimizer's own reduction."""
+    flat = torch.cat([g.detach().reshape(-1).float() for g in grads]) if grads else torch.zeros(1)
+    local = flat.double().pow(2).sum().reshape(1)
+    size = dist.get_world_size(group) if dist.is_available() and dist.is_initialized() else 1
+    if size > 1:
+        flat = flat.clone()
+        dist.all_reduce(flat, group=group)
+        dist.all_reduce(local, group=group)
+    return float(local), float((flat.double() / size).pow(2).sum())
+
+
+class AdaScale:
+    """AdaScale's gain ratio r = (s2/B0 + m2) / (s2/B + m2) for a global batch B against the base batch B0, from
+    moving averages of the per-sample gradient variance s2 and the squared norm m2 of the true gradient.
+
+    Each step, W ranks of b samples each give local gradients g_i and their mean g (`gradient_moments`):
+    s2 = b (sum |g_i|^2 - W |g|^2) / (W - 1) and m2 = |g|^2 - s2 / B are unbiased. As the paper's appendix B.3,
+    the averages are plain means for the first 1 / (1 - theta) steps and then exponential with theta =
+    max(1 - W / 1000, 0). s2 and m2 do not depend on the batch, so they carry over a resize. `progress` sums the
+    gains: the paper's scale-invariant iterations (base-batch steps done)."""
+
+    def __init__(self, base_batch: int) -> None:
+        self.base_batch = _count(base_batch, "AdaScale's base batch")
+        self.var = 0.0  # per-sample gradient variance (trace of the covariance)
+        self.sqr = 0.0  # squared norm of the expected gradient
+        self.count = 0  # estimates averaged so far
+        self.progress = 0.0
+
+    def update(self, local_sq_sum: float, mean_sq: float, ranks: int, rank_batch: int) -> None:
+        """Add one step's estimate from `gradient_moments` of `ranks` ranks with `rank_batch` samples each (one rank
+        gives no variance estimate: the averages stay as they are)."""
+        if ranks < 2:
+            return
+        batch = ranks * rank_batch
+        var = max(rank_batch * (local_sq_sum - ranks * mean_sq) / (ranks - 1), 0.0)
+        sqr = max(mean_sq - var / batch, 0.0)
+        self.count += 1
+        theta = max(1.0 - ranks / 1000.0, 0.0)
+        keep = (self.count - 1) / self.count if self.count < 1.0 / (1.0 - theta) else theta
+        self.var = keep * self.var + (1.0 - keep) * var
+        self.sqr = keep * self.sqr + (1.0 - keep) * sqr
+
+    def gain(self, batch: int) -> float:
+        """r for a global batch of `batch` samples: k = batch / base batch when nothing is known yet or the gradient
+        is all noise, 1 when it has no noise."""
+        k = batch / self.base_batch
+        if self.count == 0 or self.var + self.sqr <= 0.0:
+            return k
+        return (self.var / self.base_batch + self.sqr) / (self.var / batch + self.sqr)
+
+    def step(self, batch: int) -> float:
+        """The gain for this step's batch, counted into `progress`."""
+        r = self.gain(batch)
+        self.progress += r
+        return r
+
+    @property
+    def noise_scale(self) -> float | None:
+        """s2 / m2: the batch at which noise and signal are equal (McCandlish et al. 2018's simple noise scale)."""
+        return self.var / self.sqr if self.count and self.sqr > 0 else None
+
+    def state_dict(self) -> dict[str, float]:
+        return {"base_batch": self.base_batch, "var": self.var, "sqr": self.sqr, "count": self.count,
+                "progress": self.progress}
+
+    def load_state_dict(self, state: Mapping[str, Any]) -> None:
+        if int(state["base_batch"]) != self.base_batch:
+            raise ElasticError(f"the saved AdaScale state is for a base batch of {state['base_batch']}, "
+                               f"this one's is {self.base_batch}")
+        self.var, self.sqr = float(state["var"]), float(state["sqr"])
+        self.count, self.progress = int(state["count"]), float(state["progress"])
+
+
+# ---------------------------------------------------------------------------------------------------------
+# Time and cost of a job under a resize schedule (the planner's question for elastic jobs)
+# ---------------------------------------------------------------------------------------------------------
+
+SECONDS_PER_HOUR = 3600.0
+
+
+@dataclass(frozen=True)
+class Resize:
+    """One phase of a resize schedule: `world` ranks (0: none, the job waits) for `hours` (None: until the end)."""
+
+    world: int
+    hours: float | None = None
+
+
+def parse_schedule(text: str) -> list[Resize]:
+    """'8:2,4:1.5,0:0.5,8' -> 8 ranks for 2 hours, 4 for 1.5, none for 0.5, then 8 until the job ends."""
+    phases = []
+    items = [s.strip() for s in text.split(",")]
+    for i, item in enumerate(items):
+        world, colon, hours = item.partition(":")
+        try:
+            phase = Resize(int(world), float(hours) if colon else None)
+        except ValueError:
+            raise ElasticError(f"resize schedule item {item!r} must look like RANKS:HOURS, e.g. 8:2,4:1.5,8") \
+                from None
+        if phase.world < 0 or (phase.hours is not None and not (0 < phase.hours < math.inf)):
+            raise ElasticError(f"resize schedule item {item!r} needs a rank count of at least 0 and a positive, "
+                               "finite number of hours")
+        if phase.hours is None and i != len(items) - 1:
+            raise ElasticError(f"only the last item of a resize schedule may leave out its hours, not {item!r}")
+        phases.append(phase)
+    return phases
+
+
+@dataclass(frozen=True)
+class PhaseCost:
+    """What the job does in one phase: steps run, steps kept (those after the phase's last checkpoint are lost
+    at a resize), base-batch steps of progress, hours and dollars."""
+
+    world: int
+    hours: float
+    steps: int
+    kept: int
+    progress: float
+    cost: float
+
+
+@dataclass(frozen=True)
+class ElasticPrediction:
+    """The predicted run of a job under a resize schedule and a batch policy."""
+
+    policy: str
+    finished: bool
+    hours: float
+    cost: float
+    progress: float  # base-batch steps done (the job needs `base_steps`)
+    phases: tuple[PhaseCost, ...]
+
+    @property
+    def steps(self) -> int:
+        return sum(p.steps for p in self.phases)
+
+    @property
+    def lost_steps(self) -> int:
+        return sum(p.steps - p.kept for p in self.phases)
+
+
+def progress_per_step(policy: BatchPolicy, world: int, noise_scale: float | None = None) -> float:
+    """Base-batch steps of progress one optimizer step makes at `world` ranks: 1 under keep_global; under scale
+    k = B / B0 for linear and sqrt (they train on the same number of samples: Goyal et al.'s recipe keeps the
+    epochs), and AdaScale's expected gain (1 + n / B0) / (1 + n / B) for a gradient noise scale n (samples;
+    `AdaScale.noise_scale` of a measured run), which it counts towards its scale-invariant iterations."""
+    if policy.mode == "keep_global":
+        return 1.0
+    batch = policy.batch_at(world)
+    if policy.lr_rule != "adascale":
+        return batch / policy.global_batch
+    if noise_scale is None or not (0 <= noise_scale < math.inf):
+        raise ElasticError("predicting AdaScale needs the gradient noise scale (a finite number of samples, at "
+                           f"least 0; AdaScale.noise_scale of a measured run), got {noise_scale!r}")
+    return (1 + noise_scale / policy.global_batch) / (1 + noise_scale / batch)
+
+
+def _run_phase(needed: int, step_s: float, budget_s: float | None, restart_s: float, every: int | None,
+               checkpoint_s: float) -> tuple[float, int, int, bool]:
+    """(seconds, steps run, steps kept, finished) of a phase that has `budget_s` seconds (None: no limit) to run
+    the `needed` steps left; periodic checkpoints every `every` steps, else one before the phase ends."""
+
+    def elapsed(steps: int) -> float:
+        return restart_s + steps * step_s + (steps // every * checkpoint_s if every else 0.0)
+
+    if budget_s is None or elapsed(needed) <= budget_s:
+        return elapsed(needed), needed, needed, True
+    room = budget_s - (0.0 if every else checkpoint_s)  # a drained resize checkpoints before its end
+    steps = max(0, int((room - restart_s) // step_s))
+    while steps > 0 and elapsed(steps) > room:  # the periodic checkpoints' time
+        steps -= 1
+    return budget_s, steps, steps // every * every if every else steps, False
+
+
+def predict_resizes(policy: BatchPolicy, base_steps: int, step_time_s: Mapping[int, float],
+                    schedule: Sequence[Resize], price_per_rank_hour: float, *, restart_s: float = 60.0,
+                    checkpoint_every: int | None = None, checkpoint_s: float = 0.0,
+                    noise_scale: float | None = None) -> ElasticPrediction:
+    """Time and cost of a job of `base_steps` optimizer steps at the base global batch, run under `policy` through
+    `schedule`, from its step time at each world size (`step_time_s[world]`, seconds: measured or predicted for the
+    per-rank batch the policy gives there).
+
+    Every phase with ranks starts with `restart_s` (start, rendezvous, load the checkpoint). With
+    `checkpoint_every` steps, each checkpoint costs `checkpoint_s` and a resize loses the steps after the last one
+    (a revocation); without, the job checkpoints once (`checkpoint_s`) when a phase ends and loses nothing (a
+    drained resize). Ranks are paid from their phase's start until it ends or the job does; a phase of 0 ranks
+    waits for free. Unfinished when the schedule ends first."""
+    _count(base_steps, "the job's base steps")
+    if checkpoint_every is not None:
+        _count(checkpoint_every, "the checkpoint interval")
+    for name, value in (("restart_s", restart_s), ("checkpoint_s", checkpoint_s),
+                        ("price_per_rank_hour", price_per_rank_hour)):
+        if not (0 <= value < math.inf):
+            raise ElasticError(f"{name} must be a finite number of at least 0, got {value!r}")
+    if not schedule:
+        raise ElasticError("the resize schedule is empty")
+    for n, phase in enumerate(schedule):
+        if phase.hours is None and n != len(schedule) - 1:
+            raise ElasticError(f"only the last phase of a resize schedule may be open-ended, not phase {n + 1}")
+        t = step_time_s.get(phase.world)
+        if phase.world and (t is None or not (0 < t < math.inf)):
+            raise ElasticError(f"no positive step time for {phase.world} ranks (step times are known for "
+                               f"{', '.join(map(str, sorted(step_time_s))) or 'no world size'})")
+        progress_per_step(policy, phase.world or 1, noise_scale)  # AdaScale without a noise scale
+    done, hours, cost, phases = 0.0, 0.0, 0.0, []
+    for phase in schedule:
+        if phase.world == 0:
+            if phase.hours is None:
+                break  # no ranks until the end: the job never finishes
+            hours += phase.hours
+            phases.append(PhaseCost(0, phase.hours, 0, 0, 0.0, 0.0))
+            continue
+        t = step_time_s[phase.world]
+        per_step = progress_per_step(policy, phase.world, noise_scale)
+        needed = math.ceil((base_steps - done) / per_step - 1e-9)
+        budget = None if phase.hours is None else phase.hours * SECONDS_PER_HOUR
+        seconds, steps, kept, finished = _run_phase(needed, t, budget, restart_s, checkpoint_every, checkpoint_s)
+        spent = seconds / SECONDS_PER_HOUR
+        done = min(float(base_steps), done + kept * per_step)
+        hours += spent
+        cost += spent * phase.world * price_per_rank_hour
+        phases.append(PhaseCost(phase.world, spent, steps, kept, kept * per_step, spent * phase.world *
+                                price_per_rank_hour))
+        if finished:
+            return ElasticPrediction(policy.describe(), True, hours, cost, float(base_steps), tuple(phases))
+    return ElasticPrediction(policy.describe(), False, hours, cost, done, tuple(phases))

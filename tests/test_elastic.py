@@ -1,0 +1,283 @@
+"""cocoweave.elastic: batch policies split a step over any world size as promised, the sampler's order survives a
+resize through its state, AdaScale's gain follows the gradient noise it measures, and the time and cost of a job
+under a resize schedule follow from its step times."""
+
+from __future__ import annotations
+
+import math
+
+import pytest
+import torch
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from cocoweave.elastic import (
+    AdaScale,
+    BatchPolicy,
+    ElasticSampler,
+    Resize,
+    gradient_moments,
+    parse_schedule,
+    predict_resizes,
+    progress_per_step,
+    split_evenly,
+)
+from cocoweave.errors import ElasticError
+
+# ---------------------------------------------------------------------------------------------------------
+# Batch policies
+# ---------------------------------------------------------------------------------------------------------
+
+
+def test_keep_global_splits_an_uneven_batch_over_the_ranks():
+    plan = BatchPolicy.keep_global(12).plan(5)
+    assert plan.global_batch == 12 and plan.shares == (3, 3, 2, 2, 2) and plan.lr_scale == 1.0
+    assert [plan.rank_range(r) for r in range(5)] == [range(0, 3), range(3, 6), range(6, 8), range(8, 10),
+                                                      range(10, 12)]
+    assert plan.accumulation == 1
+
+
+def test_a_micro_batch_cap_gives_gradient_accumulation_with_even_micro_batches():
+    plan = BatchPolicy.keep_global(10, micro_batch=2).plan(2)  # 5 samples per rank, at most 2 at once
+    assert plan.micro_batches(0) == [range(0, 2), range(2, 4), range(4, 5)]
+    assert plan.micro_batches(1) == [range(5, 7), range(7, 9), range(9, 10)]
+    assert plan.accumulation == 3
+    plan3 = BatchPolicy.keep_global(12, micro_batch=3).plan(3)  # 4 samples per rank, cap 3: 2 + 2, not 3 + 1
+    assert [len(m) for m in plan3.micro_batches(2)] == [2, 2]
+
+
+@settings(max_examples=200, deadline=None)
+@given(batch=st.integers(1, 200), world=st.integers(1, 64), cap=st.none() | st.integers(1, 16))
+def test_every_sample_of_a_step_goes_to_exactly_one_micro_batch_and_the_weights_give_the_mean(batch, world, cap):
+    if batch < world:
+        with pytest.raises(ElasticError, match="every rank needs at least one sample"):
+            BatchPolicy.keep_global(batch, cap).plan(world)
+        return
+    plan = BatchPolicy.keep_global(batch, cap).plan(world)
+    assert max(plan.shares) - min(plan.shares) <= 1
+    parts = [m for r in range(world) for m in plan.micro_batches(r)]
+    assert [i for m in parts for i in m] == list(range(batch))  # contiguous, in rank order, no gap or overlap
+    for r in range(world):
+        mine = plan.micro_batches(r)
+        assert all(len(m) >= 1 for m in mine)
+        if cap is not None:
+            assert all(len(m) <= cap for m in mine) and len(mine) == math.ceil(plan.shares[r] / cap)
+    # averaging the ranks' weighted micro-batch means gives the mean over the global batch: every sample counts 1/B
+    per_sample = [plan.weight(len(m)) / len(m) / world for m in parts]
+    assert all(math.isclose(w, 1 / batch) for w in per_sample)
+
+
+def test_scale_keeps_each_ranks_batch_and_scales_the_learning_rate_by_its_rule():
+    linear, sqrt = BatchPolicy.scale(16, 4, "linear"), BatchPolicy.scale(16, 4, "sqrt")
+    assert [linear.batch_at(w) for w in (1, 2, 4, 8)] == [4, 8, 16, 32]
+    assert [linear.lr_scale(w) for w in (2, 4, 8)] == [0.5, 1.0, 2.0]
+    assert sqrt.lr_scale(8) == pytest.approx(math.sqrt(2)) and sqrt.lr_scale(2) == pytest.approx(math.sqrt(0.5))
+    assert BatchPolicy.scale(16, 4, "adascale").lr_scale(8) == 1.0  # AdaScale's gain is applied per step
+    plan = linear.plan(3)
+    assert plan.global_batch == 12 and plan.shares == (4, 4, 4) and plan.lr_scale == 0.75
+
+
+@pytest.mark.parametrize("make, message", [
+    (lambda: BatchPolicy.keep_global(0), "the global batch must be an integer of at least 1, got 0"),
+    (lambda: BatchPolicy("keep_global", 8, lr_rule="sqrt"), "applies to the scale policy only"),
+    (lambda: BatchPolicy("scale", 8), "the scale policy needs a learning-rate rule"),
+    (lambda: BatchPolicy.scale(8, 3), "does not split evenly over 3 base ranks"),
+    (lambda: BatchPolicy.scale(8, 2, "cubic"), "one of linear, sqrt, adascale; got 'cubic'"),
+    (lambda: BatchPolicy("grow", 8), "must be one of keep_global, scale"),
+    (lambda: BatchPolicy.keep_global(8, micro_batch=0), "micro-batch cap"),
+    (lambda: BatchPolicy.keep_global(3).plan(4), "3 samples cannot be split over 4 ranks"),
+])
+def test_a_policy_it_cannot_use_is_one_sentence(make, message):
+    with pytest.raises(ElasticError, match=message):
+        make()
+
+
+def test_split_evenly_matches_torch_tensor_split():
+    for total, parts in [(12, 5), (10, 4), (3, 3), (7, 1)]:
+        assert list(split_evenly(total, parts)) == [len(t) for t in torch.tensor_split(torch.arange(total), parts)]
+
+
+# ---------------------------------------------------------------------------------------------------------
+# The sampler
+# ---------------------------------------------------------------------------------------------------------
+
+
+def _train_through_resizes(sampler: ElasticSampler, policy: BatchPolicy, phases: list[tuple[int, int]]) -> list[int]:
+    """Consume `steps` steps at each (world, steps) phase, handing the sampler over through its state as a
+    restart from a checkpoint does; returns the samples the ranks got, in order."""
+    seen: list[int] = []
+    state = sampler.state_dict()
+    for world, steps in phases:
+        restarted = ElasticSampler(sampler.num_samples, seed=sampler.seed)
+        restarted.load_state_dict(state)
+        plan = policy.plan(world)
+        for _ in range(steps):
+            batch = restarted.next_batch(plan.global_batch)
+            seen += [batch[i] for r in range(world) for m in plan.micro_batches(r) for i in m]
+        state = restarted.state_dict()
+    return seen
+
+
+@pytest.mark.parametrize("policy", [BatchPolicy.keep_global(10, micro_batch=2), BatchPolicy.scale(8, 4, "sqrt")])
+def test_no_sample_is_skipped_or_seen_twice_within_an_epoch_across_4_2_3_ranks(policy):
+    sampler = ElasticSampler(25, seed=3)
+    seen = _train_through_resizes(sampler, policy, [(4, 3), (2, 4), (3, 5)])
+    epochs = [seen[i:i + 25] for i in range(0, len(seen), 25)]
+    assert len(epochs) >= 3
+    for e, got in enumerate(epochs):
+        assert len(set(got)) == len(got)  # the last, partial epoch included
+        if len(got) == 25:
+            assert got == sampler.order(e) and sorted(got) == list(range(25))
+    assert seen == ElasticSampler(25, seed=3).indices(0, len(seen))  # the order does not depend on the world sizes
+
+
+def test_the_order_is_fixed_by_seed_and_epoch():
+    a, b = ElasticSampler(50, seed=1), ElasticSampler(50, seed=1)
+    assert a.order(0) == b.order(0) and a.order(0) != a.order(1) and a.order(0) != ElasticSampler(50, 2).order(0)
+    assert ElasticSampler(5, shuffle=False).indices(3, 4) == [3, 4, 0, 1]
+    a.next_batch(70)
+    assert (a.epoch, a.position) == (1, 70)
+
+
+def test_a_sampler_state_of_another_order_is_refused():
+    saved = ElasticSampler(25, seed=0).state_dict()
+    with pytest.raises(ElasticError, match="is not this sampler's"):
+        ElasticSampler(26, seed=0).load_state_dict(saved)
+    with pytest.raises(ElasticError, match="position must be an integer of at least 0"):
+        ElasticSampler(25).load_state_dict(saved | {"position": -1})
+    with pytest.raises(ElasticError, match="needs integer num_samples"):
+        ElasticSampler(25).load_state_dict({"seed": 0})
+
+
+# ---------------------------------------------------------------------------------------------------------
+# AdaScale
+# ---------------------------------------------------------------------------------------------------------
+
+
+def _noisy_steps(ada: AdaScale, ranks: int, rank_batch: int, var: float, mean: torch.Tensor, steps: int,
+                 seed: int = 0) -> None:
+    """Feed AdaScale `steps` steps of `ranks` local gradients, each the mean of `rank_batch` per-sample gradients
+    with per-sample covariance var/d * I around `mean`."""
+    gen = torch.Generator().manual_seed(seed)
+    d = mean.numel()
+    for _ in range(steps):
+        samples = mean + torch.randn(ranks, rank_batch, d, generator=gen, dtype=torch.float64) * math.sqrt(var / d)
+        local = samples.mean(1)
+        ada.update(float(local.pow(2).sum()), float(local.mean(0).pow(2).sum()), ranks, rank_batch)
+
+
+def test_adascale_estimates_the_gradient_noise_and_gives_the_papers_gain():
+    mean = torch.full((200,), 0.05, dtype=torch.float64)  # |mean|^2 = 0.5
+    ada = AdaScale(base_batch=8)
+    _noisy_steps(ada, ranks=4, rank_batch=4, var=4.0, mean=mean, steps=400)
+    assert ada.var == pytest.approx(4.0, rel=0.1) and ada.sqr == pytest.approx(0.5, rel=0.1)
+    assert ada.noise_scale == pytest.approx(8.0, rel=0.2)
+    expected = (4.0 / 8 + 0.5) / (4.0 / 16 + 0.5)  # batch 16 against the base batch 8
+    assert ada.gain(16) == pytest.approx(expected, rel=0.05)
+    assert ada.gain(8) == pytest.approx(1.0)
+    assert 1.0 < ada.gain(64) < 8.0 and 0.25 < ada.gain(2) < 1.0  # between 1 and the batch ratio
+
+
+def test_adascale_gain_is_the_batch_ratio_for_pure_noise_and_one_without_noise():
+    noise = AdaScale(8)
+    _noisy_steps(noise, 4, 4, var=1.0, mean=torch.zeros(100, dtype=torch.float64), steps=50)
+    assert noise.gain(32) == pytest.approx(4.0, rel=0.1)
+    exact = AdaScale(8)
+    _noisy_steps(exact, 4, 4, var=0.0, mean=torch.ones(100, dtype=torch.float64), steps=5)
+    assert exact.gain(32) == pytest.approx(1.0) and exact.gain(2) == pytest.approx(1.0)
+
+
+def test_adascale_without_an_estimate_scales_linearly_and_counts_progress():
+    ada = AdaScale(8)
+    ada.update(1.0, 1.0, ranks=1, rank_batch=8)  # one rank: no variance estimate
+    assert ada.count == 0 and ada.gain(4) == 0.5
+    assert ada.step(16) == 2.0 and ada.step(8) == 1.0 and ada.progress == 3.0
+
+
+def test_adascale_state_round_trips_and_refuses_another_base_batch():
+    ada = AdaScale(8)
+    _noisy_steps(ada, 2, 4, var=1.0, mean=torch.ones(10, dtype=torch.float64), steps=3)
+    ada.step(16)
+    copy = AdaScale(8)
+    copy.load_state_dict(ada.state_dict())
+    assert copy.state_dict() == ada.state_dict() and copy.gain(24) == ada.gain(24)
+    with pytest.raises(ElasticError, match="base batch of 8"):
+        AdaScale(4).load_state_dict(ada.state_dict())
+
+
+def _moments_on_ranks(rank: int, world_size: int) -> tuple[float, float]:
+    grads = [torch.full((3,), float(rank + 1)), torch.full((2, 2), float(rank) - 1.0)]
+    return gradient_moments(grads)
+
+
+def test_gradient_moments_over_ranks_are_the_sum_of_squares_and_the_mean_squared(local_world):
+    results = local_world(2).run(_moments_on_ranks)
+    g0 = torch.cat([torch.full((3,), 1.0), torch.full((4,), -1.0)])
+    g1 = torch.cat([torch.full((3,), 2.0), torch.full((4,), 0.0)])
+    expected = (float(g0.pow(2).sum() + g1.pow(2).sum()), float(((g0 + g1) / 2).pow(2).sum()))
+    assert results == [pytest.approx(expected)] * 2
+    assert gradient_moments([torch.ones(4)]) == (4.0, 4.0)  # one process: the local gradient is the mean
+
+
+# ---------------------------------------------------------------------------------------------------------
+# Time and cost under a resize schedule
+# ---------------------------------------------------------------------------------------------------------
+
+SPOT = [Resize(8, 0.1), Resize(4, 0.1), Resize(8)]  # spot capacity 8 -> 4 -> 8: 360 s, 360 s, then until done
+
+
+def test_keep_global_through_8_4_8_pays_each_restart_and_runs_the_rest_at_8():
+    pred = predict_resizes(BatchPolicy.keep_global(64), 1000, {8: 1.0, 4: 1.8}, SPOT, price_per_rank_hour=2.0,
+                           restart_s=60.0)
+    # 8 ranks: (360 - 60) / 1.0 = 300 steps; 4 ranks: 300 / 1.8 = 166; 8 ranks: the 534 left, in 60 + 534 s
+    assert [(p.world, p.steps, p.kept) for p in pred.phases] == [(8, 300, 300), (4, 166, 166), (8, 534, 534)]
+    assert pred.finished and pred.steps == 1000 and pred.lost_steps == 0 and pred.progress == 1000
+    assert pred.hours == pytest.approx((360 + 360 + 594) / 3600)
+    assert pred.cost == pytest.approx(2.0 * (8 * 0.1 + 4 * 0.1 + 8 * 594 / 3600))
+
+
+def test_scale_makes_less_progress_per_step_on_fewer_ranks_and_more_on_more():
+    linear, sqrt = BatchPolicy.scale(64, 8, "linear"), BatchPolicy.scale(64, 8, "sqrt")
+    assert progress_per_step(linear, 4) == 0.5 and progress_per_step(linear, 16) == 2.0
+    assert progress_per_step(sqrt, 4) == 0.5  # the rule sets the learning rate, not the samples a step takes
+    pred = predict_resizes(linear, 1000, {8: 1.0, 4: 1.0}, SPOT, price_per_rank_hour=1.0, restart_s=60.0)
+    # 300 steps (300 base steps), 300 steps at half a base step (150), then 550 steps at 8
+    assert [(p.steps, p.progress) for p in pred.phases] == [(300, 300.0), (300, 150.0), (550, 550.0)]
+    assert pred.hours == pytest.approx((360 + 360 + 610) / 3600)
+
+
+def test_adascale_progress_is_its_expected_gain_for_the_noise_scale():
+    ada = BatchPolicy.scale(64, 8, "adascale")
+    assert progress_per_step(ada, 16, noise_scale=0.0) == 1.0  # no noise: a bigger batch gains nothing
+    assert progress_per_step(ada, 16, noise_scale=1e12) == pytest.approx(2.0)  # all noise: the batch ratio
+    assert progress_per_step(ada, 16, noise_scale=64.0) == pytest.approx((1 + 1) / (1 + 0.5))
+    with pytest.raises(ElasticError, match="needs the gradient noise scale"):
+        progress_per_step(ada, 16)
+
+
+def test_a_revocation_loses_the_steps_after_the_last_checkpoint():
+    pred = predict_resizes(BatchPolicy.keep_global(64), 1000, {8: 1.0, 4: 1.8}, SPOT, price_per_rank_hour=1.0,
+                           restart_s=60.0, checkpoint_every=100, checkpoint_s=10.0)
+    first = pred.phases[0]  # 60 + 280 steps + 2 checkpoints = 360 s; the 80 steps after step 200 are lost
+    assert (first.steps, first.kept) == (280, 200)
+    assert pred.finished and pred.lost_steps > 0 and pred.steps == 1000 + pred.lost_steps
+
+
+def test_a_phase_without_ranks_waits_for_free_and_an_endless_one_never_finishes():
+    pred = predict_resizes(BatchPolicy.keep_global(8), 100, {2: 1.0}, [Resize(2, 0.01), Resize(0, 1.0), Resize(2)],
+                           price_per_rank_hour=1.0, restart_s=0.0)
+    assert [p.world for p in pred.phases] == [2, 0, 2] and pred.phases[1].cost == 0.0
+    assert pred.finished and pred.hours == pytest.approx(1.0 + 100 / 3600)
+    stuck = predict_resizes(BatchPolicy.keep_global(8), 100, {2: 1.0}, [Resize(2, 0.01), Resize(0)], 1.0,
+                            restart_s=0.0)
+    assert not stuck.finished and stuck.progress == 36
+
+
+def test_resize_schedules_parse_and_bad_ones_are_one_sentence():
+    assert parse_schedule("8:2, 4:1.5,0:0.5,8") == [Resize(8, 2.0), Resize(4, 1.5), Resize(0, 0.5), Resize(8)]
+    for text, message in [("8:x", "must look like RANKS:HOURS"), ("-1:2", "at least 0"), ("8:0", "positive"),
+                          ("8,4:1", "only the last item"), ("8:inf", "finite")]:
+        with pytest.raises(ElasticError, match=message):
+            parse_schedule(text)
+    with pytest.raises(ElasticError, match="no positive step time for 4 ranks .*known for 8"):
+        predict_resizes(BatchPolicy.keep_global(8), 10, {8: 1.0}, SPOT, 1.0)
