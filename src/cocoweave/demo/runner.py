@@ -87,6 +87,7 @@ class Row:
     torch_ok: bool = False  # the torch backend's first step at the timed sizes
     max_abs: float = math.nan
     error: str | None = None
+    build_s: float = math.nan  # building the executable and its first step (compiling fused stages), slowest rank
 
     @property
     def checked(self) -> bool:
@@ -162,12 +163,16 @@ def time_on_rank(rank: int, world_size: int, schedule: Schedule, device: str, it
     written; `iters` timed steps after `warmup`, each with a new dropout seed and the all-gathers of `gathers`;
     one more step traced."""
     inputs, expected = _rank_case(schedule.original, world_size)
+    start = time.perf_counter()
     exe = Executable(lower(schedule), rank, world_size, {}, torch.device(device))
-    diff = compare_results(schedule.original, [_first_step(exe, inputs[rank])], [expected[rank]])
+    first = _first_step(exe, inputs[rank])  # fused stages compile here
+    build_s = time.perf_counter() - start
+    diff = compare_results(schedule.original, [first], [expected[rank]])
     # state kept sliced continues from the executable's own slices (given whole, it would be sliced again each step)
     given = _copy({k: v for k, v in inputs[rank].items() if k not in exe.plan.sliced_state}, exe.device)
     times = timed_run(exe, given, gathers, iters, warmup)
-    return {"times_ms": times, "events": trace_events(rank, exe.ctx.events), "diff": (diff.max_abs, diff.ok)}
+    return {"times_ms": times, "events": trace_events(rank, exe.ctx.events), "diff": (diff.max_abs, diff.ok),
+            "build_s": build_s}
 
 
 def timed_run(exe: Executable, given: dict[str, Any], gathers: Sequence[str], iters: int, warmup: int) -> list[float]:
@@ -199,10 +204,16 @@ def timed_run(exe: Executable, given: dict[str, Any], gathers: Sequence[str], it
 
 def check_reference(program: Program, schedules: list[Schedule], world_size: int, rows: list[Row]) -> None:
     """Every schedule against the program as written on the reference backend, on CHECK_INPUTS random input sets
-    (each with its own dropout seed)."""
-    for k in range(CHECK_INPUTS):
-        found = check_schedules(program, schedules, world_size, seed=k, scalars={"seed": 7919 * (k + 1)})
-        for row, c in zip(rows, found, strict=True):
+    (each with its own dropout seed). One thread: the tensors are small, and the ranks share the cores."""
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    try:
+        found = [check_schedules(program, schedules, world_size, seed=k, scalars={"seed": 7919 * (k + 1)})
+                 for k in range(CHECK_INPUTS)]
+    finally:
+        torch.set_num_threads(threads)
+    for k, checked in enumerate(found):
+        for row, c in zip(rows, checked, strict=True):
             row.reference_ok = c.ok if k == 0 else row.reference_ok and c.ok
             row.max_abs = max(row.max_abs, c.max_abs) if k else c.max_abs
             if not c.ok and row.error is None:
@@ -252,6 +263,7 @@ def run_workload(world: Any, wl: Workload, *, quick: bool, iters: int, warmup: i
         if not row.reference_ok:
             continue  # a schedule that computes something else is not worth timing
         per_rank = world.run(time_on_rank, s, device, iters, warmup, row.gathers)
+        row.build_s = max(r["build_s"] for r in per_rank)
         row.torch_ok = all(r["diff"][1] for r in per_rank)
         row.max_abs = max([row.max_abs] + [r["diff"][0] for r in per_rank])
         if not row.torch_ok:
