@@ -193,8 +193,9 @@ def bar_chart(result: DemoResult, path: Path) -> None:
 
     shown = [w for w in result.workloads if not w.skipped]
     heights = [len(w.rows) + len(w.baselines) for w in shown] or [1]
-    fig, axes = plt.subplots(len(shown) or 1, 1, figsize=(9, 1.2 + 0.24 * sum(heights) + 0.8 * len(heights)),
-                             gridspec_kw={"height_ratios": heights}, squeeze=False)
+    height = 1.2 + 0.24 * sum(heights) + 0.8 * len(heights)
+    fig, axes = plt.subplots(len(shown) or 1, 1, figsize=(9, height), gridspec_kw={"height_ratios": heights},
+                             squeeze=False)
     for ax, w in zip(axes[:, 0], shown):
         labels = [f"baseline: {b.name}" for b in w.baselines] + [r.schedule for r in w.rows]
         values = [b.ms if math.isfinite(b.ms) else 0.0 for b in w.baselines] + \
@@ -217,7 +218,7 @@ def bar_chart(result: DemoResult, path: Path) -> None:
                 ax.text(v, i, f" {r.speedup:.2f}x", va="center", fontsize=6)
     fig.suptitle(f"cocoweave demo: {result.world_size} ranks, {result.backend} on {result.device}; "
                  "x: vs the strongest baseline", fontsize=10)
-    fig.tight_layout()
+    fig.tight_layout(rect=(0, 0, 1, 1 - 0.35 / height))  # room for the title above the first panel's
     fig.savefig(path, dpi=110)
     plt.close(fig)
 
