@@ -10,7 +10,7 @@ import torch
 from cocoweave.backends import reference
 from cocoweave.backends.inputs import make_inputs
 from cocoweave.backends.torch.executable import Executable
-from cocoweave.demo.runner import FIRST_SEED, Row, WorkloadResult, timed_run
+from cocoweave.demo.runner import FIRST_SEED, WORKLOADS, Row, WorkloadResult, timed_run
 from cocoweave.plan import lower
 from cocoweave.schedule.enumerate import enumerate_schedules
 from cocoweave.workloads import adam, layer
@@ -36,6 +36,13 @@ def test_every_step_draws_a_fresh_mask_and_computes_the_program_with_its_seed():
         expected = reference.run(program, [dict(inputs, seed=seed)], {})[0].outputs["out"]
         torch.testing.assert_close(out, expected)
     assert exe.ctx.events  # the last step was traced
+
+
+def test_the_demo_times_only_programs_whose_dropout_seed_changes_at_run_time():
+    for wl in WORKLOADS.values():
+        program = wl.program(wl.quick_sizes, "cpu")
+        assert all(v.attrs["seed"] is None for v in program.values if v.op == "dropout")
+    assert any(v.op == "dropout" for v in WORKLOADS["model_parallel"].program({"B": 1, "S": 2, "H": 4}, "cpu").values)
 
 
 def test_state_kept_sliced_that_the_next_step_reads_whole_is_gathered_in_every_step():
