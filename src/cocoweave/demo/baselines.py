@@ -58,7 +58,7 @@ def adam_step(rank: int, world_size: int, n: int, zero: bool) -> tuple[Callable[
     params = [torch.nn.Parameter(weights[s:e].clone()) for s, e in bounds]
     for p, (s, e) in zip(params, bounds):
         p.grad = grad[s:e]  # views of the bucket, as DDP's gradient_as_bucket_view
-    if zero and world_size > 1:
+    if zero and dist.is_initialized():
         from torch.distributed.optim import ZeroRedundancyOptimizer
 
         opt: Any = ZeroRedundancyOptimizer(params, optimizer_class=torch.optim.Adam, parameters_as_bucket_view=True,

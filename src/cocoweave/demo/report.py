@@ -77,11 +77,11 @@ def summary(result: DemoResult) -> list[str]:
     shown = [w for w in result.workloads if not w.skipped]
     rows = [r for w in shown for r in w.rows]
     ok = sum(r.checked for r in rows)
-    n = result.world_size
+    n = f"{result.world_size} rank{'s' if result.world_size != 1 else ''}"
     proven = (f"Proven: {ok} of {len(rows)} schedules of {len(shown)} workload{'s' if len(shown) != 1 else ''} "
               f"compute what their program as written computes, on {result.check_inputs} random input sets at small "
-              f"sizes on the reference backend ({n} ranks simulated) and on one at the timed sizes on the torch "
-              f"backend ({n} live {result.backend} ranks on {result.device}, running the very code that was timed; "
+              f"sizes on the reference backend ({n} simulated) and on one at the timed sizes on the torch "
+              f"backend ({n} live, {result.backend} on {result.device}, running the very code that was timed; "
               f"{route(result)}).")
     timed = (f"Timed: each schedule and each plain PyTorch baseline, median over {result.iters} steps (after "
              f"{result.warmup} warm-up steps) of the slowest rank, with a fresh dropout mask every step; the headline "
