@@ -276,10 +276,11 @@ def run_workload(world: Any, wl: Workload, *, quick: bool, iters: int, warmup: i
         row.speedup = result.baseline_ms / row.ms
     result.wall_s = time.perf_counter() - start
     best = result.fastest
-    traced = [] if best is None else [[dict(e, stream=f"{wl.key} {e['stream']}", args={**e["args"], "schedule":
-                                                                                          best.schedule})
-                                       for e in rank_events] for rank_events in events[best.schedule]]
-    return result, traced
+    if best is None:
+        return result, []
+    label = {"schedule": best.schedule}
+    return result, [[dict(e, stream=f"{wl.key} {e['stream']}", args={**e["args"], **label}) for e in rank_events]
+                    for rank_events in events[best.schedule]]
 
 
 @dataclass
