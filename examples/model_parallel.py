@@ -1,5 +1,6 @@
 """Megatron-style row-parallel block (CoCoNet's second workload): a matmul on sliced weights gives
-per-rank partial sums; AllReduce them, add the bias, dropout, add the residual."""
+per-rank partial sums; AllReduce them, add the bias, dropout, add the residual. The dropout seed is a runtime
+scalar `seed`: pass a new one every step for a fresh mask."""
 
 import cocoweave as cw
 from cocoweave import workloads

@@ -1,6 +1,7 @@
 """Pipeline-parallel boundary (CoCoNet's third workload): the last layer of a stage ends in an
 AllReduce of partial sums, dropout and a residual; the result is sent to the next stage. Its
-schedule RS-C-P2P-AG sends only slices and all-gathers on the receiving stage."""
+schedule RS-C-P2P-AG sends only slices and all-gathers on the receiving stage. The dropout seed is a runtime
+scalar `seed`: pass a new one every step for a fresh mask."""
 
 import cocoweave as cw
 from cocoweave import workloads

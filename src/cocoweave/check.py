@@ -65,12 +65,13 @@ def torch_runner(world: Any, device: str = "cpu", kernels: str | None = None) ->
 
 def check_schedules(program: Program, schedules: Sequence[Schedule], world_size: int,
                     sizes: Mapping[str, int] | None = None, seed: int = 0,
-                    runner: Runner = reference_runner, batch: BatchRunner | None = None) -> list[CheckRow]:
+                    runner: Runner = reference_runner, batch: BatchRunner | None = None,
+                    scalars: Mapping[str, float] | None = None) -> list[CheckRow]:
     """Compare every schedule with the unscheduled program (reference backend) on one set of random
     inputs at `world_size` ranks. A schedule that fails to run gives a row with the error. `batch`
     (e.g. torch_runner) runs all schedules at once instead of `runner` one by one."""
     sizes = dict(sizes or {})
-    inputs = make_inputs(program, world_size, sizes, seed=seed)
+    inputs = make_inputs(program, world_size, sizes, seed=seed, scalars=scalars)  # scalars: else random
     expected = reference.run(program, inputs, sizes, whole_state=True)
     if batch is not None:
         results = batch(schedules, inputs, sizes)

@@ -33,6 +33,23 @@ def test_demo_checks_times_and_reports_every_schedule(world4, tmp_path):
             assert math.isfinite(r["ms"]) and r["ms"] > 0
             assert f"| {r['schedule']} |" in report or f"| **{r['schedule']}** |" in report
         assert f"baseline: {w['baseline']}" in report
+        assert [b["name"] for b in w["baselines"]] == [b.name for b in WORKLOADS[key].baselines]
+        assert w["baseline_ms"] == min(b["ms"] for b in w["baselines"])  # the strongest baseline
+        for b in w["baselines"]:
+            assert f"| baseline: {b['name']} |" in report
+        sliced_weights = [r for r in w["rows"] if r["gathers"]]
+        assert {r["schedule"] for r in sliced_weights} == {r["schedule"] for r in w["rows"]
+                                                           if "w" in r["schedule"].partition("+slice(")[2]}
+        assert all("timed with its all-gather; not the headline" in report.split(f"| {r['schedule']} |")[1]
+                   .split("\n")[0] for r in sliced_weights)
+        head = data["headlines"][key]
+        assert head["schedule"] not in {r["schedule"] for r in sliced_weights}
+        assert head["ms"] == min(r["ms"] for r in w["rows"] if not r["gathers"])
+    assert any(w["key"] == "adam" and any(r["gathers"] == ["w"] for r in w["rows"]) for w in data["workloads"])
+    rows = sum(len(w["rows"]) for w in data["workloads"])
+    assert report.startswith(f"# cocoweave demo\n\nProven: {rows} of {rows} schedules of 3 workloads compute what")
+    assert "on 3 random input sets at small sizes on the reference backend" in report
+    assert "\nTimed: each schedule and each plain PyTorch baseline" in report and "fresh dropout mask" in report
     trace = json.loads((folder / "trace.json").read_text())
     spans = [e for e in trace["traceEvents"] if e["ph"] == "X"]
     assert {e["cat"].split()[0] for e in spans} == set(keys)  # the fastest schedule of each workload

@@ -144,6 +144,42 @@ def test_transformer_block_matches_reference_block(local_world, chunks):
         _assert_close(local_world(n).run(block_case, chunks))
 
 
+def steps_case(rank: int, world_size: int) -> dict[str, float]:
+    """Three training forwards without a step: a fresh mask each time, the same masks as the reference block's."""
+    torch.manual_seed(4)
+    ref = ReferenceBlock(16, 4, dropout=0.3, seed=5)
+    blk = TransformerBlock(16, 4, dropout=0.3).load_reference(ref)
+    x = torch.randn(2, 6, 16)
+    errs, outs = {}, []
+    for i in range(3):
+        y_ref, y = ref(x), blk(x)
+        errs[f"out{i}"] = _err(y, y_ref)
+        outs.append(y)
+    errs["fresh masks"] = float(torch.equal(outs[0], outs[1]) or torch.equal(outs[1], outs[2]))
+    errs["counted"] = float(blk.dropout_step != 3 or ref.dropout_step != 3)
+    blk.eval()
+    errs["eval: no dropout, no count"] = float(not torch.equal(blk(x), blk(x)) or blk.dropout_step != 3)
+    return errs
+
+
+def test_blocks_draw_a_fresh_mask_every_training_step_without_a_step_argument(local_world):
+    _assert_close([steps_case(0, 1)])
+    _assert_close(local_world(2).run(steps_case))
+
+
+def test_row_parallel_linear_advances_its_seed_unless_given_one():
+    torch.manual_seed(3)
+    row = RowParallelLinear(8, 8, dropout=0.5, seed=2)
+    x = torch.randn(4, 8)
+    first, second = row(x), row(x)
+    assert not torch.equal(first, second) and row.dropout_step == 2  # a fresh mask each training forward
+    assert torch.equal(row(x, dropout_seed=7), row(x, dropout_seed=7)) and row.dropout_step == 2
+    row.dropout_step = 0
+    assert torch.equal(row(x), first)  # the mask is a function of (seed, dropout_step)
+    row.eval()
+    assert torch.equal(row(x), row(x)) and row.dropout_step == 1
+
+
 @pytest.mark.parametrize("scatter_gather", [True, False])
 def test_pipeline_boundary_matches_single_process(local_world, scatter_gather):
     for n in (2, 4):

@@ -68,3 +68,43 @@ def test_the_choice_is_cached_and_replays_to_the_same_schedule(tmp_path):
     replayed = cached_schedule(load_example("adam.py:adam", N=256), {}, 4, "torch", "cpu", cache)
     assert replayed.fingerprint() == result.choice.schedule.fingerprint()
     assert cached_schedule(load_example("adam.py:adam", N=512), {}, 4, "torch", "cpu", cache) is None
+
+
+def test_the_program_as_written_is_measured_even_when_the_given_schedules_leave_it_out():
+    others = [s for s in SCHEDULES if s.steps]
+    timer = FakeTimer(_table({BASE: 2.0}, default=5.0))
+    result = tune(PROGRAM, {}, 4, measure=timer, predict=lambda s: 1.0, k=1, schedules=others)
+    assert BASE in timer.asked and result.baseline.name == BASE
+    assert result.choice.name == BASE and result.speedup == 1.0  # every given schedule measured slower
+
+
+def test_a_schedule_that_failed_to_measure_is_never_chosen():
+    nan = float("nan")
+    result = tune(PROGRAM, {}, 4, measure=FakeTimer(_table({SCHEDULES[1].name: nan, SCHEDULES[2].name: 1.0})))
+    assert result.choice.name == SCHEDULES[2].name
+    result = tune(PROGRAM, {}, 4, measure=FakeTimer(_table({BASE: nan}, default=1.0)))
+    assert result.choice.name == BASE and "stays the choice" in result.notes[0]  # nothing is shown to be faster
+
+
+@pytest.mark.parametrize("seed", range(20))
+def test_the_choice_is_never_slower_than_the_program_as_written_whatever_the_model_says(seed):
+    import random
+
+    rnd = random.Random(seed)
+    truth = {s.name: rnd.uniform(1.0, 10.0) for s in SCHEDULES}
+    predicted = {s.name: rnd.uniform(1.0, 10.0) for s in SCHEDULES}
+    result = tune(PROGRAM, {}, 4, measure=FakeTimer(truth), predict=lambda s: predicted[s.name], k=rnd.randint(1, 4))
+    assert result.choice.measured_ms <= truth[BASE]
+    assert result.choice.measured_ms == min(c.measured_ms for c in result.measured())
+
+
+def test_a_cached_choice_that_measured_slower_than_the_program_as_written_is_not_used(tmp_path):
+    cache = TuneCache(tmp_path / "cache.json")
+    chosen = SCHEDULES[-1]
+    cache.put(cache_key(PROGRAM, {}, 4, "torch", "cpu"), {"schedule": chosen.name, "steps": chosen.steps_json(),
+                                                          "measured_ms": 9.0, "baseline_ms": 3.0})
+    with pytest.warns(UserWarning, match="measured 9.0 ms against 3.0 ms for the program as written"):
+        assert cached_schedule(PROGRAM, {}, 4, "torch", "cpu", cache) is None
+    cache.put(cache_key(PROGRAM, {}, 4, "torch", "cpu"), {"schedule": chosen.name, "steps": chosen.steps_json(),
+                                                          "measured_ms": 2.0, "baseline_ms": 3.0})
+    assert cached_schedule(PROGRAM, {}, 4, "torch", "cpu", cache).fingerprint() == chosen.fingerprint()

@@ -25,6 +25,8 @@ WORKLOADS = [
     ("reduce_gradient", lambda: reduce_gradient((13,), "sum")),
     ("model_parallel", lambda: layer(2, 3, 8, dtype="float32")),
     ("pipeline_parallel", lambda: boundary(2, 3, 8, dtype="float32")),
+    ("model_parallel-constant-seed", lambda: layer(2, 3, 8, dtype="float32", seed=5)),
+    ("pipeline_parallel-constant-seed", lambda: boundary(2, 3, 8, dtype="float32", seed=5)),
 ]
 
 
@@ -47,6 +49,14 @@ def test_sliced_schedules_exist_where_the_optimizers_need_them():
     assert "RS-C-AG+slice(buf)" in names(sgd(64))
     assert "RS-C-AR-C-AG+slice(m,v)" in names(lamb(16, 4))  # the T partial norms are all-reduced
     assert names(adamw(64, reduction="adasum")) == {"AR-c", "AR-C"}  # adasum cannot be split
+
+
+def test_dropout_seeds_are_runtime_scalars_unless_a_constant_is_given():
+    for build in (layer, boundary):
+        (drop,) = [v for v in build(2, 4, 8).values if v.op == "dropout"]
+        assert drop.attrs["seed"] is None and drop.args[1].name == "seed"  # a new mask each step the caller asks
+        (const,) = [v for v in build(2, 4, 8, seed=3).values if v.op == "dropout"]
+        assert const.attrs["seed"] == 3 and "seed" not in build(2, 4, 8, seed=3).inputs
 
 
 def test_pipeline_schedule_sends_only_slices():

@@ -1,16 +1,26 @@
-"""The plain baselines of the paper's three workloads, written as a user would write them in torch
-(run on every rank of a world), and the timing protocol they share with the torch backend's
-`time_schedule`: a barrier before each step, warm-up steps, then one wall time per step.
+"""The plain PyTorch baselines of the paper's three workloads, written as a competent user would write them (run
+on every rank of a world), timed with the protocol the schedules use (`timed_steps`: a barrier before each step,
+warm-up steps, then one wall time per step). Each workload has several; the report compares the schedules with
+the fastest of them (the strongest), and names each one.
 
-- adam: all_reduce the gradient (sum, then divide: DDP's average) + torch.optim.Adam(foreach=True).step()
-- model_parallel: matmul of the rank's slices + all_reduce of the partial sums + eager bias, dropout, residual
-- pipeline_parallel: all_reduce in the stage + eager bias, dropout, residual + send of the whole tensor to the
-  peer rank of the next stage (which receives it)
+- adam: the gradient all-reduced in place (DDP's bucket: one flat buffer, the parameters' gradients are views of
+  it, divided by the world size), then torch.optim.Adam(fused=True) over the parameters; or, DDP-style, the same
+  all-reduce then torch's ZeroRedundancyOptimizer (each rank updates its share of the parameters with fused Adam
+  and broadcasts it). The N elements are 16 parameters of N/16, so that ZeRO can share them out.
+- model_parallel: the rank's slices multiplied, the partial sums all-reduced, then bias + dropout + residual, as
+  one torch.compile'd function (compiled once per world, before the timed steps) or eager.
+- pipeline_parallel: the stage's partial sums all-reduced, the same epilogue (compiled or eager), and the whole
+  result sent to the peer rank of the next stage, which receives it.
+
+F.dropout draws a fresh mask every step, as training needs; the schedules get a new seed every step.
 """
 
 from __future__ import annotations
 
 from collections.abc import Callable, Mapping
+from dataclasses import dataclass
+from functools import partial
+from typing import Any
 
 import torch
 import torch.distributed as dist
@@ -18,38 +28,83 @@ import torch.nn.functional as F
 
 from ..backends.torch.worker import timed_steps
 from ..ir.layout import slice_bounds
-from ..launch import rank_device
+from ..launch import rank_device, rank_state
 
 DTYPE = {"float16": torch.float16, "bfloat16": torch.bfloat16, "float32": torch.float32}
+PARAMS = 16  # the Adam baselines' N elements as this many parameters (a model has many; ZeRO shares them out)
+LR = 1e-3
+
+
+@dataclass(frozen=True)
+class Baseline:
+    """One plain PyTorch baseline: its name in the tables, and the function every rank runs to time it
+    (rank, world size, sizes, iters, warmup, dtype) -> step times in ms."""
+
+    name: str
+    run: Callable[..., list[float]]
 
 
 def _gen(rank: int) -> torch.Generator:
     return torch.Generator().manual_seed(1234 + rank)
 
 
-def adam_baseline(rank: int, world_size: int, sizes: Mapping[str, int], iters: int, warmup: int) -> list[float]:
-    """AllReduce of the gradient + torch.optim.Adam(foreach=True) on the whole replicated tensor."""
+def adam_step(rank: int, world_size: int, n: int, zero: bool) -> tuple[Callable[[], None], list[torch.nn.Parameter]]:
+    """One data-parallel Adam step on this rank's random gradient of `n` elements: all-reduce of the flat gradient
+    (in place, then / world size), then Adam(fused=True) or ZeRO's step; and the parameters it updates."""
     dev = rank_device()
-    n = sizes["N"]
-    g = torch.randn(n, generator=_gen(rank)).to(dev)
-    w = torch.nn.Parameter(torch.randn(n, generator=_gen(0)).to(dev))
-    opt = torch.optim.Adam([w], lr=1e-3, foreach=True)
-    grad = torch.empty_like(g)
+    grad = torch.randn(n, generator=_gen(rank)).to(dev)  # the bucket; after the first step every rank's is the mean
+    weights = torch.randn(n, generator=_gen(0)).to(dev)
+    bounds = [slice_bounds(n, PARAMS, i) for i in range(PARAMS)]
+    params = [torch.nn.Parameter(weights[s:e].clone()) for s, e in bounds]
+    for p, (s, e) in zip(params, bounds):
+        p.grad = grad[s:e]  # views of the bucket, as DDP's gradient_as_bucket_view
+    if zero and dist.is_initialized():
+        from torch.distributed.optim import ZeroRedundancyOptimizer
+
+        opt: Any = ZeroRedundancyOptimizer(params, optimizer_class=torch.optim.Adam, parameters_as_bucket_view=True,
+                                           lr=LR, fused=True)
+    else:
+        opt = torch.optim.Adam(params, lr=LR, fused=True)
 
     def step() -> None:
-        grad.copy_(g)
         if world_size > 1:
             dist.all_reduce(grad)
             grad.div_(world_size)
-        w.grad = grad
         opt.step()
 
-    return timed_steps(step, world_size, dev, iters, warmup)
+    return step, params
 
 
-def model_parallel_baseline(rank: int, world_size: int, sizes: Mapping[str, int], iters: int, warmup: int,
-                            dtype: str = "float16", p: float = 0.1) -> list[float]:
-    """x_r @ w_r (the rank's slices), AllReduce of the partial sums, then eager dropout(y + b) + r."""
+def _adam(rank: int, world_size: int, sizes: Mapping[str, int], iters: int, warmup: int, dtype: str,
+          zero: bool) -> list[float]:
+    """`adam_step` timed (float32, as the program)."""
+    step, _ = adam_step(rank, world_size, sizes["N"], zero)
+    return timed_steps(step, world_size, rank_device(), iters, warmup)
+
+
+def _epilogue(y: torch.Tensor, b: torch.Tensor, r: torch.Tensor, p: float) -> torch.Tensor:
+    return F.dropout(y + b, p, training=True) + r
+
+
+def epilogue(compiled: bool, shape: tuple[int, ...], dtype: torch.dtype, p: float) -> Callable[..., torch.Tensor]:
+    """bias + dropout + residual, eager or torch.compile'd; a compiled one is compiled once per rank process and
+    (shape, dtype, p), on its first call (which the warm-up steps make)."""
+    if not compiled:
+        return lambda y, b, r: _epilogue(y, b, r, p)
+    cache = rank_state().setdefault("demo_compiled_epilogues", {})
+    key = (shape, dtype, p)
+    if key not in cache:
+        import torch._inductor.config as inductor
+
+        inductor.compile_threads = 1  # ranks share the cores
+        fn = torch.compile(_epilogue, fullgraph=True, dynamic=False)
+        cache[key] = lambda y, b, r: fn(y, b, r, p)
+    return cache[key]
+
+
+def _model_parallel(rank: int, world_size: int, sizes: Mapping[str, int], iters: int, warmup: int, dtype: str,
+                    compiled: bool, p: float = 0.1) -> list[float]:
+    """x_r @ w_r (the rank's slices), AllReduce of the partial sums, then dropout(y + b) + r."""
     dev, dt = rank_device(), DTYPE[dtype]
     B, S, H = sizes["B"], sizes["S"], sizes["H"]
     lo, hi = slice_bounds(H, world_size, rank)
@@ -57,49 +112,52 @@ def model_parallel_baseline(rank: int, world_size: int, sizes: Mapping[str, int]
     w = torch.randn(hi - lo, H, generator=_gen(rank)).to(dev, dt)
     b = torch.randn(H, generator=_gen(0)).to(dev, dt)
     r = torch.randn(B, S, H, generator=_gen(0)).to(dev, dt)
+    epi = epilogue(compiled, (B, S, H), dt, p)
 
     def step() -> None:
         y = torch.matmul(x, w)
         if world_size > 1:
             dist.all_reduce(y)
-        F.dropout(y + b, p, training=True) + r
+        epi(y, b, r)
 
     return timed_steps(step, world_size, dev, iters, warmup)
 
 
-def pipeline_parallel_baseline(rank: int, world_size: int, sizes: Mapping[str, int], iters: int, warmup: int,
-                               dtype: str = "float16",
-                               p: float = 0.1) -> list[float]:
-    """Stage 0 (the first half of the ranks): AllReduce of the partial sums in the stage, eager
-    dropout(y + b) + r, then the whole result sent to rank i of stage 1, which receives it."""
+def _pipeline(rank: int, world_size: int, sizes: Mapping[str, int], iters: int, warmup: int, dtype: str,
+              compiled: bool, p: float = 0.1) -> list[float]:
+    """Stage 0 (the first half of the ranks): AllReduce of the partial sums in the stage (in place), dropout(y + b)
+    + r, then the whole result sent to rank i of stage 1, which receives it."""
     from ..backends.torch.executable import process_groups
     from ..workloads import boundary
 
     dev, dt = rank_device(), DTYPE[dtype]
     B, S, H = sizes["B"], sizes["S"], sizes["H"]
     half = world_size // 2
-    stage_groups = process_groups(boundary(B, S, H, dtype), world_size)  # the groups the schedules use
-    group = stage_groups["stage0"]
+    group = process_groups(boundary(B, S, H, dtype), world_size)["stage0"]  # the groups the schedules use
     buf = torch.empty(B, S, H, dtype=dt, device=dev)
-    x = torch.randn(B, S, H, generator=_gen(rank)).to(dev, dt)
+    y = torch.randn(B, S, H, generator=_gen(rank)).to(dev, dt)  # reduced in place: no copy (values do not time)
     b = torch.randn(H, generator=_gen(0)).to(dev, dt)
     r = torch.randn(B, S, H, generator=_gen(0)).to(dev, dt)
+    epi = epilogue(compiled, (B, S, H), dt, p)
 
     def step() -> None:
         if rank < half:
-            y = x.clone()
             if half > 1:
                 dist.all_reduce(y, group=group)
-            h = F.dropout(y + b, p, training=True) + r
-            dist.send(h, rank + half)
+            dist.send(epi(y, b, r), rank + half)
         else:
             dist.recv(buf, rank - half)
 
     return timed_steps(step, world_size, dev, iters, warmup)
 
 
-BASELINES: dict[str, Callable[..., list[float]]] = {
-    "adam": adam_baseline,
-    "model_parallel": model_parallel_baseline,
-    "pipeline_parallel": pipeline_parallel_baseline,
+BASELINES: dict[str, tuple[Baseline, ...]] = {
+    "adam": (Baseline("AllReduce + torch.optim.Adam(fused=True)", partial(_adam, zero=False)),
+             Baseline("AllReduce + ZeroRedundancyOptimizer(Adam, fused=True)", partial(_adam, zero=True))),
+    "model_parallel": (
+        Baseline("matmul + AllReduce + torch.compile'd epilogue", partial(_model_parallel, compiled=True)),
+        Baseline("matmul + AllReduce + eager epilogue", partial(_model_parallel, compiled=False))),
+    "pipeline_parallel": (
+        Baseline("AllReduce + torch.compile'd epilogue + full send", partial(_pipeline, compiled=True)),
+        Baseline("AllReduce + eager epilogue + full send", partial(_pipeline, compiled=False))),
 }

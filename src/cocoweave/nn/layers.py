@@ -30,6 +30,7 @@ from .functional import (
     gather_from_parallel,
     group_rank,
     group_size,
+    mix_seed,
     part,
     scatter_to_parallel,
 )
@@ -163,7 +164,9 @@ class RowParallelLinear(_ParallelLinear):
 
     Dropout uses cocoweave's counter-based mask: element i of the output is at logical index
     `index_offset + i` and its mask depends only on (seed, that index), so forward and backward agree
-    and a single-process model with the same seed draws the same mask."""
+    and a single-process model with the same seed draws the same mask. Each training forward needs a fresh
+    mask: pass `dropout_seed` (e.g. from the training step, which makes a resumed run draw the same masks), or
+    leave it None and the layer uses mix_seed(seed, dropout_step) and advances `dropout_step`."""
 
     sliced_dim = 1
 
@@ -180,6 +183,7 @@ class RowParallelLinear(_ParallelLinear):
                                       f"({in_features}) divisible by the group size ({self.tp_size})")
         self.input_is_parallel, self.p, self.overlap_chunks = input_is_parallel, dropout, overlap_chunks
         self.seed = seed
+        self.dropout_step = 0  # training forwards without a dropout_seed so far: the next one's mask
 
     def forward(self, x: torch.Tensor, residual: torch.Tensor | None = None, *, dropout_seed: int | None = None,
                 index_offset: int = 0) -> torch.Tensor:
@@ -192,7 +196,10 @@ class RowParallelLinear(_ParallelLinear):
             raise ParallelConfigError(f"RowParallelLinear: residual has shape {list(residual.shape)}, expected "
                                       f"{[*x.shape[:-1], self.out_features]}")
         p = self.p if self.training else 0.0
-        seed = self.seed if dropout_seed is None else dropout_seed
+        seed = dropout_seed
+        if seed is None:
+            seed = mix_seed(self.seed, self.dropout_step)
+            self.dropout_step += p > 0  # a fresh mask for the next training forward
         return _RowParallel.apply(x, self.weight, self.bias, residual, p, int(seed), int(index_offset),
                                   self.overlap_chunks, self.group)
 

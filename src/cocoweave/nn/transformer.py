@@ -4,6 +4,9 @@ and the single-process block with the same parameters and the same dropout masks
     x = x + dropout(proj(attention(ln1(x))))        proj: RowParallelLinear with the fused epilogue
     x = x + dropout(fc2(gelu(fc1(ln2(x)))))         fc1: ColumnParallelLinear, fc2: RowParallelLinear
 
+Dropout draws a fresh mask every training step: forward(x, step=s) derives both epilogues' seeds from (seed, s);
+without `step` a block counts its own training forwards.
+
 The fused q/k/v weight has its output features ordered (head, {q, k, v}, head_dim), so a contiguous slice
 holds whole heads with their own q, k and v (Megatron's layout); each rank attends over its heads only.
 """
@@ -43,6 +46,16 @@ def block_seeds(seed: int, step: int) -> tuple[int, int]:
     return mix_seed(seed, step, 0), mix_seed(seed, step, 1)
 
 
+def _next_step(block: nn.Module, step: int | None) -> int:
+    """The step whose dropout masks a block's forward draws: `step` when the caller passes it (the training
+    step: a resumed run draws the same masks), else the block's own count of training forwards, advanced here."""
+    if step is not None:
+        return step
+    step = block.dropout_step
+    block.dropout_step += block.training
+    return step
+
+
 class ReferenceBlock(nn.Module):
     """The block in one process with full-size torch.nn layers; dropout uses cocoweave's counter-based
     mask at logical indices `index_offset + i`, like the parallel block."""
@@ -52,6 +65,7 @@ class ReferenceBlock(nn.Module):
         super().__init__()
         self.head_dim = _check_heads(d_model, n_heads, 1)
         self.n_heads, self.p, self.causal, self.seed = n_heads, dropout, causal, seed
+        self.dropout_step = 0  # training forwards without a `step` so far (see _next_step)
         d_ff = d_ff or 4 * d_model
         self.ln1, self.ln2 = nn.LayerNorm(d_model), nn.LayerNorm(d_model)
         self.qkv, self.proj = nn.Linear(d_model, 3 * d_model), nn.Linear(d_model, d_model)
@@ -63,8 +77,8 @@ class ReferenceBlock(nn.Module):
         index = torch.arange(offset, offset + y.numel(), device=y.device).reshape(y.shape)
         return rng.dropout(y, index, self.p, seed)
 
-    def forward(self, x: torch.Tensor, *, step: int = 0, index_offset: int = 0) -> torch.Tensor:
-        s_attn, s_mlp = block_seeds(self.seed, step)
+    def forward(self, x: torch.Tensor, *, step: int | None = None, index_offset: int = 0) -> torch.Tensor:
+        s_attn, s_mlp = block_seeds(self.seed, _next_step(self, step))
         a = _attend(self.qkv(self.ln1(x)), self.n_heads, self.head_dim, self.causal)
         x = self._dropout(self.proj(a), s_attn, index_offset) + x
         h = F.gelu(self.fc1(self.ln2(x)))
@@ -83,6 +97,7 @@ class TransformerBlock(nn.Module):
         tp = group_size(group)
         self.head_dim = _check_heads(d_model, n_heads, tp)
         self.local_heads, self.causal, self.seed, self.group = n_heads // tp, causal, seed, group
+        self.dropout_step = 0  # training forwards without a `step` so far (see _next_step)
         d_ff = d_ff or 4 * d_model
         kw: dict[str, Any] = {"group": group, "device": device, "dtype": dtype}
         self.ln1 = nn.LayerNorm(d_model, device=device, dtype=dtype)
@@ -102,11 +117,11 @@ class TransformerBlock(nn.Module):
         for name in ("qkv", "proj", "fc1", "fc2"):
             full = getattr(ref, name)
             getattr(self, name).load_full(full.weight, full.bias)
-        self.seed = ref.seed
+        self.seed, self.dropout_step = ref.seed, ref.dropout_step
         return self
 
-    def forward(self, x: torch.Tensor, *, step: int = 0, index_offset: int = 0) -> torch.Tensor:
-        s_attn, s_mlp = block_seeds(self.seed, step)
+    def forward(self, x: torch.Tensor, *, step: int | None = None, index_offset: int = 0) -> torch.Tensor:
+        s_attn, s_mlp = block_seeds(self.seed, _next_step(self, step))
         a = _attend(self.qkv(self.ln1(x)), self.local_heads, self.head_dim, self.causal)
         x = self.proj(a, residual=x, dropout_seed=s_attn, index_offset=index_offset)
         h = F.gelu(self.fc1(self.ln2(x)))

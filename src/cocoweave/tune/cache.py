@@ -105,12 +105,26 @@ def cached_schedule(program: Program, sizes: Mapping[str, int], world_size: int,
         return None
     if entry is None:
         return None
+    if not _not_slower(entry):
+        warnings.warn(f"the cached schedule {entry.get('schedule')!r} for {program.name} measured "
+                      f"{entry.get('measured_ms')} ms against {entry.get('baseline_ms')} ms for the program as "
+                      "written; ignoring it", stacklevel=2)
+        return None
     try:
         return Schedule(program, entry["steps"])
     except (ScheduleError, KeyError, TypeError, AttributeError, ValueError) as exc:
         warnings.warn(f"the cached schedule {entry.get('schedule')!r} for {program.name} no longer applies "
                       f"({type(exc).__name__}: {exc}); ignoring it", stacklevel=2)
         return None
+
+
+def _not_slower(entry: Mapping[str, Any]) -> bool:
+    """False when a cached choice's own measurements say it is slower than the program as written (the tuner never
+    writes one; an older tuner or a hand-edited cache may have); an entry without both times is taken as given."""
+    ms, base = entry.get("measured_ms"), entry.get("baseline_ms")
+    if not entry.get("steps") or not all(isinstance(x, int | float) and not isinstance(x, bool) for x in (ms, base)):
+        return True
+    return ms <= base  # False when either is NaN
 
 
 def auto_schedule(program: Program, sizes: Mapping[str, int], world_size: int, backend: str, device: str,

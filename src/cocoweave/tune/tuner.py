@@ -1,12 +1,14 @@
 """The autotuner: predict every schedule, measure the best k and the baseline, pick the fastest measured.
 
-The baseline (the program as written) is always measured, so the choice is never slower than the
-baseline as measured in the same run. Without a cost model every schedule is measured. Measuring is
-injected (`measure`: schedules -> Measurements), so the choice logic is testable without ranks.
+The baseline (the program as written) is always among the candidates and always measured, even when the caller's
+`schedules` leave it out, and only a finite measurement can be chosen, so the choice is never slower than the
+baseline as measured in the same run. Without a cost model every schedule is measured. Measuring is injected
+(`measure`: schedules -> Measurements), so the choice logic is testable without ranks.
 """
 
 from __future__ import annotations
 
+import math
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any
@@ -77,10 +79,10 @@ def tune(program: Program, sizes: Mapping[str, int], world_size: int, *, measure
     """Tune `program` for `world_size` ranks: measure the top-k predicted schedules and the baseline, choose
     the fastest measured and (if `cache` is given) cache that choice."""
     found = list(schedules) if schedules is not None else enumerate_schedules(program)
-    if not found:
-        raise CocoweaveError(f"program `{program.name}` has no schedule to tune.")
+    if not any(not s.steps for s in found):  # the program as written is always a candidate
+        found.insert(0, Schedule(program))
     candidates = [Candidate(s, predict(s) if predict is not None else None) for s in found]
-    baseline = next((c for c in candidates if not c.schedule.steps), candidates[0])
+    baseline = next(c for c in candidates if not c.schedule.steps)
     to_measure = select_to_measure(candidates, baseline, k)
     results = measure([c.schedule for c in to_measure])
     if len(results) != len(to_measure):
@@ -88,16 +90,26 @@ def tune(program: Program, sizes: Mapping[str, int], world_size: int, *, measure
                              f"{len(to_measure)} schedules.")
     for c, m in zip(to_measure, results, strict=True):
         c.measured = m
-    choice = min(to_measure, key=lambda c: (c.measured_ms, c is not baseline))
+    choice = baseline  # a schedule is chosen only when it measured faster than the program as written
+    if _finite(baseline.measured_ms):
+        choice = min((c for c in to_measure if _finite(c.measured_ms)),
+                     key=lambda c: (c.measured_ms, c is not baseline))
     key = cache_key(program, sizes, world_size, backend, device)
     ranked = sorted(candidates, key=lambda c: (c.predicted_ms is None, c.predicted_ms or 0.0))
     result = TuneResult(program, ranked, baseline, choice, key)
+    if not _finite(baseline.measured_ms):
+        result.notes.append(f"the program as written measured {baseline.measured_ms} ms: it stays the choice, as no "
+                            "schedule can be shown to be faster.")
     if predict is None:
         result.notes.append("no cost model for this world size: every schedule was measured "
                             "(run `cocoweave perf calibrate` to predict first).")
     if cache is not None:
         cache.put(key, cache_entry(result, cache_extra))
     return result
+
+
+def _finite(ms: float | None) -> bool:
+    return ms is not None and math.isfinite(ms)
 
 
 def cache_entry(result: TuneResult, extra: Mapping[str, Any] | None = None) -> dict[str, Any]:
