@@ -67,6 +67,26 @@ def _alive(pid: int) -> bool:
         return True
 
 
+SPIN_S = 50e-6  # how long a waiting rank spins (yielding) before it sleeps between looks
+NAP_S = 50e-6  # how long it then sleeps: a waiting rank leaves the core to the ranks it waits for
+
+
+def _wait_until(ready: Callable[[], bool], check: Callable[[float], None]) -> None:
+    """Wait for `ready()`: spin (yielding the core) for a moment, then sleep between looks, so that waiting ranks
+    do not take the cores from the ranks they wait for (ranks outnumber cores, or other work runs); every fifth of
+    a second `check(seconds waited)` may raise (a peer that died, the timeout)."""
+    start = look = time.monotonic()
+    while not ready():
+        now = time.monotonic()
+        if now - start < SPIN_S:
+            os.sched_yield()
+        else:
+            time.sleep(NAP_S)
+        if now - look > 0.2:
+            look = now
+            check(now - start)
+
+
 def _store() -> Any:
     return dist.distributed_c10d._get_default_store()
 
@@ -113,22 +133,22 @@ class ShmGroup:
         """Wait until every rank of the group has reached its same-numbered barrier."""
         self.epoch += 1
         self.flags[self.me] = self.epoch
-        start = look = time.monotonic()
-        while int(self.flags.min()) < self.epoch:
-            os.sched_yield()
-            now = time.monotonic()
-            if now - look > 0.2:  # every fifth of a second: has a rank we wait for died?
-                look = now
-                late = [i for i, e in enumerate(self.flags.tolist()) if e < self.epoch]
-                dead = [i for i in late if not _alive(int(self.pids[i]))]
-                if dead:
-                    raise BackendError(f"rank {dist.get_rank()}: rank {self.ranks[dead[0]]} exited while the ranks "
-                                       f"{self.ranks} waited for it in a shared-memory barrier")
-            if now - start > _timeout():
-                late = [self.ranks[i] for i, e in enumerate(self.flags.tolist()) if e < self.epoch]
+
+        def late() -> list[int]:
+            return [i for i, e in enumerate(self.flags.tolist()) if e < self.epoch]
+
+        def check(waited: float) -> None:
+            dead = [i for i in late() if not _alive(int(self.pids[i]))]
+            if dead:
+                raise BackendError(f"rank {dist.get_rank()}: rank {self.ranks[dead[0]]} exited while the ranks "
+                                   f"{self.ranks} waited for it in a shared-memory barrier")
+            if waited > _timeout():
+                slow = [self.ranks[i] for i in late()]
                 raise BackendError(f"rank {dist.get_rank()}: shared-memory barrier of ranks {self.ranks} waited "
-                                   f"{_timeout():g} s for rank{'s' if len(late) > 1 else ''} "
-                                   f"{', '.join(map(str, late))}")
+                                   f"{_timeout():g} s for rank{'s' if len(slow) > 1 else ''} "
+                                   f"{', '.join(map(str, slow))}")
+
+        _wait_until(lambda: int(self.flags.min()) >= self.epoch, check)
 
     def slots(self, prefix: str, numel: int, dtype: torch.dtype) -> list[torch.Tensor]:
         """A new segment of one slot of `numel` elements per rank (index i: group rank i's slot)."""
@@ -256,18 +276,15 @@ class Pair:
         self.epoch = 0
 
     def _wait(self, i: int, what: str) -> None:
-        start = look = time.monotonic()
-        while int(self.flags[i]) < self.epoch:
-            os.sched_yield()
-            now = time.monotonic()
-            if now - look > 0.2:
-                look = now
-                if not _alive(int(self.pids[i])):  # flag 0 is raised by the sender (pid 0), flag 1 by the receiver
-                    raise BackendError(f"rank {dist.get_rank()}: its peer exited while it waited for it to {what} a "
-                                       "shared-memory send")
-            if now - start > _timeout():
+        def check(waited: float) -> None:
+            if not _alive(int(self.pids[i])):  # flag 0 is raised by the sender (pid 0), flag 1 by the receiver
+                raise BackendError(f"rank {dist.get_rank()}: its peer exited while it waited for it to {what} a "
+                                   "shared-memory send")
+            if waited > _timeout():
                 raise BackendError(f"rank {dist.get_rank()}: waited {_timeout():g} s for its peer to {what} a "
                                    "shared-memory send")
+
+        _wait_until(lambda: int(self.flags[i]) >= self.epoch, check)
 
     def send(self, x: torch.Tensor) -> None:
         if self.epoch:
