@@ -7,8 +7,9 @@ from typing import Annotated
 import typer
 
 from .. import __version__
+from .cluster_commands import plan_command
 from .demo import demo
-from .perf_commands import perf_app, plan_command
+from .perf_commands import perf_app
 from .program_commands import run, show
 from .schedule_commands import check, schedules
 from .tune_commands import measure, tune

@@ -7,10 +7,10 @@ import math
 
 import pytest
 
+from cocoweave.cluster.catalog import Catalog, MachineType, parse_catalog
+from cocoweave.cluster.planner import evaluate_options, pareto_front, plan_cluster, spot_hours
+from cocoweave.cluster.workload_profile import ProfilePoint, WorkloadProfile, parse_profile
 from cocoweave.errors import PlanningError
-from cocoweave.perf.catalog import Catalog, MachineType, parse_catalog
-from cocoweave.perf.planner import evaluate, pareto_front, plan, spot_hours
-from cocoweave.perf.profile import ProfilePoint, WorkloadProfile, parse_profile
 
 STEPS = 100_000
 
@@ -31,54 +31,54 @@ def catalog(revocations: float = 0.1) -> Catalog:
 
 
 def test_deadline_is_met_at_the_lowest_cost():
-    result = plan(profile(), catalog(), STEPS, deadline_h=2.0)
+    result = plan_cluster(profile(), catalog(), STEPS, deadline_h=2.0)
     assert result.best.hours <= 2.0
     feasible = [o for o in result.options if o.hours <= 2.0]
     assert result.best.cost == min(o.cost for o in feasible)
 
 
 def test_budget_is_met_in_the_shortest_time():
-    result = plan(profile(), catalog(), STEPS, budget_usd=5.0)
+    result = plan_cluster(profile(), catalog(), STEPS, budget_usd=5.0)
     assert result.best.cost <= 5.0
     feasible = [o for o in result.options if o.cost <= 5.0]
     assert result.best.hours == min(o.hours for o in feasible)
 
 
 def test_each_deadline_picks_the_cheapest_front_point_meeting_it():
-    front = plan(profile(), catalog(), STEPS, deadline_h=100.0).front
+    front = plan_cluster(profile(), catalog(), STEPS, deadline_h=100.0).front
     assert len(front) >= 3
     for point in front:
-        best = plan(profile(), catalog(), STEPS, deadline_h=point.hours).best
+        best = plan_cluster(profile(), catalog(), STEPS, deadline_h=point.hours).best
         assert best.cost == point.cost  # later front points are cheaper but miss the deadline
     assert front[0].cost > front[-1].cost  # a tighter deadline costs more
 
 
 def test_infeasible_deadline_says_what_is_achievable():
-    fastest = min(o.hours for o in evaluate(profile(), catalog(), STEPS)[0])
+    fastest = min(o.hours for o in evaluate_options(profile(), catalog(), STEPS)[0])
     with pytest.raises(PlanningError) as info:
-        plan(profile(), catalog(), STEPS, deadline_h=fastest / 2)
+        plan_cluster(profile(), catalog(), STEPS, deadline_h=fastest / 2)
     message = str(info.value)
     assert "within" in message and f"fastest achievable is {fastest:.2f} h" in message
 
 
 def test_infeasible_budget_says_what_is_achievable():
-    cheapest = min(o.cost for o in evaluate(profile(), catalog(), STEPS)[0])
+    cheapest = min(o.cost for o in evaluate_options(profile(), catalog(), STEPS)[0])
     with pytest.raises(PlanningError, match=rf"cheapest is \${cheapest:,.2f}"):
-        plan(profile(), catalog(), STEPS, budget_usd=cheapest / 2)
+        plan_cluster(profile(), catalog(), STEPS, budget_usd=cheapest / 2)
 
 
 def test_a_constraint_is_required_and_must_be_positive():
     with pytest.raises(PlanningError, match="deadline"):
-        plan(profile(), catalog(), STEPS)
+        plan_cluster(profile(), catalog(), STEPS)
     with pytest.raises(PlanningError, match="positive"):
-        plan(profile(), catalog(), STEPS, budget_usd=-3.0)
+        plan_cluster(profile(), catalog(), STEPS, budget_usd=-3.0)
 
 
 def test_spot_overhead_grows_with_revocation_rate():
     hours = [spot_hours(10.0, 4, rate, 0.025, 10.0 / 3600)[0] for rate in (0.0, 0.01, 0.05, 0.2, 0.5)]
     assert hours[0] == pytest.approx(10.025)  # no revocations: startup + compute, no checkpoints
     assert all(a < b for a, b in zip(hours, hours[1:]))
-    spots = {rate: [o for o in evaluate(profile(), catalog(rate), STEPS)[0] if o.pricing == "spot"]
+    spots = {rate: [o for o in evaluate_options(profile(), catalog(rate), STEPS)[0] if o.pricing == "spot"]
              for rate in (0.05, 0.3)}
     assert all(hi.hours > lo.hours and hi.cost > lo.cost for lo, hi in zip(spots[0.05], spots[0.3]))
 
@@ -88,12 +88,12 @@ def test_checkpoint_interval_follows_young_and_hopeless_spot_jobs_are_left_out()
     assert interval_h == pytest.approx(math.sqrt(2 * (10.0 / 3600) / (4 * 0.1)))
     assert revocations > 4 * 0.1 * 10.0  # the job runs longer than its compute time
     assert spot_hours(10.0, 8, 20.0, 0.5, 0.01) is None  # revoked faster than it progresses
-    _, unfinishable = evaluate(profile(), catalog(revocations=20.0), STEPS)
+    _, unfinishable = evaluate_options(profile(), catalog(revocations=20.0), STEPS)
     assert unfinishable > 0
 
 
 def test_pareto_front_holds_exactly_the_undominated_options():
-    options, _ = evaluate(profile(), catalog(), STEPS)
+    options, _ = evaluate_options(profile(), catalog(), STEPS)
     front = pareto_front(options)
 
     def beats(a, b):
@@ -123,4 +123,4 @@ def test_profile_validation_and_machines_without_profiled_gpu():
         parse_profile({**doc, "step_time_s": {"P100": {"two": 0.1}}}, "p.yaml")
     k80_only = Catalog((MachineType("k80", "K80", 0.6, None, 0.0, 80.0),), "ps", 0.3)
     with pytest.raises(PlanningError, match="P100"):
-        plan(prof, k80_only, STEPS, budget_usd=10)
+        plan_cluster(prof, k80_only, STEPS, budget_usd=10)

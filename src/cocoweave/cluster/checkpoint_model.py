@@ -9,12 +9,10 @@ from pathlib import Path
 import pandas as pd
 from sklearn.model_selection import GroupKFold
 
+from cocoweave.cluster.cmdare_data import canonical_model, load_checkpoint_sizes, load_checkpoints
+from cocoweave.cluster.features import checkpoint_features
+from cocoweave.cluster.regression import CV_FOLDS, Selection, log_space_candidates, select
 from cocoweave.errors import PlanningError
-from cocoweave.perf.cmdare_data import canonical_model, load_checkpoint_sizes, load_checkpoints
-from cocoweave.perf.features import checkpoint_features
-from cocoweave.perf.regression import Selection, log_space_candidates, select
-
-CV_FOLDS = 5
 
 
 @dataclass

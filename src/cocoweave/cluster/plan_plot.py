@@ -12,12 +12,12 @@ matplotlib.use("Agg")
 import matplotlib.pyplot as plt  # noqa: E402 (the backend must be chosen first)
 from matplotlib.ticker import FuncFormatter, LogLocator, NullFormatter  # noqa: E402
 
-from cocoweave.perf.planner import Plan  # noqa: E402
+from cocoweave.cluster.planner import ClusterPlan  # noqa: E402
 
 MARKERS = {"on-demand": "o", "spot": "^"}
 
 
-def write_plan_png(plan: Plan, path: str | os.PathLike, title: str) -> Path:
+def write_plan_png(plan: ClusterPlan, path: str | os.PathLike, title: str) -> Path:
     """Write the time/cost scatter of `plan` to `path` and return the path."""
     path = Path(path)
     fig, ax = plt.subplots(figsize=(8, 5.5))

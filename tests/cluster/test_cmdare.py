@@ -4,12 +4,12 @@ from __future__ import annotations
 
 import pytest
 
+from cocoweave.cluster import cmdare_data as data
+from cocoweave.cluster.cmdare import OURS, PUBLISHED, checkpoint_splits, compare, heldout_split, random_splits
+from cocoweave.cluster.features import paper_speed_features, speed_features
+from cocoweave.cluster.ps_scaling import scaling_report
+from cocoweave.cluster.regression import linear_baseline, log_space_candidates, svr_baseline
 from cocoweave.errors import CocoweaveError
-from cocoweave.perf import cmdare_data as data
-from cocoweave.perf.cmdare import OURS, PUBLISHED, checkpoint_splits, compare, heldout_split, random_splits
-from cocoweave.perf.features import paper_speed_features, speed_features
-from cocoweave.perf.regression import linear_baseline, log_space_candidates, svr_baseline
-from cocoweave.perf.scaling import scaling_report
 
 try:
     DATA = data.find_data_dir()

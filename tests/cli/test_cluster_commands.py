@@ -1,4 +1,4 @@
-"""The perf CLI: `cmdare` tables and JSON, `plan` output and PNG, and user errors as exit code 2."""
+"""The cluster-planning CLI: `cmdare` tables and JSON, `plan` output and PNG, and user errors as exit code 2."""
 
 from __future__ import annotations
 
@@ -9,10 +9,11 @@ import pytest
 import typer
 from typer.testing import CliRunner
 
-from cocoweave.cli.perf_commands import perf_app, plan_command
+from cocoweave.cli.cluster_commands import plan_command
+from cocoweave.cli.perf_commands import perf_app
+from cocoweave.cluster import cmdare as cmdare_mod
+from cocoweave.cluster.cmdare_data import find_data_dir
 from cocoweave.errors import CocoweaveError
-from cocoweave.perf import cmdare as cmdare_mod
-from cocoweave.perf.cmdare_data import find_data_dir
 
 CATALOG = Path(__file__).resolve().parents[2] / "examples" / "catalog.yaml"
 PROFILE = """\

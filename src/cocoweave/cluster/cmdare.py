@@ -21,14 +21,16 @@ from joblib import Parallel, delayed
 from sklearn.model_selection import GroupKFold, KFold, train_test_split
 from sklearn.utils import shuffle
 
-from cocoweave.perf import cmdare_data as data
-from cocoweave.perf.features import (
+from cocoweave.cluster import cmdare_data as data
+from cocoweave.cluster.features import (
     checkpoint_features,
     paper_checkpoint_features,
     paper_speed_features,
     speed_features,
 )
-from cocoweave.perf.regression import (
+from cocoweave.cluster.ps_scaling import ScalingReport, scaling_report
+from cocoweave.cluster.regression import (
+    CV_FOLDS,
     Candidate,
     checkpoint_svr_baseline,
     linear_baseline,
@@ -37,7 +39,6 @@ from cocoweave.perf.regression import (
     select,
     svr_baseline,
 )
-from cocoweave.perf.scaling import ScalingReport, scaling_report
 
 # Published MAPE (%) from the paper's notebooks, keyed by (protocol, scope) then method.
 PUBLISHED: dict[tuple[str, str], dict[str, float]] = {
@@ -52,7 +53,6 @@ PROTOCOLS = {
     "c": "per-GPU step time, held-out models",
     "d": "checkpoint time vs size",
 }
-CV_FOLDS = 5
 TEST_FRACTION = 0.2
 OURS = "ours"
 
@@ -192,7 +192,7 @@ def compare(split: Split, candidates: Sequence[Candidate]) -> dict[str, tuple[fl
     return out
 
 
-def evaluate(splits: Sequence[Split], candidates: Sequence[Candidate],
+def evaluate_splits(splits: Sequence[Split], candidates: Sequence[Candidate],
              n_jobs: int = 1) -> list[ProtocolResult]:
     """Run `compare` on every split (in parallel processes if n_jobs != 1) and gather MAPE per method."""
     scores = Parallel(n_jobs=n_jobs)(delayed(compare)(split, candidates) for split in splits)
@@ -208,7 +208,7 @@ def evaluate(splits: Sequence[Split], candidates: Sequence[Candidate],
     return list(results.values())
 
 
-def run(data_dir: Path, seeds: Sequence[int] = range(5), candidates: Sequence[Candidate] | None = None,
+def reproduce(data_dir: Path, seeds: Sequence[int] = range(5), candidates: Sequence[Candidate] | None = None,
         n_jobs: int = 1) -> CmdareReport:
     """Run every protocol and the parameter-server analysis on the CM-DARE tables in `data_dir`."""
     cands = list(candidates) if candidates is not None else log_space_candidates()
@@ -216,7 +216,7 @@ def run(data_dir: Path, seeds: Sequence[int] = range(5), candidates: Sequence[Ca
     speed = data.load_speed(data_dir)
     splits = speed_splits(speed, data.load_heldout_k80(data_dir), seeds)
     splits += checkpoint_splits(data.load_checkpoints(data_dir), seeds)
-    results = evaluate(splits, cands, n_jobs)
+    results = evaluate_splits(splits, cands, n_jobs)
     scaling = scaling_report(data.load_cluster_throughput(data_dir), speed)
     startup = (data.load_startup(data_dir).groupby(["gpu", "pricing"])["startup_s"]
                .agg(["mean", "std", "count"]).reset_index())

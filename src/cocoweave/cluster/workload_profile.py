@@ -19,15 +19,13 @@ import numpy as np
 import pandas as pd
 from sklearn.model_selection import GroupKFold
 
+from cocoweave.cluster import cmdare_data as data
+from cocoweave.cluster.checkpoint_model import fit_checkpoint_model
+from cocoweave.cluster.features import speed_features
+from cocoweave.cluster.ps_scaling import efficiency_table, fit_scaling_law, model_meta
+from cocoweave.cluster.regression import CV_FOLDS, log_space_candidates, select
+from cocoweave.cluster.yamlio import load_yaml
 from cocoweave.errors import PlanningError
-from cocoweave.perf import cmdare_data as data
-from cocoweave.perf.checkpoint_model import fit_checkpoint_model
-from cocoweave.perf.features import speed_features
-from cocoweave.perf.regression import log_space_candidates, select
-from cocoweave.perf.scaling import efficiency_table, fit_scaling_law, model_meta
-from cocoweave.perf.yamlio import load_yaml
-
-CV_FOLDS = 5
 
 
 @dataclass(frozen=True)

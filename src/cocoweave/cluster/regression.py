@@ -23,6 +23,7 @@ from sklearn.svm import SVR
 from threadpoolctl import threadpool_limits
 
 SCORING = "neg_mean_absolute_percentage_error"
+CV_FOLDS = 5  # cross-validation folds of every model selection
 
 
 def mape(y_true: Sequence[float], y_pred: Sequence[float]) -> float:

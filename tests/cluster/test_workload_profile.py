@@ -4,9 +4,9 @@ from __future__ import annotations
 
 import pytest
 
+from cocoweave.cluster import cmdare_data as data
+from cocoweave.cluster.workload_profile import profile_for_model
 from cocoweave.errors import CocoweaveError, PlanningError
-from cocoweave.perf import cmdare_data as data
-from cocoweave.perf.profile import profile_for_model
 
 try:
     DATA = data.find_data_dir()

@@ -9,8 +9,8 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+from cocoweave.cluster.yamlio import load_yaml
 from cocoweave.errors import PlanningError
-from cocoweave.perf.yamlio import load_yaml
 
 
 @dataclass(frozen=True)

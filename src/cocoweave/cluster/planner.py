@@ -17,10 +17,10 @@ import math
 from dataclasses import dataclass
 from typing import Literal
 
+from cocoweave.cluster.catalog import Catalog, MachineType
+from cocoweave.cluster.checkpoint_model import young_interval
+from cocoweave.cluster.workload_profile import WorkloadProfile
 from cocoweave.errors import PlanningError
-from cocoweave.perf.catalog import Catalog, MachineType
-from cocoweave.perf.checkpoint_model import young_interval
-from cocoweave.perf.profile import WorkloadProfile
 
 Pricing = Literal["on-demand", "spot"]
 SECONDS_PER_HOUR = 3600.0
@@ -46,7 +46,7 @@ class Option:
 
 
 @dataclass(frozen=True)
-class Plan:
+class ClusterPlan:
     """All evaluated options, their Pareto front (fastest first) and the recommendation."""
 
     steps: int
@@ -73,7 +73,7 @@ def spot_hours(compute_h: float, workers: int, revocations_per_hour: float, star
     return hours, interval_h, rate * hours
 
 
-def evaluate(profile: WorkloadProfile, catalog: Catalog, steps: int) -> tuple[list[Option], int]:
+def evaluate_options(profile: WorkloadProfile, catalog: Catalog, steps: int) -> tuple[list[Option], int]:
     """Every configuration the catalog and profile allow, and how many spot ones can never finish."""
     if steps < 1:
         raise PlanningError(f"the number of training steps must be positive, got {steps}.")
@@ -142,10 +142,10 @@ def recommend(options: list[Option], steps: int, deadline_h: float | None,
         f"{_money(cheapest.cost)} ({cheapest.describe()}, {cheapest.hours:.2f} h).")
 
 
-def plan(profile: WorkloadProfile, catalog: Catalog, steps: int, deadline_h: float | None = None,
-         budget_usd: float | None = None) -> Plan:
+def plan_cluster(profile: WorkloadProfile, catalog: Catalog, steps: int, deadline_h: float | None = None,
+         budget_usd: float | None = None) -> ClusterPlan:
     """Evaluate every configuration, build the Pareto front and pick the recommendation."""
-    options, unfinishable = evaluate(profile, catalog, steps)
+    options, unfinishable = evaluate_options(profile, catalog, steps)
     best = recommend(options, steps, deadline_h, budget_usd)
-    return Plan(steps, deadline_h, budget_usd, tuple(options), tuple(pareto_front(options)), best,
+    return ClusterPlan(steps, deadline_h, budget_usd, tuple(options), tuple(pareto_front(options)), best,
                 unfinishable)

@@ -14,8 +14,8 @@ import numpy as np
 import pandas as pd
 from scipy.optimize import least_squares
 
-from cocoweave.perf.cmdare_data import BYTES_PER_PARAMETER
-from cocoweave.perf.regression import mape
+from cocoweave.cluster.cmdare_data import BYTES_PER_PARAMETER
+from cocoweave.cluster.regression import mape
 
 EFFICIENCY_THRESHOLD = 0.8
 CONFIG_KEYS = ["gpu", "ps", "model"]
