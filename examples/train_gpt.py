@@ -343,6 +343,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     ap.add_argument("--steps", type=int, default=Config.steps, help="training steps (default %(default)s)")
     ap.add_argument("--out", type=Path, default=Path("runs/train_gpt"), help="output directory")
     ap.add_argument("--tensor-parallel", type=int, default=Config.tensor_parallel, help="tensor-parallel size")
+    ap.add_argument("--batch", type=int, default=Config.batch, help="global batch, split over data-parallel ranks")
     ap.add_argument("--world-size", type=int, default=Config.world_size, help="ranks of the local world")
     ap.add_argument("--seed", type=int, default=Config.seed)
     ap.add_argument("--ckpt-dir", default=None, help="resume from the newest checkpoint here and save new ones")
@@ -359,7 +360,7 @@ def main(argv: list[str] | None = None) -> int:
         if in_torchrun():
             rank, world_size, _ = init_from_env()
             cfg = Config(steps=args.steps, tensor_parallel=args.tensor_parallel, world_size=world_size,
-                         seed=args.seed).validate()
+                         seed=args.seed, batch=args.batch).validate()
             parallel = train_parallel(rank, world_size, asdict(cfg), args.ckpt_dir, args.ckpt_every, args.log_file)
             if rank != 0:
                 dist.destroy_process_group()
@@ -368,7 +369,7 @@ def main(argv: list[str] | None = None) -> int:
             dist.destroy_process_group()
         else:
             cfg = Config(steps=args.steps, tensor_parallel=args.tensor_parallel, world_size=args.world_size,
-                         seed=args.seed).validate()
+                         seed=args.seed, batch=args.batch).validate()
             result = run_local(cfg)
     except CocoweaveError as e:
         print(f"error: {e}", file=sys.stderr)

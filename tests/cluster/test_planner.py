@@ -111,8 +111,9 @@ def test_catalog_validation_names_the_entry():
     assert parsed.machines[0].gpu == "K80" and parsed.machines[0].spot_per_hour is None
     with pytest.raises(PlanningError, match=r"machines\[0\]: 'on_demand_per_hour'"):
         parse_catalog({**good, "machines": [{**good["machines"][0], "on_demand_per_hour": -1}]}, "cat.yaml")
-    with pytest.raises(PlanningError, match="parameter_server"):
-        parse_catalog({"machines": good["machines"]}, "cat.yaml")
+    with pytest.raises(PlanningError, match="parameter_server"):  # optional (run profiles need none), but valid
+        parse_catalog({**good, "parameter_server": {"name": "ps"}}, "cat.yaml")
+    assert parse_catalog({"machines": good["machines"]}, "cat.yaml").ps_per_hour is None
 
 
 def test_profile_validation_and_machines_without_profiled_gpu():
@@ -124,3 +125,27 @@ def test_profile_validation_and_machines_without_profiled_gpu():
     k80_only = Catalog((MachineType("k80", "K80", 0.6, None, 0.0, 80.0),), "ps", 0.3)
     with pytest.raises(PlanningError, match="P100"):
         plan_cluster(prof, k80_only, STEPS, budget_usd=10)
+
+
+def test_whole_machines_are_rented_and_revoked():
+    node = MachineType("node8", "P100", 8.0, 2.0, 0.1, 90.0, gpus_per_node=8)
+    points = tuple(ProfilePoint("P100", 0, w, 0.1 / w) for w in (1, 8, 9))
+    prof = WorkloadProfile("w", 10.0, points)
+    options, _ = evaluate_options(prof, Catalog((node,), None, None), STEPS)
+    by = {(o.workers, o.pricing): o for o in options}
+    assert by[(1, "on-demand")].cost == pytest.approx(by[(1, "on-demand")].hours * 8.0)  # a whole node for 1 GPU
+    assert by[(9, "on-demand")].cost == pytest.approx(by[(9, "on-demand")].hours * 16.0)  # two nodes
+    assert by[(9, "spot")].expected_revocations > by[(8, "spot")].expected_revocations
+
+
+def test_points_for_one_machine_stay_on_that_machine():
+    a = MachineType("a", "P100", 1.0, None, 0.0, 60.0)
+    b = MachineType("b", "P100", 1.0, None, 0.0, 60.0)
+    prof = WorkloadProfile("w", 10.0, (ProfilePoint("P100", 0, 1, 0.5, machine="a"),))
+    options, _ = evaluate_options(prof, Catalog((a, b), None, None), STEPS)
+    assert {o.machine.name for o in options} == {"a"}
+
+
+def test_parameter_servers_need_a_priced_parameter_server():
+    with pytest.raises(PlanningError, match="needs parameter servers"):
+        evaluate_options(profile(), Catalog(catalog().machines, None, None), STEPS)

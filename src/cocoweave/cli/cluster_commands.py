@@ -3,7 +3,7 @@ group), `cocoweave plan` recommends a cluster configuration for a deadline or a 
 
 from __future__ import annotations
 
-import json
+import dataclasses
 import time
 from pathlib import Path
 from typing import Annotated
@@ -13,20 +13,24 @@ from rich.table import Table
 
 from cocoweave.errors import CocoweaveError
 
-from .common import console, user_errors
+from .common import user_errors
+from .json_output import JsonOpt, check_writable, human, write_json
 
 
-def _cell(mapes: list[float]) -> str:
+def _cell(result) -> str:
+    if result is None:
+        return "—"
+    mapes = result.mapes
     mean = sum(mapes) / len(mapes)
     return f"{mean:.2f}" if len(mapes) == 1 else f"{mean:.2f} ({mapes[0]:.2f})"
 
 
 def _mape_table(report, n_seeds: int) -> Table:
-    from cocoweave.cluster.cmdare import OURS
+    from cocoweave.cluster.cmdare import OURS, PER_MODEL_MEAN
 
-    table = Table(title=f"MAPE %: random splits show the mean over {n_seeds} seeds (seed 0)",
-                  title_justify="left")
-    for col in ("Protocol", "Paper SVR", "Paper lin.", "Linear", "SVR", "Ours", "Ours = CV choice"):
+    table = Table(title=f"MAPE %, held-out models first; random splits show the mean over {n_seeds} seeds "
+                        "(seed 0)", title_justify="left")
+    for col in ("Protocol", "Per-model mean", "Paper SVR", "Paper lin.", "Linear", "SVR", "Ours", "Ours = CV choice"):
         table.add_column(col, justify="left" if col in ("Protocol", "Ours = CV choice") else "right")
     groups: dict[tuple[str, str], dict] = {}
     for res in report.results:
@@ -35,10 +39,10 @@ def _mape_table(report, n_seeds: int) -> Table:
         published = {m: r.published for m, r in by_method.items() if r.published is not None}
         ours = by_method[OURS]
         table.add_row(
-            f"({protocol}) {scope}",
+            f"({protocol}) {scope}", _cell(by_method.get(PER_MODEL_MEAN)),
             *(f"{published[m]:.2f}" if m in published else "—" for m in ("SVR (paper)", "linear (paper)")),
-            _cell(by_method["linear (paper)"].mapes), _cell(by_method["SVR (paper)"].mapes),
-            f"[bold]{_cell(ours.mapes)}[/]", ours.choice)
+            _cell(by_method["linear (paper)"]), _cell(by_method["SVR (paper)"]),
+            f"[bold]{_cell(ours)}[/]", ours.choice)
     return table
 
 
@@ -47,10 +51,12 @@ def _mape_legend() -> list[str]:
 
     return [
         "; ".join(f"({key}) {name}" for key, name in PROTOCOLS.items()) + ".",
+        "Held-out splits test models never seen in training: the figures that say how well a new model is "
+        "predicted. Random splits put repeats of every model (13 per model and GPU, 5 checkpoints) on both sides, "
+        "so they measure the noise between repeats: predicting each test row by the mean of its model's "
+        "training repeats (per-model mean) does as well as any model there.",
         "Paper: published figures. Linear, SVR: the paper's methods and features re-run here; seed 0 "
         "is the paper's split. Ours: the candidate with the lowest CV MAPE on the training part.",
-        "Random splits put runs of the same model in train and test (13 per model), so they measure "
-        "interpolation; held-out splits test models never seen in training.",
     ]
 
 
@@ -108,10 +114,9 @@ def _startup_table(startup) -> Table:
 @user_errors
 def cmdare_command(
     data: Annotated[Path | None, typer.Option(
-        "--data", help="CM-DARE data folder (default: $COCOWEAVE_CMDARE_DATA or shared/data/cmdare "
-                       "found above the current directory or the package).")] = None,
-    json_path: Annotated[Path | None, typer.Option(
-        "--json", help="Also write all results to this JSON file.")] = None,
+        "--data", help="CM-DARE data folder (default: $COCOWEAVE_CMDARE_DATA, else the copy shipped with "
+                       "cocoweave).")] = None,
+    json_path: JsonOpt = None,
     seeds: Annotated[int, typer.Option(min=1, help="Random 80/20 splits per protocol (seeds 0..N-1).")] = 5,
     jobs: Annotated[int, typer.Option(help="Parallel processes for the splits (1: sequential).")] = 1,
 ) -> None:
@@ -119,93 +124,139 @@ def cmdare_command(
     from cocoweave.cluster.cmdare import reproduce
     from cocoweave.cluster.cmdare_data import find_data_dir
 
+    check_writable(json_path)
+    out = human(json_path)
     start = time.perf_counter()
     data_dir = find_data_dir(data)
     report = reproduce(data_dir, range(seeds), n_jobs=jobs)
     elapsed = time.perf_counter() - start
-    console.print(_mape_table(report, seeds))
+    out.print(_mape_table(report, seeds))
     for line in _mape_legend():
-        console.print(f"[dim]{line}[/]", highlight=False)
-    console.print(_bottleneck_table(report.scaling))
+        out.print(f"[dim]{line}[/]", highlight=False)
+    out.print(_bottleneck_table(report.scaling))
     for line in _bottleneck_summary(report.scaling):
-        console.print(line, highlight=False)
-    console.print(_startup_table(report.startup))
-    console.print(f"[dim]data: {data_dir}; {elapsed:.1f} s[/]")
-    if json_path is not None:
-        doc = report.to_json() | {"data_dir": str(data_dir), "elapsed_s": elapsed}
-        _write_json(json_path, doc)
-        console.print(f"results written to {json_path}")
+        out.print(line, highlight=False)
+    out.print(_startup_table(report.startup))
+    out.print(f"[dim]data: {data_dir}; {elapsed:.1f} s[/]", highlight=False)
+    write_json(json_path, report.to_json() | {"data_dir": str(data_dir), "elapsed_s": elapsed})
 
 
-def _write_json(path: Path, doc: dict) -> None:
-    try:
-        path.write_text(json.dumps(doc, indent=2, default=str) + "\n")
-    except OSError as exc:
-        raise CocoweaveError(f"cannot write {path}: {exc.strerror or exc}.") from exc
-
-
-def _front_table(plan) -> Table:
-    table = Table(title=f"Pareto front (time vs cost) for {plan.steps:,} steps; ★ = recommended",
-                  title_justify="left")
+def _front_table(plan, modelled: bool) -> Table:
+    title = f"Pareto front (time vs cost) for {plan.steps:,} steps; ★ = recommended"
+    table = Table(title=title + ("; MODELLED step times" if modelled else ""), title_justify="left")
     for col in ("", "Configuration", "Step (ms)", "Hours", "Cost ($)", "Checkpoint every", "Revocations"):
         table.add_column(col, justify="left" if col in ("", "Configuration") else "right")
     for opt in plan.front:
         chosen = opt == plan.best
         every = "—" if opt.checkpoint_interval_s is None else f"{opt.checkpoint_interval_s / 60:.1f} min"
-        table.add_row("★" if chosen else "", opt.describe(), f"{opt.step_time_s * 1e3:.1f}",
+        table.add_row("★" if chosen else "", opt.describe(), f"{opt.step_time_s * 1e3:.3g}",
                       f"{opt.hours:.2f}", f"{opt.cost:,.2f}", every, f"{opt.expected_revocations:.2f}",
                       style="bold green" if chosen else None)
     return table
 
 
+def _option_json(opt) -> dict:
+    return {"machine": opt.machine.name, "gpu": opt.machine.gpu, "pricing": opt.pricing, "workers": opt.workers,
+            "nodes": opt.machine.nodes(opt.workers), "parameter_servers": opt.ps, "step_time_s": opt.step_time_s,
+            "hours": opt.hours, "cost_usd": opt.cost, "checkpoint_interval_s": opt.checkpoint_interval_s,
+            "expected_revocations": opt.expected_revocations}
+
+
+def _load_profile(path: Path, catalog, max_workers: int, data: Path | None):
+    """A YAML workload profile, or the JSON `cocoweave profile` wrote (then also its train steps and PNG path)."""
+    from cocoweave.cluster.checkpoint_model import fit_checkpoint_model
+    from cocoweave.cluster.cmdare_data import find_data_dir
+    from cocoweave.cluster.run_profile import KIND, RunProfile, worker_counts
+    from cocoweave.cluster.workload_profile import parse_profile
+    from cocoweave.cluster.yamlio import load_yaml
+
+    doc = load_yaml(path, "profile")
+    if not (isinstance(doc, dict) and doc.get("kind") == KIND):
+        return parse_profile(doc, str(path)), None
+    run = RunProfile.from_json(doc, str(path))
+    size_bytes, how = run.checkpoint_bytes()
+    ckpt = fit_checkpoint_model(find_data_dir(data))
+    seconds = ckpt.duration_s(size_bytes / 1e6)
+    prof = run.workload(catalog, worker_counts(max_workers), seconds)
+    note = (f"checkpoint: {size_bytes / 1e6:.2f} MB ({how}) -> {seconds:.2f} s from CM-DARE's checkpoint model "
+            f"({ckpt.selection.name}; sizes below its smallest measured, {ckpt.min_size_mb:g} MB, priced at that "
+            "size)")
+    return dataclasses.replace(prof, notes=(*prof.notes, note)), run
+
+
 @user_errors
 def plan_command(
-    steps: Annotated[int, typer.Option("--steps", min=1, help="Global training steps to run.")],
+    steps: Annotated[int | None, typer.Option(
+        "--steps", min=1, help="Global training steps to run (default for a `cocoweave profile` JSON: the train "
+                               "steps it names).")] = None,
     model: Annotated[str | None, typer.Option(
         "--model", help="CM-DARE model to profile from the fitted models, e.g. resnet-32.")] = None,
     profile: Annotated[Path | None, typer.Option(
-        "--profile", help="YAML workload profile (step time per GPU and worker count).")] = None,
+        "--profile", help="The JSON `cocoweave profile` wrote, or a YAML workload profile (step time per GPU and "
+                          "worker count).")] = None,
     catalog: Annotated[Path | None, typer.Option(
-        "--catalog", help="YAML machine catalog (default: examples/catalog.yaml found above here).")] = None,
+        "--catalog", help="YAML machine catalog (default: the one shipped with cocoweave).")] = None,
     deadline: Annotated[float | None, typer.Option("--deadline", help="Deadline in HOURS.")] = None,
     budget: Annotated[float | None, typer.Option("--budget", help="Budget in DOLLARS.")] = None,
-    max_workers: Annotated[int, typer.Option(min=1, help="Most workers to consider (--model).")] = 8,
+    max_workers: Annotated[int | None, typer.Option(
+        min=1, help="Most workers (GPUs) to consider (default: 8 for --model, 64 for a profiled run).")] = None,
     max_ps: Annotated[int, typer.Option(min=1, help="Most parameter servers to consider (--model).")] = 2,
-    png: Annotated[Path, typer.Option("--png", help="Where to write the time/cost plot.")] = Path("plan.png"),
-    data: Annotated[Path | None, typer.Option("--data", help="CM-DARE data folder (for --model).")] = None,
+    png: Annotated[Path | None, typer.Option(
+        "--png", help="Where to write the time/cost plot (default: beside a profiled run's JSON; none for "
+                      "--model or a YAML profile).")] = None,
+    json_path: JsonOpt = None,
+    data: Annotated[Path | None, typer.Option("--data", help="CM-DARE data folder (default: the shipped copy).")]
+    = None,
 ) -> None:
     """Recommend a cluster for a deadline or a budget (spot overheads counted) and show the Pareto front."""
-    from cocoweave.cluster.catalog import default_catalog_path, load_catalog
+    from cocoweave.cluster.catalog import load_catalog
     from cocoweave.cluster.cmdare_data import find_data_dir
     from cocoweave.cluster.planner import plan_cluster
-    from cocoweave.cluster.workload_profile import load_profile, profile_for_model
+    from cocoweave.cluster.workload_profile import profile_for_model
 
-    def build():
-        if (model is None) == (profile is None):
-            raise CocoweaveError("give exactly one of --model NAME or --profile FILE.")
-        cat = load_catalog(catalog if catalog is not None else default_catalog_path())
-        prof = (load_profile(profile) if profile is not None else
-                profile_for_model(model, find_data_dir(data), max_workers=max_workers, max_ps=max_ps))
-        return prof, plan_cluster(prof, cat, steps, deadline_h=deadline, budget_usd=budget)
-
-    prof, result = build()
+    check_writable(json_path)
+    out = human(json_path)
+    if (model is None) == (profile is None):
+        raise CocoweaveError("give exactly one of --model NAME or --profile FILE.")
+    cat = load_catalog(catalog)
+    run = None
+    if profile is not None:
+        prof, run = _load_profile(profile, cat, max_workers or 64, data)
+    else:
+        prof = profile_for_model(model, find_data_dir(data), max_workers=max_workers or 8, max_ps=max_ps)
+    if steps is None and run is None:
+        raise CocoweaveError("give --steps N (the training steps to plan for).")
+    n_steps = steps if steps is not None else run.train_steps
+    result = plan_cluster(prof, cat, n_steps, deadline_h=deadline, budget_usd=budget)
+    if png is None and run is not None:
+        png = profile.with_name(f"{profile.stem}-plan.png")
     for note in prof.notes:
-        console.print(f"[dim]{note}[/]", highlight=False)
-    console.print(_front_table(result))
+        out.print(f"[dim]{note}[/]", highlight=False)
+    out.print(_front_table(result, prof.modelled))
     best = result.best
     constraint = " and ".join(part for part in (
         f"deadline {deadline:g} h" if deadline is not None else "",
         f"budget ${budget:,.2f}" if budget is not None else "") if part)
     every = ("" if best.checkpoint_interval_s is None
              else f", checkpoint every {best.checkpoint_interval_s / 60:.1f} min")
-    console.print(f"[bold]Recommended[/] for {prof.name}, {steps:,} steps, {constraint}: "
-                  f"[bold green]{best.describe()}[/] — {best.hours:.2f} h, ${best.cost:,.2f}{every}.",
-                  highlight=False)
+    label = " (modelled)" if prof.modelled else ""
+    out.print(f"[bold]Recommended[/] for {prof.name}, {n_steps:,} steps, {constraint}: "
+              f"[bold green]{best.describe()}[/] — {best.hours:.2f} h, ${best.cost:,.2f}{every}{label}.",
+              highlight=False)
     if result.unfinishable:
-        console.print(f"[dim]{result.unfinishable} spot configurations left out: revoked faster than they "
-                      "make progress.[/]")
-    path = _write_png(result, png, f"{prof.name}: {steps:,} steps")
-    console.print(f"plot written to {path}")
+        out.print(f"[dim]{result.unfinishable} spot configurations left out: revoked faster than they "
+                  "make progress.[/]")
+    if png is not None:
+        path = _write_png(result, png, f"{prof.name}: {n_steps:,} steps" + label)
+        out.print(f"plot written to {path}", highlight=False)
+    else:
+        out.print("[dim]pass --png PATH for the time/cost plot[/]")
+    write_json(json_path, {
+        "profile": prof.name, "modelled": prof.modelled, "notes": list(prof.notes), "steps": n_steps,
+        "deadline_h": deadline, "budget_usd": budget, "catalog": cat.source,
+        "recommended": _option_json(best), "pareto_front": [_option_json(o) for o in result.front],
+        "options": len(result.options), "unfinishable_spot": result.unfinishable,
+        "png": None if png is None else str(png)})
 
 
 def _write_png(result, path: Path, title: str) -> Path:
@@ -215,5 +266,3 @@ def _write_png(result, path: Path, title: str) -> Path:
         return write_plan_png(result, path, title)
     except OSError as exc:
         raise CocoweaveError(f"cannot write the plot {path}: {exc.strerror or exc}.") from exc
-
-

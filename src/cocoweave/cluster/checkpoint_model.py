@@ -21,10 +21,13 @@ class CheckpointModel:
 
     selection: Selection
     sizes_mb: dict[str, float]
+    min_size_mb: float = 0.0  # the smallest checkpoint measured: smaller ones are priced at this size
 
     def duration_s(self, size_mb: float) -> float:
-        """Predicted seconds to write a checkpoint of `size_mb` megabytes."""
-        return float(self.selection.predict(checkpoint_features(pd.DataFrame({"size_mb": [size_mb]})))[0])
+        """Predicted seconds to write a checkpoint of `size_mb` megabytes (no extrapolation below the smallest
+        measured size: the fixed cost of a write dominates there)."""
+        size = max(size_mb, self.min_size_mb)
+        return float(self.selection.predict(checkpoint_features(pd.DataFrame({"size_mb": [size]})))[0])
 
     def size_mb(self, model: str) -> float:
         """Measured checkpoint size of a CM-DARE model."""
@@ -41,7 +44,7 @@ def fit_checkpoint_model(data_dir: Path) -> CheckpointModel:
     selection = select(log_space_candidates(), checkpoint_features(whole), whole["duration_s"],
                        GroupKFold(CV_FOLDS), groups=whole["model"])
     sizes = load_checkpoint_sizes(data_dir)
-    return CheckpointModel(selection, dict(zip(sizes["model"], sizes["size_mb"])))
+    return CheckpointModel(selection, dict(zip(sizes["model"], sizes["size_mb"])), float(whole["size_mb"].min()))
 
 
 def young_interval(checkpoint_time: float, mtbf: float) -> float:

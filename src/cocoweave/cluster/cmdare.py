@@ -55,6 +55,9 @@ PROTOCOLS = {
 }
 TEST_FRACTION = 0.2
 OURS = "ours"
+PER_MODEL_MEAN = "per-model mean"
+# The order results are shown in: held-out models first (what a new model faces), then random splits.
+PROTOCOL_ORDER = ("c", "d", "a", "b")
 
 
 @dataclass
@@ -71,6 +74,11 @@ class ProtocolResult:
     @property
     def mean(self) -> float:
         return float(np.mean(self.mapes))
+
+    @property
+    def held_out(self) -> bool:
+        """Whether the test models were never seen in training (protocol (c), and (d) split by model)."""
+        return self.protocol == "c" or self.scope == "held-out models"
 
     @property
     def seed0(self) -> float:
@@ -98,7 +106,7 @@ class CmdareReport:
         rows = []
         for r in self.results:
             row = asdict(r)
-            row.update(mean=r.mean, seed0=r.seed0, protocol_name=PROTOCOLS[r.protocol])
+            row.update(mean=r.mean, seed0=r.seed0, protocol_name=PROTOCOLS[r.protocol], held_out=r.held_out)
             rows.append(row)
         return {"seeds": self.seeds, "mape": rows, "scaling": self.scaling.to_json(),
                 "startup": self.startup.to_dict(orient="records")}
@@ -180,10 +188,27 @@ def checkpoint_splits(ckpt: dict[str, pd.DataFrame], seeds: Sequence[int]) -> li
     return out
 
 
+def per_model_mean(train: pd.DataFrame, test: pd.DataFrame, target: str) -> np.ndarray:
+    """Predict each test row by the mean of the training rows of the same model (and GPU, where the table has
+    one): the noise floor of a random split, which puts repeats of every model on both sides. A model with
+    no training row falls back to the mean of all training rows (of its GPU)."""
+    keys = ["model", "gpu"] if "gpu" in train.columns else ["model"]
+    means = train.groupby(keys)[target].mean()
+    pred = pd.Series([means.get(tuple(k) if len(keys) > 1 else k[0], np.nan)
+                      for k in test[keys].itertuples(index=False)], index=test.index, dtype=float)
+    fallback = (test["gpu"].map(train.groupby("gpu")[target].mean()) if "gpu" in keys
+                else pd.Series(train[target].mean(), index=test.index))
+    return pred.fillna(fallback).to_numpy()
+
+
 def compare(split: Split, candidates: Sequence[Candidate]) -> dict[str, tuple[float, str]]:
-    """Fit the two baselines and our selection on the split's training part; MAPE of each on its test part."""
+    """Fit the two baselines and our selection on the split's training part; MAPE of each on its test part.
+    Random splits also get the per-model-mean baseline (held-out models have no training rows to average)."""
     groups = split.train["model"] if split.grouped else None
     out = {}
+    if not split.grouped:
+        out[PER_MODEL_MEAN] = (mape(split.test[split.target],
+                                    per_model_mean(split.train, split.test, split.target)), "mean of repeats")
     for method, feats, cands in (("linear (paper)", split.paper, [linear_baseline()]),
                                  ("SVR (paper)", split.paper, [split.svr]),
                                  (OURS, split.ours, candidates)):
@@ -193,8 +218,9 @@ def compare(split: Split, candidates: Sequence[Candidate]) -> dict[str, tuple[fl
 
 
 def evaluate_splits(splits: Sequence[Split], candidates: Sequence[Candidate],
-             n_jobs: int = 1) -> list[ProtocolResult]:
-    """Run `compare` on every split (in parallel processes if n_jobs != 1) and gather MAPE per method."""
+                    n_jobs: int = 1) -> list[ProtocolResult]:
+    """Run `compare` on every split (in parallel processes if n_jobs != 1) and gather MAPE per method,
+    held-out protocols first."""
     scores = Parallel(n_jobs=n_jobs)(delayed(compare)(split, candidates) for split in splits)
     results: dict[tuple[str, str, str], ProtocolResult] = {}
     for split, per_method in zip(splits, scores):
@@ -205,11 +231,11 @@ def evaluate_splits(splits: Sequence[Split], candidates: Sequence[Candidate],
                 published=PUBLISHED.get((split.protocol, split.scope), {}).get(method)))
             res.mapes.append(value)
             res.choices.append(choice)
-    return list(results.values())
+    return sorted(results.values(), key=lambda r: (not r.held_out, PROTOCOL_ORDER.index(r.protocol)))
 
 
 def reproduce(data_dir: Path, seeds: Sequence[int] = range(5), candidates: Sequence[Candidate] | None = None,
-        n_jobs: int = 1) -> CmdareReport:
+              n_jobs: int = 1) -> CmdareReport:
     """Run every protocol and the parameter-server analysis on the CM-DARE tables in `data_dir`."""
     cands = list(candidates) if candidates is not None else log_space_candidates()
     seeds = list(seeds)

@@ -16,6 +16,7 @@ import pandas as pd
 from cocoweave.errors import CocoweaveError
 
 DATA_ENV = "COCOWEAVE_CMDARE_DATA"
+PACKAGED_DATA = Path(__file__).resolve().parent / "data" / "cmdare"
 HELD_OUT_MODELS = ("custom9", "custom10", "shakesmall32d", "shakemid32d")
 # Vendor datasheet memory bandwidth per GPU die, GB/s (a K80 board holds two dies of 240.5 GB/s).
 MEMORY_BANDWIDTH_GBS = {"K80": 240.5, "P100": 732.0, "V100": 900.0}
@@ -34,23 +35,16 @@ def canonical_model(name: str) -> str:
 
 
 def find_data_dir(explicit: str | os.PathLike | None = None) -> Path:
-    """The CM-DARE data folder: `explicit`, else $COCOWEAVE_CMDARE_DATA, else a `shared/data/cmdare`
-    found by walking up from the current directory and from this package."""
-    candidates: list[Path] = []
+    """The CM-DARE data folder: `explicit`, else $COCOWEAVE_CMDARE_DATA, else the copy shipped with the
+    package (`cluster/data/cmdare`, Apache-2.0, see its LICENSE)."""
     given = explicit if explicit is not None else os.environ.get(DATA_ENV)
-    if given:
-        candidates = [Path(given)]
-    else:
-        for start in (Path.cwd(), Path(__file__).resolve().parent):
-            candidates += [p / "shared" / "data" / "cmdare" for p in (start, *start.parents)]
-    for path in candidates:
-        if (path / "speed_data").is_dir():
-            return path
+    path = Path(given) if given else PACKAGED_DATA
+    if (path / "speed_data").is_dir():
+        return path
     if given:
         raise CocoweaveError(f"{given} is not a CM-DARE data folder (it has no speed_data/ subfolder).")
-    raise CocoweaveError(
-        f"CM-DARE data not found: pass --data DIR or set {DATA_ENV} "
-        "(looked for shared/data/cmdare above the current directory and above the package).")
+    raise CocoweaveError(f"CM-DARE data not found: the package's copy {path} is missing; pass --data DIR or set "
+                         f"{DATA_ENV}.")
 
 
 def _read_csv(path: Path) -> pd.DataFrame:

@@ -41,8 +41,8 @@ class Option:
     expected_revocations: float
 
     def describe(self) -> str:
-        return (f"{self.workers} x {self.machine.gpu} {self.pricing} ({self.machine.name}), "
-                f"{self.ps} PS")
+        ps = f", {self.ps} PS" if self.ps else ""
+        return f"{self.workers} x {self.machine.gpu} {self.pricing} ({self.machine.name}){ps}"
 
 
 @dataclass(frozen=True)
@@ -58,11 +58,11 @@ class ClusterPlan:
     unfinishable: int
 
 
-def spot_hours(compute_h: float, workers: int, revocations_per_hour: float, startup_h: float,
+def spot_hours(compute_h: float, machines: int, revocations_per_hour: float, startup_h: float,
                checkpoint_h: float) -> tuple[float, float | None, float] | None:
-    """Expected hours, checkpoint interval (hours) and revocations of a spot job; None if it is
-    expected never to finish (revocations arrive faster than it can make progress)."""
-    rate = workers * revocations_per_hour
+    """Expected hours, checkpoint interval (hours) and revocations of a spot job on `machines` revocable
+    machines; None if it is expected never to finish (revocations arrive faster than it can make progress)."""
+    rate = machines * revocations_per_hour
     if rate == 0:
         return startup_h + compute_h, None, 0.0
     interval_h = young_interval(checkpoint_h, 1.0 / rate)
@@ -73,33 +73,42 @@ def spot_hours(compute_h: float, workers: int, revocations_per_hour: float, star
     return hours, interval_h, rate * hours
 
 
+def _points(profile: WorkloadProfile, machine: MachineType) -> list:
+    return [p for p in profile.points if p.gpu == machine.gpu and p.machine in (None, machine.name)]
+
+
 def evaluate_options(profile: WorkloadProfile, catalog: Catalog, steps: int) -> tuple[list[Option], int]:
-    """Every configuration the catalog and profile allow, and how many spot ones can never finish."""
+    """Every configuration the catalog and profile allow, and how many spot ones can never finish.
+    Whole machines are rented: a configuration's price counts every machine its workers occupy."""
     if steps < 1:
         raise PlanningError(f"the number of training steps must be positive, got {steps}.")
-    usable = [m for m in catalog.machines if m.gpu in profile.gpus]
+    usable = [m for m in catalog.machines if _points(profile, m)]
     if not usable:
         covered = ", ".join(sorted(profile.gpus))
         raise PlanningError(f"no catalog machine has a GPU the profile covers ({covered}).")
+    if catalog.ps_per_hour is None and any(p.ps for p in profile.points):
+        raise PlanningError(f"the profile {profile.name} needs parameter servers and the catalog {catalog.source} "
+                            "prices none (add a 'parameter_server' entry).")
     options, unfinishable = [], 0
     checkpoint_h = profile.checkpoint_s / SECONDS_PER_HOUR
     for machine in usable:
         startup_h = machine.startup_s / SECONDS_PER_HOUR
-        for point in (p for p in profile.points if p.gpu == machine.gpu):
+        for point in _points(profile, machine):
             compute_h = steps * point.step_time_s / SECONDS_PER_HOUR
-            ps_cost = point.ps * catalog.ps_per_hour
+            ps_cost = point.ps * (catalog.ps_per_hour or 0.0)
+            nodes = machine.nodes(point.workers)
             hours = startup_h + compute_h
             options.append(Option(machine, "on-demand", point.workers, point.ps, point.step_time_s, hours,
-                                  hours * (point.workers * machine.on_demand_per_hour + ps_cost), None, 0.0))
+                                  hours * (nodes * machine.on_demand_per_hour + ps_cost), None, 0.0))
             if machine.spot_per_hour is None:
                 continue
-            spot = spot_hours(compute_h, point.workers, machine.revocations_per_hour, startup_h, checkpoint_h)
+            spot = spot_hours(compute_h, nodes, machine.revocations_per_hour, startup_h, checkpoint_h)
             if spot is None:
                 unfinishable += 1
                 continue
             hours, interval_h, revocations = spot
             options.append(Option(machine, "spot", point.workers, point.ps, point.step_time_s, hours,
-                                  hours * (point.workers * machine.spot_per_hour + ps_cost),
+                                  hours * (nodes * machine.spot_per_hour + ps_cost),
                                   None if interval_h is None else interval_h * SECONDS_PER_HOUR, revocations))
     return options, unfinishable
 

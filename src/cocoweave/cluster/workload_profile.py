@@ -30,22 +30,26 @@ from cocoweave.errors import PlanningError
 
 @dataclass(frozen=True)
 class ProfilePoint:
-    """Seconds per global step with `workers` workers of one GPU type and `ps` parameter servers."""
+    """Seconds per global step with `workers` workers of one GPU type and `ps` parameter servers; with
+    `machine`, only on that catalog machine (a modelled step depends on its networks too)."""
 
     gpu: str
     ps: int
     workers: int
     step_time_s: float
+    machine: str | None = None
 
 
 @dataclass(frozen=True)
 class WorkloadProfile:
-    """A workload's predicted speed per configuration, its checkpoint time, and how both were obtained."""
+    """A workload's predicted speed per configuration, its checkpoint time, and how both were obtained
+    (`modelled`: predicted for hardware it was not measured on)."""
 
     name: str
     checkpoint_s: float
     points: tuple[ProfilePoint, ...]
     notes: tuple[str, ...] = ()
+    modelled: bool = False
 
     @property
     def gpus(self) -> set[str]:

@@ -1,0 +1,228 @@
+"""How a profiled training step scales with the number of local ranks on this host, and where its time goes.
+
+Fitted on the worlds `cocoweave profile` measured (`profiler.WorldRun`), per rank and step:
+
+- compute c(p) = a + b x w(p): the main thread's CPU time, with w(p) the rank's share of the work
+  (its FLOPs relative to the smallest world's, counted in one step; 1/p when a global batch is split,
+  1 when each rank has its own batch) and `a` what does not shrink (Python, per-op overhead);
+- communication CPU k(p) = gamma x MB(p) + delta x hops(p): Gloo's threads' CPU time, with MB(p) the
+  bytes a rank moves (all-reduce 2(p-1)/p of the tensor, reduce-scatter and all-gather (p-1)/p, ...)
+  and hops(p) the message steps of ring algorithms (the alpha-beta model of perf/costmodel.py, fitted
+  on the measured collectives rather than on microbenchmarks);
+- waiting w(p) = omega x hops(p): wall time not spent on a CPU while ranks have a core each (latency, skew);
+- contention: with p ranks of one thread on K cores, p > K, the ranks share the cores, and the step takes
+  eta x p x (c + k) / K; eta >= 1 (time slices, ranks waiting for a descheduled peer) is fitted on the
+  oversubscribed worlds measured.
+
+The step is max(c + k + w, eta x p x (c + k) / K) (only the first term while p <= K).
+"""
+
+from __future__ import annotations
+
+import math
+import statistics
+from collections.abc import Sequence
+from dataclasses import asdict, dataclass
+
+import numpy as np
+from scipy.optimize import nnls
+
+from cocoweave.cluster.profiler import WorldRun
+from cocoweave.errors import CocoweaveError
+
+# Per collective kind: (fraction of the tensor a rank moves at p ranks, message steps of the ring at p ranks).
+TRAFFIC = {
+    "all_reduce": (lambda p: 2 * (p - 1) / p, lambda p: 2 * (p - 1)),
+    "reduce_scatter": (lambda p: (p - 1) / p, lambda p: p - 1),
+    "all_gather": (lambda p: (p - 1) / p, lambda p: p - 1),
+    "broadcast": (lambda p: 1.0 if p > 1 else 0.0, lambda p: math.ceil(math.log2(p)) if p > 1 else 0),
+    "reduce": (lambda p: 1.0 if p > 1 else 0.0, lambda p: math.ceil(math.log2(p)) if p > 1 else 0),
+    "p2p": (lambda p: 1.0 if p > 1 else 0.0, lambda p: 1 if p > 1 else 0),
+    "send": (lambda p: 1.0 if p > 1 else 0.0, lambda p: 1 if p > 1 else 0),
+    "recv": (lambda p: 0.0, lambda p: 1 if p > 1 else 0),
+}
+LABELS = {"all_reduce": "all-reduce", "reduce_scatter": "reduce-scatter", "all_gather": "all-gather"}
+
+
+class ScalingFitError(CocoweaveError):
+    """The measured worlds cannot determine the scaling model (too few, or no work counted)."""
+
+
+@dataclass(frozen=True)
+class Traffic:
+    """Collectives of one step per rank, independent of the world size: kind -> (calls, bytes of the tensor)."""
+
+    kinds: dict[str, tuple[float, float]]
+
+    @classmethod
+    def of(cls, run: WorldRun) -> Traffic:
+        kinds: dict[str, list[float]] = {}
+        for key, c in run.collectives.items():
+            parts = key.split("/")
+            group = int(parts[-1].removeprefix("p")) if parts[-1].startswith("p") else run.world_size
+            if group < 2:
+                continue
+            acc = kinds.setdefault(parts[0], [0.0, 0.0])
+            acc[0] += c["count"]
+            acc[1] += c["bytes"]
+        return cls({k: (v[0], v[1]) for k, v in kinds.items()})
+
+    def megabytes(self, p: int) -> float:
+        """MB a rank moves per step on p ranks."""
+        return sum(TRAFFIC.get(k, TRAFFIC["p2p"])[0](p) * b for k, (_, b) in self.kinds.items()) / 1e6
+
+    def hops(self, p: int) -> float:
+        """Message steps per rank per step on p ranks."""
+        return sum(TRAFFIC.get(k, TRAFFIC["p2p"])[1](p) * n for k, (n, _) in self.kinds.items())
+
+    def shares(self, p: int) -> dict[str, float]:
+        """Each kind's share of the bytes moved at p ranks (equal shares when nothing moves)."""
+        moved = {k: TRAFFIC.get(k, TRAFFIC["p2p"])[0](p) * b for k, (_, b) in self.kinds.items()}
+        total = sum(moved.values())
+        return {k: (v / total if total else 1.0 / len(moved)) for k, v in moved.items()}
+
+
+@dataclass(frozen=True)
+class StepParts:
+    """A predicted (or measured) step on p ranks of this host, in ms per step."""
+
+    world_size: int
+    total_ms: float
+    compute_ms: float
+    comm_cpu_ms: float
+    wait_ms: float
+    contention_ms: float
+    comm_by_kind_ms: dict[str, float]
+
+    @property
+    def comm_ms(self) -> float:
+        return self.comm_cpu_ms + self.wait_ms
+
+
+def work_share_fit(sizes: Sequence[int], flops: Sequence[float]) -> tuple[float, float]:
+    """Non-negative (f0, f1) with per-rank FLOPs = f0 + f1 / p, fitted by relative least squares."""
+    p = np.asarray(sizes, dtype=float)
+    f = np.asarray(flops, dtype=float)
+    a = np.stack([np.ones_like(p), 1.0 / p], axis=1) / f[:, None]
+    (f0, f1), _ = nnls(a, np.ones_like(f))
+    return float(f0), float(f1)
+
+
+@dataclass(frozen=True)
+class HostScaling:
+    """The fitted model (see the module docstring); `predict(p)` gives the step on p ranks of this host."""
+
+    cores: int
+    a_ms: float  # compute that does not shrink with the work share
+    b_ms: float  # compute of the whole work of the smallest world
+    flops0: float  # per-rank FLOPs = flops0 + flops1 / p
+    flops1: float
+    gamma_ms_per_mb: float
+    delta_ms_per_hop: float
+    omega_ms_per_hop: float
+    eta: float
+    traffic: Traffic
+    reference_flops: float  # per-rank FLOPs of the smallest world (work share 1)
+
+    def work_share(self, p: int) -> float:
+        if self.reference_flops <= 0:
+            return 1.0
+        return (self.flops0 + self.flops1 / p) / self.reference_flops
+
+    def predict(self, p: int) -> StepParts:
+        compute = self.a_ms + self.b_ms * self.work_share(p)
+        comm = self.gamma_ms_per_mb * self.traffic.megabytes(p) + self.delta_ms_per_hop * self.traffic.hops(p)
+        wait = self.omega_ms_per_hop * self.traffic.hops(p)
+        alone = compute + comm + wait
+        shared = self.eta * p * (compute + comm) / self.cores if p > self.cores else 0.0
+        total = max(alone, shared)
+        by_kind = {k: s * (comm + wait) for k, s in self.traffic.shares(p).items()} if p > 1 else {}
+        return StepParts(p, total, compute, comm, wait, max(total - alone, 0.0), by_kind)
+
+    def to_json(self) -> dict:
+        doc = asdict(self)
+        doc["traffic"] = {k: list(v) for k, v in self.traffic.kinds.items()}
+        return doc
+
+
+def fit_host_scaling(runs: Sequence[WorldRun], cores: int) -> HostScaling:
+    """Fit the model on measured worlds (at least two sizes, one of them with two or more ranks)."""
+    runs = sorted(runs, key=lambda r: r.world_size)
+    sizes = [r.world_size for r in runs]
+    if len(set(sizes)) < 2 or max(sizes) < 2:
+        raise ScalingFitError(f"fitting the scaling model needs at least two world sizes, one of 2+ ranks; "
+                              f"got {sizes}.")
+    multi = [r for r in runs if r.world_size > 1]
+    traffic = Traffic.of(multi[-1])
+    flops = [r.counts.get("forward_backward", {}).get("flops", 0.0) + r.counts.get("update", {}).get("flops", 0.0)
+             for r in runs]
+    if all(f > 0 for f in flops):
+        flops0, flops1 = work_share_fit(sizes, flops)
+        reference = flops0 + flops1 / sizes[0]
+    else:  # no counts (a script without floating-point work?): treat the work per rank as constant
+        flops0, flops1, reference = 1.0, 0.0, 1.0
+    model = HostScaling(cores, 0.0, 0.0, flops0, flops1, 0.0, 0.0, 0.0, 1.0, traffic, reference)
+    # compute: a + b x work share, non-negative least squares on relative error
+    share = np.array([model.work_share(p) for p in sizes])
+    c = np.array([r.cpu_ms["cpu_main_ms"] for r in runs])
+    (a, b), _ = nnls(np.stack([np.ones_like(share), share], axis=1) / c[:, None], np.ones_like(c))
+    # communication CPU: gamma x MB + delta x hops on the worlds with peers
+    mb = np.array([traffic.megabytes(r.world_size) for r in multi])
+    hops = np.array([traffic.hops(r.world_size) for r in multi])
+    k = np.array([max(r.cpu_ms["cpu_other_ms"] - runs[0].cpu_ms["cpu_other_ms"] * (sizes[0] == 1), 1e-6)
+                  for r in multi])
+    (gamma, delta), _ = nnls(np.stack([mb, hops], axis=1) / k[:, None], np.ones_like(k)) if len(multi) > 1 \
+        else ((k[0] / mb[0] if mb[0] else 0.0, 0.0), None)
+    model = HostScaling(cores, float(a), float(b), flops0, flops1, float(gamma), float(delta), 0.0, 1.0, traffic,
+                        reference)
+    # waiting: what the uncontended worlds with peers spent off the CPU, per message step
+    uncontended = [r for r in multi if r.world_size <= cores]
+    waits = [(r.step_ms - _busy(model, r.world_size), traffic.hops(r.world_size)) for r in uncontended]
+    omega = max(sum(w for w, _ in waits) / sum(h for _, h in waits), 0.0) if waits and traffic.hops(2) else 0.0
+    # contention: measured / ideal processor sharing on the oversubscribed worlds (geometric mean)
+    shared = [r for r in runs if r.world_size > cores]
+    ratios = [r.step_ms / (r.world_size * _busy(model, r.world_size) / cores) for r in shared]
+    eta = max(math.exp(statistics.fmean(math.log(x) for x in ratios)), 1.0) if ratios else 1.0
+    return HostScaling(cores, float(a), float(b), flops0, flops1, float(gamma), float(delta), float(omega), eta,
+                       traffic, reference)
+
+
+def _busy(model: HostScaling, p: int) -> float:
+    """Predicted CPU time of one rank's step (compute + communication) on p ranks."""
+    parts = model.predict(p)
+    return parts.compute_ms + parts.comm_cpu_ms
+
+
+def measured_parts(run: WorldRun, model: HostScaling) -> StepParts:
+    """A measured world split as the model splits a prediction (CPU times measured, the rest by difference)."""
+    compute, comm = run.cpu_ms["cpu_main_ms"], run.cpu_ms["cpu_other_ms"]
+    p = run.world_size
+    alone = compute + comm
+    contention = max(run.step_ms - alone, 0.0) if p > model.cores else 0.0
+    wait = max(run.step_ms - alone - contention, 0.0)
+    by_kind = {k: s * (comm + wait) for k, s in model.traffic.shares(p).items()} if p > 1 else {}
+    return StepParts(p, run.step_ms, compute, comm, wait, contention, by_kind)
+
+
+def bottleneck(parts: Sequence[StepParts], cores: int) -> str:
+    """One sentence naming what bounds the step, from the smallest world where it is not computation."""
+    ordered = sorted(parts, key=lambda s: s.world_size)
+
+    def dominant(s: StepParts) -> tuple[str, float]:
+        pieces = {"compute": s.compute_ms, "communication": s.comm_ms, "contention": s.contention_ms}
+        name = max(pieces, key=lambda n: pieces[n])
+        return name, pieces[name] / s.total_ms if s.total_ms else 0.0
+
+    for s in ordered:
+        name, share = dominant(s)
+        if name == "communication":
+            kind, ms = max(s.comm_by_kind_ms.items(), key=lambda kv: kv[1]) if s.comm_by_kind_ms else ("?", 0.0)
+            return (f"communication-bound from {s.world_size} ranks: the {LABELS.get(kind, kind)} is "
+                    f"{100 * ms / s.total_ms:.0f}% of the step ({100 * share:.0f}% communication in all).")
+        if name == "contention":
+            return (f"core-bound from {s.world_size} ranks: {s.world_size} ranks share {cores} cores and waiting "
+                    f"for a core is {100 * share:.0f}% of the step (communication {100 * s.comm_ms / s.total_ms:.0f}"
+                    f"%, computation {100 * s.compute_ms / s.total_ms:.0f}%).")
+    last = ordered[-1]
+    return (f"compute-bound up to {last.world_size} ranks: computation is {100 * last.compute_ms / last.total_ms:.0f}%"
+            f" of the step at {last.world_size} ranks.")
