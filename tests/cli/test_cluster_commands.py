@@ -13,7 +13,6 @@ from cocoweave.cli.cluster_commands import plan_command
 from cocoweave.cli.perf_commands import perf_app
 from cocoweave.cluster import cmdare as cmdare_mod
 from cocoweave.cluster.cmdare_data import find_data_dir
-from cocoweave.errors import CocoweaveError
 
 CATALOG = Path(__file__).resolve().parents[2] / "examples" / "catalog.yaml"
 PROFILE = """\
@@ -74,16 +73,27 @@ def test_cmdare_missing_data_exits_2(tmp_path):
 
 
 def test_cmdare_prints_tables_and_writes_json(tmp_path, monkeypatch):
-    try:
-        find_data_dir()
-    except CocoweaveError:
-        pytest.skip("CM-DARE data not available")
+    find_data_dir()  # the package ships the CM-DARE tables: a fresh clone has them
     fast = [c for c in cmdare_mod.log_space_candidates() if c.name in ("log ridge", "additive law")]
     monkeypatch.setattr(cmdare_mod, "log_space_candidates", lambda: fast)
     out = tmp_path / "r.json"
     result = runner.invoke(app, ["perf", "cmdare", "--seeds", "1", "--json", str(out)])
     assert result.exit_code == 0, result.output
-    assert "MAPE" in result.output and "PS bottleneck" in result.output
+    assert "MAPE" in result.output and "PS bottleneck" in result.output and "(per-model mean)" in result.output
     doc = json.loads(out.read_text())
-    assert {(r["protocol"], r["method"]) for r in doc["mape"]} >= {("a", "ours"), ("d", "SVR (paper)")}
+    assert {(r["protocol"], r["method"]) for r in doc["mape"]} >= {("a", "ours"), ("d", "SVR (paper)"),
+                                                                    ("a", "per-model mean"), ("d", "per-model mean")}
+    assert doc["mape"][0]["held_out"] and doc["mape"][0]["protocol"] == "c"  # held-out models lead
     assert doc["scaling"]["bottlenecks"] and doc["seeds"] == [0]
+    result = runner.invoke(app, ["perf", "cmdare", "--seeds", "1", "--json", "-"])
+    assert result.exit_code == 0 and json.loads(result.stdout)["seeds"] == [0]
+
+
+def test_plan_writes_no_png_unless_asked(profile_file, tmp_path, monkeypatch):
+    monkeypatch.chdir(tmp_path)
+    result = runner.invoke(app, ["plan", "--profile", str(profile_file), "--catalog", str(CATALOG),
+                                 "--steps", "1000", "--budget", "100", "--json", "-"])
+    assert result.exit_code == 0, result.output
+    assert not list(tmp_path.glob("*.png")) and json.loads(result.stdout)["png"] is None
+    result = runner.invoke(app, ["plan", "--profile", str(profile_file), "--budget", "100"])
+    assert result.exit_code == 2 and "give --steps N" in result.output

@@ -63,9 +63,10 @@ def test_plan_recommends_a_gpu_configuration_from_the_profile(lm_profile):
 
 def test_train_gpt_under_the_profiler_json_on_stdout(tmp_path):
     r = invoke("profile", ROOT / "examples/train_gpt.py", "-n", "1,2", "--predict", 3, "--steps", 2, "--warmup", 2,
-               "--json", "-", "--store", tmp_path / "store", "--", "--tensor-parallel", 1, "--batch", 6)
+               "--json", "-", "--store", tmp_path / "store")
     assert r.exit_code == 0, r.output
     doc = json.loads(r.stdout)  # only JSON on stdout; the tables went to stderr
+    assert doc["script_args"] == ["--tensor-parallel", "1", "--batch", "24"]  # its '# cocoweave profile:' line
     assert doc["runs"][0]["optimizer"] == "cocoweave.optim.optimizers.DistributedAdamW"
     assert doc["predictions"][0]["measured_ms"] > 0
     kinds = {k.split("/")[0] for k in doc["runs"][1]["collectives"]}
@@ -76,10 +77,11 @@ def test_train_gpt_under_the_profiler_json_on_stdout(tmp_path):
     (["missing.py"], "does not exist"),
     ([ROOT / "examples/train_lm.py", "-n", "2"], "at least two sizes"),
     ([ROOT / "examples/train_lm.py", "-n", "1,x"], "must look like 4, 1-8 or 1,2,4"),
-    ([ROOT / "examples/train_gpt.py", "-n", "1,2", "--steps", 1], "--tensor-parallel 2 must divide the world size 1"),
+    ([ROOT / "examples/train_gpt.py", "-n", "1,2", "--steps", 1, "--", "--tensor-parallel", 2],
+     "--tensor-parallel 2 must divide the world size 1"),
 ])
 def test_bad_input_is_one_sentence_and_exit_2(tmp_path, args, words):
-    r = invoke("profile", *args, "--store", tmp_path / "store")
+    r = invoke("profile", args[0], "--store", tmp_path / "store", *args[1:])
     assert r.exit_code == 2, r.output
     assert words in r.output and "Traceback" not in r.output
 

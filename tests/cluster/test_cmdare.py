@@ -5,7 +5,18 @@ from __future__ import annotations
 import pytest
 
 from cocoweave.cluster import cmdare_data as data
-from cocoweave.cluster.cmdare import OURS, PUBLISHED, checkpoint_splits, compare, heldout_split, random_splits
+from cocoweave.cluster.cmdare import (
+    OURS,
+    PER_MODEL_MEAN,
+    PUBLISHED,
+    checkpoint_splits,
+    compare,
+    evaluate_splits,
+    heldout_split,
+    per_model_mean,
+    random_splits,
+    speed_splits,
+)
 from cocoweave.cluster.features import paper_speed_features, speed_features
 from cocoweave.cluster.ps_scaling import scaling_report
 from cocoweave.cluster.regression import linear_baseline, log_space_candidates, svr_baseline
@@ -86,3 +97,32 @@ def test_ps_bottleneck_is_found_on_p100_with_one_ps_and_not_on_k80():
     assert p100["bottleneck_workers"].notna().all() and p100["bottleneck_workers"].max() <= 6
     assert bt[bt["gpu"] == "K80"]["bottleneck_workers"].isna().all()
     assert report.law_mape["all"] < report.linear_mape["all"] / 2
+
+
+def test_per_model_mean_is_the_noise_floor_of_random_splits():
+    speed = data.load_speed(DATA)
+    k80 = speed[speed["gpu"] == "K80"]
+    [split] = random_splits(k80, "a", "K80", speed_features, per_gpu_paper, "step_time_s", [0], True, svr_baseline())
+    scores = compare(split, FAST)
+    assert scores[PER_MODEL_MEAN][0] == pytest.approx(0.74, abs=0.01)  # the figure the reproduction found
+    assert scores[PER_MODEL_MEAN][0] < scores["SVR (paper)"][0]
+    held = heldout_split(k80[~k80["model"].isin(data.HELD_OUT_MODELS)], data.load_heldout_k80(DATA), "c", "K80",
+                         speed_features, per_gpu_paper, "step_time_s", svr_baseline())
+    assert PER_MODEL_MEAN not in compare(held, FAST)  # unseen models have no repeats to average
+
+
+def test_per_model_mean_falls_back_to_the_gpu_mean_for_an_unseen_model():
+    import pandas as pd
+
+    train = pd.DataFrame({"model": ["a", "a", "b"], "gpu": ["K80"] * 3, "t": [1.0, 3.0, 5.0]})
+    test = pd.DataFrame({"model": ["a", "c"], "gpu": ["K80", "K80"], "t": [2.0, 3.0]})
+    assert list(per_model_mean(train, test, "t")) == [2.0, 3.0]
+
+
+def test_results_lead_with_the_held_out_protocols():
+    speed = data.load_speed(DATA)
+    splits = speed_splits(speed, data.load_heldout_k80(DATA), [0])
+    results = evaluate_splits(splits, FAST)
+    firsts = [(r.protocol, r.held_out) for r in results]
+    n_held = sum(held for _, held in firsts)
+    assert n_held and all(held for _, held in firsts[:n_held]) and firsts[0][0] == "c"

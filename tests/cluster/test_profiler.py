@@ -7,7 +7,7 @@ import json
 
 import pytest
 
-from cocoweave.cluster.profiler import ProfileError, profile_worlds, run_world, summarise
+from cocoweave.cluster.profiler import ProfileError, default_script_args, profile_worlds, run_world, summarise
 
 DDP_SCRIPT = """
 import sys, torch, torch.distributed as dist
@@ -73,7 +73,7 @@ def test_a_ddp_script_on_two_ranks_is_recorded_and_ended_after_its_steps(tmp_pat
 def test_failures_name_the_cause(tmp_path):
     bad = tmp_path / "bad.py"
     bad.write_text("raise ValueError('the data folder is empty')\n")
-    with pytest.raises(ProfileError, match="failed on 1 ranks .*the data folder is empty"):
+    with pytest.raises(ProfileError, match="failed on 1 rank .*the data folder is empty"):
         run_world(bad, [], 1, steps=1, warmup=2, threads=1, timeout_s=120)
     idle = tmp_path / "idle.py"
     idle.write_text("print('no optimizer here')\n")
@@ -81,3 +81,11 @@ def test_failures_name_the_cause(tmp_path):
         run_world(idle, [], 1, steps=1, warmup=2, threads=1, timeout_s=120)
     with pytest.raises(ProfileError, match="does not exist"):
         profile_worlds(tmp_path / "missing.py", [], [1, 2])
+
+
+def test_a_script_can_name_its_profiling_arguments(tmp_path):
+    script = tmp_path / "s.py"
+    script.write_text("# cocoweave profile: --batch 24 --name 'two words'\nprint('hi')\n")
+    assert default_script_args(script) == ["--batch", "24", "--name", "two words"]
+    script.write_text("print('no line')\n")
+    assert default_script_args(script) == []

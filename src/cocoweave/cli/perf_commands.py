@@ -94,7 +94,8 @@ def _predict_table(program, world_size: int, device: str, preds, corrected: bool
     table = Table(title=f"{program.name} on {world_size} ranks ({device}): predicted step time, fastest first",
                   title_justify="left")
     for col in ("schedule", "analytic ms", "corrected ms", "largest stages (analytic ms)"):
-        table.add_column(col, justify="left" if col in ("schedule", "largest stages (analytic ms)") else "right")
+        left = col in ("schedule", "largest stages (analytic ms)")
+        table.add_column(col, justify="left" if left else "right")
     for p in preds:
         top = sorted(p.analytic.stage_ms.items(), key=lambda kv: -kv[1])[:3]
         table.add_row(p.schedule.name, f"{p.analytic.total_ms:.3f}", f"{p.ms:.3f}" if corrected else "—",

@@ -42,7 +42,7 @@ def _measured_table(profile) -> Table:
     model = profile.model
     table = Table(title=f"{profile.name} measured on this host ({model.cores} cores, "
                         f"{profile.host['threads_per_rank']} thread per rank): ms per step", title_justify="left")
-    for col in ("ranks", "role", "step", "compute (CPU)", "comm (CPU)", "waiting", "core sharing", "load avg"):
+    for col in ("ranks", "role", "step", "compute (CPU)", "comm (CPU)", "waiting", "core sharing", "others' CPU"):
         table.add_column(col, justify="left" if col == "role" else "right")
     from ..cluster.step_scaling import measured_parts
 
@@ -51,7 +51,7 @@ def _measured_table(profile) -> Table:
         role = "fit" if r.world_size in profile.fit_world_sizes else "check"
         table.add_row(str(r.world_size), role, f"{r.step_ms:.1f}", f"{parts.compute_ms:.1f}",
                       f"{parts.comm_cpu_ms:.1f}", f"{parts.wait_ms:.1f}", f"{parts.contention_ms:.1f}",
-                      f"{r.load_avg[0]:.1f}" if r.load_avg else "—")
+                      "—" if r.other_load is None else f"{100 * r.other_load:.0f}%")
     return table
 
 
@@ -82,7 +82,8 @@ def _modelled_table(steps) -> Table:
 def profile(
     script: Annotated[Path, typer.Argument(help="A training script written for torchrun (SCRIPT.py).")],
     script_args: Annotated[list[str] | None, typer.Argument(
-        help="Arguments for the script, after --: cocoweave profile train.py -n 1,2,3 -- --batch 24")] = None,
+        help="Arguments for the script, after --: cocoweave profile train.py -n 1,2,3 -- --batch 24 (default: its "
+             "'# cocoweave profile: ARGS' line, if it has one).")] = None,
     world_sizes: Annotated[str, typer.Option(
         "--world-sizes", "-n", help="Local world sizes to measure and fit the model on: 4, 1-8 or 1,2,4.")] = "1,2,3",
     predict: Annotated[str | None, typer.Option(
@@ -101,7 +102,7 @@ def profile(
 ) -> None:
     """Profile a training script on local worlds, fit its scaling, name the bottleneck, predict other sizes."""
     from ..cluster.catalog import load_catalog
-    from ..cluster.profiler import cores, profile_worlds
+    from ..cluster.profiler import cores, default_script_args, profile_worlds
     from ..cluster.run_profile import RunProfile, host_info
     from ..perf.store import MeasurementStore
 
@@ -113,6 +114,9 @@ def profile(
     extra = [p for p in predict_sizes if check and p not in fit_sizes and p <= VALIDATE_UP_TO_CORES * n_cores]
     if len(fit_sizes) < 2 or max(fit_sizes) < 2:
         raise CocoweaveError(f"--world-sizes {world_sizes} must name at least two sizes, one of 2 or more ranks.")
+    if not script_args and (script_args := default_script_args(script)):
+        err_console.print(f"[dim]script arguments from its '# cocoweave profile:' line: {shlex.join(script_args)}[/]",
+                          highlight=False)
     start = time.perf_counter()
     runs = profile_worlds(script, script_args or [], fit_sizes + extra, steps=steps, warmup=warmup, threads=threads,
                           timeout_s=timeout,
@@ -126,6 +130,8 @@ def profile(
     catalog = load_catalog()
     doc = prof.to_json(predict_sizes, catalog)
     out.print(_measured_table(prof))
+    if (warning := prof.busy_warning()) is not None:
+        out.print(f"[yellow]warning:[/] {warning}", highlight=False)
     m = prof.model
     out.print(f"[dim]model: compute {m.a_ms:.2f} + {m.b_ms:.2f} x work share ms; communication CPU "
               f"{m.gamma_ms_per_mb:.2f} ms/MB + {m.delta_ms_per_hop:.3f} ms/hop; waiting {m.omega_ms_per_hop:.3f} "

@@ -11,7 +11,9 @@ from __future__ import annotations
 
 import json
 import os
+import re
 import resource
+import shlex
 import statistics
 import subprocess
 import sys
@@ -76,6 +78,23 @@ def machine_busy_s() -> float | None:
 def _children_cpu_s() -> float:
     usage = resource.getrusage(resource.RUSAGE_CHILDREN)
     return usage.ru_utime + usage.ru_stime
+
+
+def default_script_args(script: Path) -> list[str]:
+    """The arguments a script asks to be profiled with when none are given: a comment line
+    `# cocoweave profile: ARGS` (e.g. a data-parallel layout that runs on any number of ranks)."""
+    try:
+        text = script.read_text(errors="replace")
+    except OSError:
+        return []
+    for line in text.splitlines():
+        match = re.match(r"^#\s*cocoweave profile:\s*(.*)$", line.strip())
+        if match:
+            try:
+                return shlex.split(match[1])
+            except ValueError as exc:
+                raise ProfileError(f"{script}: the '# cocoweave profile:' line cannot be split: {exc}.") from None
+    return []
 
 
 def cores() -> int:
@@ -147,6 +166,10 @@ def summarise(world_size: int, folder: Path, seconds: float) -> WorldRun:
         per_rank_step_ms=[_median([s["wall_ms"] for s in t]) for t in timed])
 
 
+def _ranks(n: int) -> str:
+    return f"{n} rank" if n == 1 else f"{n} ranks"
+
+
 def _tail(text: str) -> str:
     lines = [ln.strip() for ln in text.splitlines() if ln.strip()]
     return " | ".join(lines[-LOG_TAIL:])
@@ -184,12 +207,12 @@ def run_world(script: Path, script_args: Sequence[str], world_size: int, steps: 
             proc = subprocess.run(torchrun_command(script, script_args, world_size, logs), env=env,
                                   capture_output=True, text=True, timeout=timeout_s, stdin=subprocess.DEVNULL)
         except subprocess.TimeoutExpired:
-            raise ProfileError(f"{script} on {world_size} ranks did not finish within {timeout_s:g} s (raise "
+            raise ProfileError(f"{script} on {_ranks(world_size)} did not finish within {timeout_s:g} s (raise "
                                f"--timeout); {_rank_failure(logs) or 'no rank reported an error'}") from None
         seconds = time.perf_counter() - start
         if proc.returncode != 0:
             why = _rank_failure(logs) or _tail(proc.stderr + proc.stdout) or "no output"
-            raise ProfileError(f"{script} failed on {world_size} ranks (exit code {proc.returncode}): {why}")
+            raise ProfileError(f"{script} failed on {_ranks(world_size)} (exit code {proc.returncode}): {why}")
         run = summarise(world_size, folder, seconds)
         busy1, ours = machine_busy_s(), _children_cpu_s() - ours0
         if busy0 is not None and busy1 is not None:

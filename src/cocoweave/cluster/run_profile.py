@@ -31,6 +31,7 @@ from cocoweave.errors import PlanningError
 KIND = "cocoweave-run-profile"
 VERSION = 1
 DEFAULT_TRAIN_STEPS = 100_000
+BUSY = 0.25  # other processes using more than this share of the cores make a measurement unreliable
 ADAM_STATE_PER_PARAM_BYTE = 2.0  # Adam's two moments, when the optimizer's state is not visible
 MODELLED = ("MODELLED, not measured: compute from per-operation rooflines of the catalog GPU's spec sheet, "
             "communication from the alpha-beta model of its links, no overlap")
@@ -99,6 +100,16 @@ class RunProfile:
         parts = [measured_parts(r, self.model) if p in self.fit_world_sizes and (r := self.run(p)) else
                  self.model.predict(p) for p in worlds]
         return bottleneck(parts, self.model.cores)
+
+    def busy_warning(self) -> str | None:
+        """A sentence when other processes used more than BUSY of the cores during a measured world."""
+        busy = [r for r in self.runs if r.other_load is not None and r.other_load > BUSY]
+        if not busy:
+            return None
+        worst = max(r.other_load for r in busy)
+        return (f"other processes used up to {100 * worst:.0f}% of the cores while measuring "
+                f"({', '.join(str(r.world_size) for r in busy)} ranks): step times on a busy machine do not repeat; "
+                "profile again when it is quiet before trusting the fit or the check.")
 
     @staticmethod
     def validation_mape(predictions: Sequence[Prediction]) -> float | None:
@@ -172,7 +183,7 @@ class RunProfile:
             "fit_world_sizes": list(self.fit_world_sizes), "runs": [r.to_json() for r in self.runs],
             "model": self.model.to_json(), "bottleneck": self.bottleneck(predict_sizes),
             "predictions": [p.to_json() for p in predictions],
-            "validation_mape_pct": self.validation_mape(predictions),
+            "validation_mape_pct": self.validation_mape(predictions), "warning": self.busy_warning(),
         }
         if catalog is not None and predict_sizes:
             try:
