@@ -147,9 +147,9 @@ def _no_rows_reason(df, device: str | None, store_path: Path) -> str:
     """Why the store has nothing to judge the cost model on, and what to run."""
     count = len(df) if device is None else int((df["device"] == device).sum())
     which = "" if device is None else f" of device {device} ({len(df)} in all)"
-    return (f"the store at {store_path} has {count} measurements{which}, none of them with the cost model's "
-            "prediction beside it; run `cocoweave perf calibrate` and then `cocoweave measure FILE.py:FUNCTION` "
-            "(or `cocoweave tune`) first.")
+    return (f"an accuracy report needs measurements with the cost model's prediction beside them: the store at "
+            f"{store_path} has {count} measurements{which} and none of them has one; run `cocoweave perf calibrate` "
+            "and then `cocoweave measure FILE.py:FUNCTION` (or `cocoweave tune`) first.")
 
 
 @perf_app.command("accuracy")

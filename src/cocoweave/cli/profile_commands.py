@@ -73,8 +73,8 @@ def _modelled_table(steps) -> Table:
     for col in ("machine", "GPU", "GPUs", "step", "compute", "communication", "link"):
         table.add_column(col, justify="left" if col in ("machine", "GPU", "link") else "right")
     for s in steps:
-        table.add_row(s.machine, s.gpu, str(s.world_size), f"{s.total_ms:.3f}", f"{s.compute_ms:.3f}",
-                      f"{s.comm_ms:.3f}", s.link or "—")
+        table.add_row(s["machine"], s["gpu"], str(s["world_size"]), f"{s['total_ms']:.3f}", f"{s['compute_ms']:.3f}",
+                      f"{s['comm_ms']:.3f}", s["link"] or "—")
     return table
 
 
@@ -144,9 +144,10 @@ def profile(
             checked = ", ".join(str(p.world_size) for p in predictions if p.measured_ms is not None)
             out.print(f"[bold]Prediction error[/] (fit on {', '.join(map(str, fit_sizes))} ranks, checked on "
                       f"{checked}): MAPE {mape:.1f}%", highlight=False)
-        modelled = [s for s in prof.modelled(catalog, predict_sizes)] if doc.get("modelled", {}).get("steps") else []
-        if modelled:
-            out.print(_modelled_table(modelled))
+        if doc["modelled"]["steps"]:
+            out.print(_modelled_table(doc["modelled"]["steps"]))
+        else:
+            out.print(f"[dim]no MODELLED steps: {doc['modelled']['note']}[/]", highlight=False)
     out.print(f"[dim]{len(runs)} worlds measured in {time.perf_counter() - start:.1f} s; {len(runs)} rows appended "
               f"to the measurement store[/]", highlight=False)
     write_json(json_path, doc)

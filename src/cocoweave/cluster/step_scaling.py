@@ -162,19 +162,16 @@ def fit_host_scaling(runs: Sequence[WorldRun], cores: int) -> HostScaling:
     else:  # no counts (a script without floating-point work?): treat the work per rank as constant
         flops0, flops1, reference = 1.0, 0.0, 1.0
     model = HostScaling(cores, 0.0, 0.0, flops0, flops1, 0.0, 0.0, 0.0, 1.0, traffic, reference)
-    # compute: a + b x work share, non-negative least squares on relative error
-    share = np.array([model.work_share(p) for p in sizes])
-    c = np.array([r.cpu_ms["cpu_main_ms"] for r in runs])
-    (a, b), _ = nnls(np.stack([np.ones_like(share), share], axis=1) / c[:, None], np.ones_like(c))
-    # communication CPU: gamma x MB + delta x hops on the worlds with peers
-    mb = np.array([traffic.megabytes(r.world_size) for r in multi])
-    hops = np.array([traffic.hops(r.world_size) for r in multi])
-    k = np.array([max(r.cpu_ms["cpu_other_ms"] - runs[0].cpu_ms["cpu_other_ms"] * (sizes[0] == 1), 1e-6)
-                  for r in multi])
-    (gamma, delta), _ = nnls(np.stack([mb, hops], axis=1) / k[:, None], np.ones_like(k)) if len(multi) > 1 \
-        else ((k[0] / mb[0] if mb[0] else 0.0, 0.0), None)
-    model = HostScaling(cores, float(a), float(b), flops0, flops1, float(gamma), float(delta), 0.0, 1.0, traffic,
-                        reference)
+    # compute: a + b x work share
+    share = [model.work_share(p) for p in sizes]
+    a, b = _relative_nnls([[1.0] * len(share), share], [r.cpu_ms["cpu_main_ms"] for r in runs])
+    # communication CPU: gamma x MB + delta x hops on the worlds with peers, above what one rank's other
+    # threads spend without any peer
+    idle = runs[0].cpu_ms["cpu_other_ms"] if sizes[0] == 1 else 0.0
+    gamma, delta = _relative_nnls([[traffic.megabytes(r.world_size) for r in multi],
+                                   [traffic.hops(r.world_size) for r in multi]],
+                                  [max(r.cpu_ms["cpu_other_ms"] - idle, 1e-6) for r in multi])
+    model = HostScaling(cores, a, b, flops0, flops1, gamma, delta, 0.0, 1.0, traffic, reference)
     # waiting: what the uncontended worlds with peers spent off the CPU, per message step
     uncontended = [r for r in multi if r.world_size <= cores]
     waits = [(r.step_ms - _busy(model, r.world_size), traffic.hops(r.world_size)) for r in uncontended]
@@ -183,8 +180,14 @@ def fit_host_scaling(runs: Sequence[WorldRun], cores: int) -> HostScaling:
     shared = [r for r in runs if r.world_size > cores]
     ratios = [r.step_ms / (r.world_size * _busy(model, r.world_size) / cores) for r in shared]
     eta = max(math.exp(statistics.fmean(math.log(x) for x in ratios)), 1.0) if ratios else 1.0
-    return HostScaling(cores, float(a), float(b), flops0, flops1, float(gamma), float(delta), float(omega), eta,
-                       traffic, reference)
+    return HostScaling(cores, a, b, flops0, flops1, gamma, delta, float(omega), eta, traffic, reference)
+
+
+def _relative_nnls(columns: Sequence[Sequence[float]], y: Sequence[float]) -> tuple[float, ...]:
+    """Non-negative coefficients of y ~ sum(coef x column), minimising the relative error (as MAPE does)."""
+    target = np.asarray(y, dtype=float)
+    design = np.asarray(columns, dtype=float).T / target[:, None]
+    return tuple(float(x) for x in nnls(design, np.ones_like(target))[0])
 
 
 def _busy(model: HostScaling, p: int) -> float:
