@@ -61,6 +61,16 @@ def test_plan_recommends_a_gpu_configuration_from_the_profile(lm_profile):
     assert doc["modelled"] and doc["steps"] == 10 and doc["recommended"]["hours"] <= 1000
 
 
+def test_plan_reads_json_numbers_yaml_would_misread(lm_profile, tmp_path):
+    _, out, _ = lm_profile
+    doc = json.loads(out.read_text())
+    doc["runs"][0]["cpu_ms"]["cpu_other_ms"] = 1e-05  # json writes 1e-05, which YAML 1.1 reads as a string
+    edited = tmp_path / "edited.json"
+    edited.write_text(json.dumps(doc))
+    r = invoke("plan", "--profile", edited, "--budget", 100, "--png", tmp_path / "p.png")
+    assert r.exit_code == 0, r.output
+
+
 def test_train_gpt_under_the_profiler_json_on_stdout(tmp_path):
     r = invoke("profile", ROOT / "examples/train_gpt.py", "-n", "1,2", "--predict", 3, "--steps", 2, "--warmup", 2,
                "--json", "-", "--store", tmp_path / "store")

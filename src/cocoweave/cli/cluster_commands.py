@@ -4,6 +4,7 @@ group), `cocoweave plan` recommends a cluster configuration for a deadline or a 
 from __future__ import annotations
 
 import dataclasses
+import json
 import time
 from pathlib import Path
 from typing import Annotated
@@ -170,7 +171,10 @@ def _load_profile(path: Path, catalog, max_workers: int, data: Path | None):
     from cocoweave.cluster.workload_profile import parse_profile
     from cocoweave.cluster.yamlio import load_yaml
 
-    doc = load_yaml(path, "profile")
+    try:  # JSON first: YAML 1.1 reads JSON's 1e-05 as a string
+        doc = json.loads(path.read_text())
+    except (OSError, UnicodeDecodeError, json.JSONDecodeError):
+        doc = load_yaml(path, "profile")
     if not (isinstance(doc, dict) and doc.get("kind") == KIND):
         return parse_profile(doc, str(path)), None
     run = RunProfile.from_json(doc, str(path))
