@@ -7,7 +7,14 @@ import json
 
 import pytest
 
-from cocoweave.cluster.profiler import ProfileError, default_script_args, profile_worlds, run_world, summarise
+from cocoweave.cluster.profiler import (
+    ProfileError,
+    default_script_args,
+    merge_rounds,
+    profile_worlds,
+    run_world,
+    summarise,
+)
 
 DDP_SCRIPT = """
 import sys, torch, torch.distributed as dist
@@ -89,3 +96,14 @@ def test_a_script_can_name_its_profiling_arguments(tmp_path):
     assert default_script_args(script) == ["--batch", "24", "--name", "two words"]
     script.write_text("print('no line')\n")
     assert default_script_args(script) == []
+
+
+def test_rounds_of_one_world_merge_into_one(make_run):
+    a = make_run(2, 10.0, 8.0, 1.0, 1e9, {"all_reduce": (1.0, 400.0)})
+    b = make_run(2, 30.0, 10.0, 3.0, 1e9, {"all_reduce": (1.0, 400.0)})
+    a.steps_ms, b.steps_ms = [9.0, 10.0, 11.0], [29.0, 30.0, 31.0, 32.0]
+    a.other_load, b.other_load = 0.1, 0.3
+    merged = merge_rounds([a, b])
+    assert merged.steps_ms == [9.0, 10.0, 11.0, 29.0, 30.0, 31.0, 32.0] and merged.step_ms == 29.0
+    assert merged.cpu_ms == {"cpu_main_ms": 9.0, "cpu_other_ms": 2.0} and merged.other_load == pytest.approx(0.2)
+    assert merged.collectives["all_reduce/p2"]["bytes"] == 400.0 and merge_rounds([a]) is a

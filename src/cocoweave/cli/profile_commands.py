@@ -93,6 +93,9 @@ def profile(
     steps: Annotated[int, typer.Option(min=1, help="Timed steps per world.")] = 20,
     warmup: Annotated[int, typer.Option(min=2, help="Untimed steps first (one of them is counted).")] = 3,
     threads: Annotated[int, typer.Option(min=1, help="Intra-op threads per rank (OMP_NUM_THREADS).")] = 1,
+    rounds: Annotated[int, typer.Option(
+        min=1, help="Rounds in which the sizes take turns (--steps each per round): on a shared machine a slow "
+                    "spell then falls on every size.")] = 1,
     timeout: Annotated[float, typer.Option(min=1, help="Seconds one world may take.")] = 300.0,
     train_steps: Annotated[int, typer.Option(
         min=1, help="Training steps `cocoweave plan` assumes for this run unless given --steps.")] = 100_000,
@@ -119,7 +122,7 @@ def profile(
                           highlight=False)
     start = time.perf_counter()
     runs = profile_worlds(script, script_args or [], fit_sizes + extra, steps=steps, warmup=warmup, threads=threads,
-                          timeout_s=timeout,
+                          timeout_s=timeout, rounds=rounds,
                           progress=lambda p: err_console.print(f"[dim]measuring {script.name} on {p} rank"
                                                                f"{'s' * (p > 1)}...[/]", highlight=False))
     command = shlex.join(["cocoweave", "profile", *sys.argv[2:]])

@@ -9,6 +9,7 @@ averaged over the ranks.
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import os
 import re
@@ -220,19 +221,44 @@ def run_world(script: Path, script_args: Sequence[str], world_size: int, steps: 
         return run
 
 
+def merge_rounds(runs: Sequence[WorldRun]) -> WorldRun:
+    """One world measured in several rounds as one: every round's steps, the median step over all of them,
+    round means of the phase, CPU and collective figures and of the others' load."""
+    first = runs[0]
+    if len(runs) == 1:
+        return first
+    steps = [s for r in runs for s in r.steps_ms]
+
+    def mean(get) -> dict[str, float]:
+        return {k: statistics.fmean(get(r)[k] for r in runs) for k in get(first)}
+
+    colls = {key: {f: statistics.fmean(r.collectives.get(key, {}).get(f, 0.0) for r in runs) for f in c}
+             for key, c in first.collectives.items()}
+    loads = [r.other_load for r in runs if r.other_load is not None]
+    return dataclasses.replace(
+        first, step_ms=_median(steps), steps_ms=steps, phases_ms=mean(lambda r: r.phases_ms),
+        cpu_ms=mean(lambda r: r.cpu_ms), collectives=colls, seconds=sum(r.seconds for r in runs),
+        per_rank_step_ms=[statistics.fmean(x) for x in zip(*(r.per_rank_step_ms for r in runs))],
+        other_load=statistics.fmean(loads) if loads else None)
+
+
 def profile_worlds(script: Path, script_args: Sequence[str], world_sizes: Sequence[int], steps: int = 20,
-                   warmup: int = 3, threads: int = 1, timeout_s: float = 300.0,
+                   warmup: int = 3, threads: int = 1, timeout_s: float = 300.0, rounds: int = 1,
                    progress: Callable[[int], None] | None = None) -> list[WorldRun]:
-    """Run every world size in turn (smallest first) and return what each measured."""
+    """Run every world size in turn (smallest first) and return what each measured. With several `rounds`
+    the sizes take turns, `steps` timed steps each per round, so that a slow spell of a shared machine
+    does not fall on one size only; a size's rounds are merged (`merge_rounds`)."""
     if not script.is_file():
         raise ProfileError(f"training script {script} does not exist.")
     if script.suffix != ".py":
         raise ProfileError(f"training script {script} must be a Python file (.py).")
-    if steps < 1 or warmup < 2:
-        raise ProfileError(f"profiling needs at least 1 timed step and 2 warm-up steps, got {steps} and {warmup}.")
-    runs = []
-    for p in sorted(set(world_sizes)):
-        if progress is not None:
-            progress(p)
-        runs.append(run_world(script, script_args, p, steps, warmup, threads, timeout_s))
-    return runs
+    if steps < 1 or warmup < 2 or rounds < 1:
+        raise ProfileError(f"profiling needs at least 1 timed step, 2 warm-up steps and 1 round, got {steps}, "
+                           f"{warmup} and {rounds}.")
+    measured: dict[int, list[WorldRun]] = {}
+    for _ in range(rounds):
+        for p in sorted(set(world_sizes)):
+            if progress is not None:
+                progress(p)
+            measured.setdefault(p, []).append(run_world(script, script_args, p, steps, warmup, threads, timeout_s))
+    return [merge_rounds(runs) for _, runs in sorted(measured.items())]
