@@ -11,6 +11,7 @@ from cocoweave.cluster.step_scaling import (
     Traffic,
     bottleneck,
     fit_host_scaling,
+    measured_parts,
     work_share_fit,
 )
 
@@ -61,7 +62,7 @@ def test_communication_bottleneck_names_the_collective():
                         Traffic({"reduce_scatter": (1.0, 6e6), "all_gather": (1.0, 2e6)}), 1.0)
     sentence = bottleneck([model.predict(p) for p in (1, 2, 4)], 64)
     assert sentence.startswith("communication-bound from 2 ranks: the reduce-scatter is ")
-    assert bottleneck([truth(cores=64).predict(1)], 64).startswith("compute-bound up to 1 ranks")
+    assert bottleneck([truth(cores=64).predict(1)], 64).startswith("compute-bound up to 1 rank:")
 
 
 def test_traffic_moves_the_ring_fractions():
@@ -74,3 +75,14 @@ def test_traffic_moves_the_ring_fractions():
 def test_too_few_worlds_is_one_sentence(make_run):
     with pytest.raises(ScalingFitError, match="at least two world sizes"):
         fit_host_scaling([make_run(1, 10.0, 10.0, 0.0, 1e9)], cores=2)
+
+
+def test_one_rank_waiting_off_the_cpu_is_not_communication(make_run):
+    model = truth(cores=2)
+    runs = [measured(model, p, make_run) for p in (1, 2, 3)]
+    runs[0].step_ms += 60.0  # another process took the core from the lone rank more than half the time
+    fitted = fit_host_scaling(runs, cores=2)
+    assert fitted.idle_ms == pytest.approx(60.0)
+    parts = measured_parts(runs[0], fitted)
+    assert parts.idle_ms == pytest.approx(60.0) and parts.comm_ms == 0.0
+    assert bottleneck([parts], 2).startswith("bound by time off the CPU from 1 rank")

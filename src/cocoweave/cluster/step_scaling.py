@@ -9,12 +9,13 @@ Fitted on the worlds `cocoweave profile` measured (`profiler.WorldRun`), per ran
   bytes a rank moves (all-reduce 2(p-1)/p of the tensor, reduce-scatter and all-gather (p-1)/p, ...)
   and hops(p) the message steps of ring algorithms (the alpha-beta model of perf/costmodel.py, fitted
   on the measured collectives rather than on microbenchmarks);
-- waiting w(p) = omega x hops(p): wall time not spent on a CPU while ranks have a core each (latency, skew);
+- waiting w(p) = omega x hops(p): wall time not spent on a CPU while ranks have a core each (latency, skew),
+  beyond the idle time one rank alone shows (other processes, I/O), which is kept as a constant;
 - contention: with p ranks of one thread on K cores, p > K, the ranks share the cores, and the step takes
-  eta x p x (c + k) / K; eta >= 1 (time slices, ranks waiting for a descheduled peer) is fitted on the
-  oversubscribed worlds measured.
+  eta x p x (c + k) / K (waiting is then another rank's time on the core); eta >= 1 (time slices, ranks
+  waiting for a descheduled peer) is fitted on the oversubscribed worlds measured.
 
-The step is max(c + k + w, eta x p x (c + k) / K) (only the first term while p <= K).
+The step is c + k + w + idle while p <= K, and eta x p x (c + k) / K beyond.
 """
 
 from __future__ import annotations
@@ -90,9 +91,10 @@ class StepParts:
     total_ms: float
     compute_ms: float
     comm_cpu_ms: float
-    wait_ms: float
+    wait_ms: float  # off the CPU, waiting for peers (latency, skew)
     contention_ms: float
     comm_by_kind_ms: dict[str, float]
+    idle_ms: float = 0.0  # off the CPU with no peer to wait for (other processes, I/O): what one rank shows
 
     @property
     def comm_ms(self) -> float:
@@ -123,6 +125,7 @@ class HostScaling:
     eta: float
     traffic: Traffic
     reference_flops: float  # per-rank FLOPs of the smallest world (work share 1)
+    idle_ms: float = 0.0  # off-CPU time of a step with no peers (measured on one rank)
 
     def work_share(self, p: int) -> float:
         if self.reference_flops <= 0:
@@ -132,12 +135,15 @@ class HostScaling:
     def predict(self, p: int) -> StepParts:
         compute = self.a_ms + self.b_ms * self.work_share(p)
         comm = self.gamma_ms_per_mb * self.traffic.megabytes(p) + self.delta_ms_per_hop * self.traffic.hops(p)
+        by_share = self.traffic.shares(p) if p > 1 else {}
+        if p > self.cores:  # ranks share the cores: time off the CPU is another rank's time on it
+            total = self.eta * p * (compute + comm) / self.cores
+            return StepParts(p, total, compute, comm, 0.0, total - compute - comm,
+                             {k: s * comm for k, s in by_share.items()})
         wait = self.omega_ms_per_hop * self.traffic.hops(p)
-        alone = compute + comm + wait
-        shared = self.eta * p * (compute + comm) / self.cores if p > self.cores else 0.0
-        total = max(alone, shared)
-        by_kind = {k: s * (comm + wait) for k, s in self.traffic.shares(p).items()} if p > 1 else {}
-        return StepParts(p, total, compute, comm, wait, max(total - alone, 0.0), by_kind)
+        total = compute + comm + wait + self.idle_ms
+        return StepParts(p, total, compute, comm, wait, 0.0, {k: s * (comm + wait) for k, s in by_share.items()},
+                         self.idle_ms)
 
     def to_json(self) -> dict:
         doc = asdict(self)
@@ -172,15 +178,16 @@ def fit_host_scaling(runs: Sequence[WorldRun], cores: int) -> HostScaling:
                                    [traffic.hops(r.world_size) for r in multi]],
                                   [max(r.cpu_ms["cpu_other_ms"] - idle, 1e-6) for r in multi])
     model = HostScaling(cores, a, b, flops0, flops1, gamma, delta, 0.0, 1.0, traffic, reference)
-    # waiting: what the uncontended worlds with peers spent off the CPU, per message step
+    # off the CPU with no peer (one rank): other processes, I/O; with peers, the rest is waiting for them
+    idle = max(runs[0].step_ms - _busy(model, 1), 0.0) if sizes[0] == 1 else 0.0
     uncontended = [r for r in multi if r.world_size <= cores]
-    waits = [(r.step_ms - _busy(model, r.world_size), traffic.hops(r.world_size)) for r in uncontended]
+    waits = [(r.step_ms - _busy(model, r.world_size) - idle, traffic.hops(r.world_size)) for r in uncontended]
     omega = max(sum(w for w, _ in waits) / sum(h for _, h in waits), 0.0) if waits and traffic.hops(2) else 0.0
     # contention: measured / ideal processor sharing on the oversubscribed worlds (geometric mean)
     shared = [r for r in runs if r.world_size > cores]
     ratios = [r.step_ms / (r.world_size * _busy(model, r.world_size) / cores) for r in shared]
     eta = max(math.exp(statistics.fmean(math.log(x) for x in ratios)), 1.0) if ratios else 1.0
-    return HostScaling(cores, a, b, flops0, flops1, gamma, delta, float(omega), eta, traffic, reference)
+    return HostScaling(cores, a, b, flops0, flops1, gamma, delta, float(omega), eta, traffic, reference, idle)
 
 
 def _relative_nnls(columns: Sequence[Sequence[float]], y: Sequence[float]) -> tuple[float, ...]:
@@ -197,35 +204,42 @@ def _busy(model: HostScaling, p: int) -> float:
 
 
 def measured_parts(run: WorldRun, model: HostScaling) -> StepParts:
-    """A measured world split as the model splits a prediction (CPU times measured, the rest by difference)."""
+    """A measured world split as the model splits a prediction: CPU times measured; the off-CPU rest is core
+    sharing beyond the cores, else the model's idle time and then waiting for peers."""
     compute, comm = run.cpu_ms["cpu_main_ms"], run.cpu_ms["cpu_other_ms"]
     p = run.world_size
-    alone = compute + comm
-    contention = max(run.step_ms - alone, 0.0) if p > model.cores else 0.0
-    wait = max(run.step_ms - alone - contention, 0.0)
+    off_cpu = max(run.step_ms - compute - comm, 0.0)
+    contention = off_cpu if p > model.cores else 0.0
+    idle = 0.0 if p > model.cores else (off_cpu if p == 1 else min(model.idle_ms, off_cpu))
+    wait = off_cpu - contention - idle
     by_kind = {k: s * (comm + wait) for k, s in model.traffic.shares(p).items()} if p > 1 else {}
-    return StepParts(p, run.step_ms, compute, comm, wait, contention, by_kind)
+    return StepParts(p, run.step_ms, compute, comm, wait, contention, by_kind, idle)
+
+
+def _ranks(p: int) -> str:
+    return f"{p} rank" if p == 1 else f"{p} ranks"
 
 
 def bottleneck(parts: Sequence[StepParts], cores: int) -> str:
     """One sentence naming what bounds the step, from the smallest world where it is not computation."""
     ordered = sorted(parts, key=lambda s: s.world_size)
-
-    def dominant(s: StepParts) -> tuple[str, float]:
-        pieces = {"compute": s.compute_ms, "communication": s.comm_ms, "contention": s.contention_ms}
-        name = max(pieces, key=lambda n: pieces[n])
-        return name, pieces[name] / s.total_ms if s.total_ms else 0.0
-
     for s in ordered:
-        name, share = dominant(s)
+        pieces = {"compute": s.compute_ms, "communication": s.comm_ms, "contention": s.contention_ms,
+                  "idle": s.idle_ms}
+        name = max(pieces, key=lambda n: pieces[n])
+        share = pieces[name] / s.total_ms if s.total_ms else 0.0
+        at = _ranks(s.world_size)
         if name == "communication":
-            kind, ms = max(s.comm_by_kind_ms.items(), key=lambda kv: kv[1]) if s.comm_by_kind_ms else ("?", 0.0)
-            return (f"communication-bound from {s.world_size} ranks: the {LABELS.get(kind, kind)} is "
-                    f"{100 * ms / s.total_ms:.0f}% of the step ({100 * share:.0f}% communication in all).")
+            kind, ms = max(s.comm_by_kind_ms.items(), key=lambda kv: kv[1])
+            return (f"communication-bound from {at}: the {LABELS.get(kind, kind)} is {100 * ms / s.total_ms:.0f}% "
+                    f"of the step ({100 * share:.0f}% communication in all).")
         if name == "contention":
-            return (f"core-bound from {s.world_size} ranks: {s.world_size} ranks share {cores} cores and waiting "
-                    f"for a core is {100 * share:.0f}% of the step (communication {100 * s.comm_ms / s.total_ms:.0f}"
-                    f"%, computation {100 * s.compute_ms / s.total_ms:.0f}%).")
+            return (f"core-bound from {at}: {s.world_size} ranks share {cores} cores and waiting for a core is "
+                    f"{100 * share:.0f}% of the step (communication {100 * s.comm_ms / s.total_ms:.0f}%, "
+                    f"computation {100 * s.compute_ms / s.total_ms:.0f}%).")
+        if name == "idle":
+            return (f"bound by time off the CPU from {at}: the ranks wait {100 * share:.0f}% of the step for the CPU "
+                    "or I/O with no peer to wait for (other processes on this machine?).")
     last = ordered[-1]
-    return (f"compute-bound up to {last.world_size} ranks: computation is {100 * last.compute_ms / last.total_ms:.0f}%"
-            f" of the step at {last.world_size} ranks.")
+    return (f"compute-bound up to {_ranks(last.world_size)}: computation is "
+            f"{100 * last.compute_ms / last.total_ms:.0f}% of the step at {_ranks(last.world_size)}.")
