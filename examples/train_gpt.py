@@ -1,3 +1,4 @@
+# cocoweave profile: --tensor-parallel 1 --batch 24
 """Train a tiny character-level GPT data-parallel x tensor-parallel with cocoweave.nn, and check that its loss
 curve equals the same model trained in one process with plain torch.
 

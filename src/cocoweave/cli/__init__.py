@@ -7,8 +7,10 @@ from typing import Annotated
 import typer
 
 from ..version import __version__
+from .cluster_commands import plan_command
 from .demo import demo
-from .perf_commands import perf_app, plan_command
+from .perf_commands import perf_app
+from .profile_commands import profile
 from .program_commands import run, show
 from .schedule_commands import check, schedules
 from .tune_commands import measure, tune
@@ -43,6 +45,7 @@ app.command()(schedules)
 app.command()(check)
 app.command()(demo)
 app.command("plan")(plan_command)
+app.command()(profile)
 app.command()(measure)
 app.command()(tune)
 app.add_typer(perf_app, name="perf")

@@ -1,1 +1,2 @@
-"""Measurement and prediction: the measurement store, CM-DARE model reproduction, and the cluster planner."""
+"""Measurement and cost model: the measurement store, calibration, the analytic cost model, its learned
+correction and the timing of schedules. Cluster planning lives in `cocoweave.cluster`."""

@@ -1,0 +1,28 @@
+"""The program torchrun starts on every rank under `cocoweave profile`: install the step recorder
+(`profile_hooks`), then run the user's training script as `python SCRIPT ARGS...` would.
+
+    python -m torch.distributed.run --standalone --nproc-per-node K -m cocoweave.cluster.profile_entry SCRIPT ARGS
+"""
+
+from __future__ import annotations
+
+import runpy
+import sys
+from pathlib import Path
+
+from cocoweave.cluster.profile_hooks import install_from_env
+
+
+def main(argv: list[str]) -> None:
+    """Run `argv[0]` (a Python file) with arguments `argv[1:]` as its `__main__`, hooks installed."""
+    if not argv:
+        raise SystemExit("usage: python -m cocoweave.cluster.profile_entry SCRIPT.py [ARGS...]")
+    install_from_env()
+    script = Path(argv[0])
+    sys.argv = [str(script), *argv[1:]]
+    sys.path.insert(0, str(script.resolve().parent))
+    runpy.run_path(str(script), run_name="__main__")
+
+
+if __name__ == "__main__":
+    main(sys.argv[1:])

@@ -1,0 +1,32 @@
+"""Fixtures of the cluster tests: measured worlds (`WorldRun`) made from a known step model."""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+
+import pytest
+
+from cocoweave.cluster.profiler import WorldRun
+
+
+@pytest.fixture
+def make_run() -> Callable[..., WorldRun]:
+    """`make_run(p, step_ms, cpu_main_ms, cpu_other_ms, flops, collectives=..., ...)`: a WorldRun as the profiler
+    summarises one (per-rank FLOPs split half forward+backward, half update; one counted matmul-like op)."""
+
+    def make(p: int, step_ms: float, cpu_main_ms: float, cpu_other_ms: float, flops: float,
+             collectives: dict[str, tuple[float, float]] | None = None, param_bytes: float = 4e6,
+             state_bytes: float = 8e6, nbytes: float | None = None, ops: int = 100) -> WorldRun:
+        nbytes = flops / 4 if nbytes is None else nbytes
+        colls = {f"{kind}/p{p}": {"count": n, "bytes": b, "ms": 0.0}
+                 for kind, (n, b) in (collectives or {}).items()} if p > 1 else {}
+        hist = [[flops / ops, nbytes / ops, "float32", ops]]
+        counts = {"forward_backward": {"flops": flops, "bytes": nbytes, "ops": float(ops), "histogram": hist},
+                  "update": {"flops": 0.0, "bytes": 0.0, "ops": 0.0, "histogram": []}}
+        return WorldRun(p, step_ms, [step_ms] * 5, {"data_ms": 0.0, "forward_ms": step_ms / 3,
+                                                    "backward_ms": step_ms / 3, "update_ms": step_ms / 3},
+                        {"cpu_main_ms": cpu_main_ms, "cpu_other_ms": cpu_other_ms}, colls, None, counts,
+                        "torch.optim.adamw.AdamW", param_bytes, state_bytes, 1, [0.5, 0.5, 0.5], 3.0,
+                        [step_ms] * p, 0.0)
+
+    return make

@@ -1,0 +1,43 @@
+"""cluster/ stands beside the compiler: none of its files imports ir, schedule, plan or backends (nor perf,
+apart from the measurement store)."""
+
+from __future__ import annotations
+
+import ast
+from pathlib import Path
+
+import cocoweave.cluster
+
+FORBIDDEN = ("cocoweave.ir", "cocoweave.schedule", "cocoweave.plan", "cocoweave.backends", "cocoweave.kernels",
+             "cocoweave.tune", "cocoweave.perf")
+ALLOWED = ("cocoweave.perf.store",)
+
+
+def imported_modules(path: Path) -> set[str]:
+    """Absolute names of every module `path` imports (relative imports resolved against cocoweave.cluster)."""
+    names = set()
+    for node in ast.walk(ast.parse(path.read_text())):
+        if isinstance(node, ast.Import):
+            names |= {alias.name for alias in node.names}
+        elif isinstance(node, ast.ImportFrom):
+            base = node.module or ""
+            if node.level:
+                package = "cocoweave.cluster".split(".")
+                base = ".".join(package[: len(package) - node.level + 1] + ([base] if base else []))
+            names |= {base} | {f"{base}.{alias.name}" for alias in node.names}
+    return names
+
+
+def test_no_cluster_file_imports_the_compiler():
+    folder = Path(cocoweave.cluster.__file__).parent
+    files = sorted(folder.rglob("*.py"))
+    assert len(files) > 5
+    bad = {f"{path.name}: {name}" for path in files for name in imported_modules(path)
+           if name.startswith(FORBIDDEN) and not name.startswith(ALLOWED)}
+    assert not bad, f"cluster/ imports the compiler: {sorted(bad)}"
+
+
+def test_relative_imports_are_resolved(tmp_path):
+    probe = tmp_path / "probe.py"
+    probe.write_text("from ..plan import lower\nfrom .planner import plan_cluster\n")
+    assert {"cocoweave.plan", "cocoweave.cluster.planner"} <= imported_modules(probe)
