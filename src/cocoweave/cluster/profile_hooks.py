@@ -7,9 +7,9 @@ Within a step: `data` runs from the end of the previous step to the first top-le
 `optimizer.step()` starts (loss, zero_grad, backward and DDP's wait for its all-reduce), `update` is
 `optimizer.step()` itself; an optimizer exposing `last_step_ms` ({"reduce", "update", "gather"}) splits
 it further. Each rank also records its CPU time (the main thread computes; Gloo's threads move the
-bytes), every `torch.distributed` collective called from Python (count, bytes, wall time when
-synchronous), DDP's gradient all-reduce, and, in one untimed step, the FLOPs and memory traffic of
-every operation (for roofline predictions on other hardware).
+bytes), every `torch.distributed` collective called from Python and every collective of cocoweave's
+shared-memory algorithm (count, bytes, wall time when synchronous), DDP's gradient all-reduce, and, in
+one untimed step, the FLOPs and memory traffic of every operation (for roofline predictions on other hardware).
 
 After `warmup + steps` steps every rank meets at a barrier and the process ends (exit code 0): what
 the script does after its training loop (evaluation, saving) does not run under the profiler.
@@ -46,6 +46,12 @@ COLLECTIVES: dict[str, tuple[int, bool]] = {
     "all_gather_into_tensor": (0, False), "all_gather_single": (0, False), "all_gather": (1, True),
     "broadcast": (0, False), "reduce": (0, False), "send": (0, False), "recv": (0, False),
     "batch_isend_irecv": (0, False),
+}
+# cocoweave's shared-memory collectives (backends/torch/shm.py; the optimizers' default on one host): name ->
+# (kind, index of the tensor whose bytes count, whether it holds one rank's part). Their first argument is the group.
+SHM_COLLECTIVES: dict[str, tuple[str, int, bool]] = {
+    "all_reduce": ("all_reduce", 2, False), "reduce_scatter": ("reduce_scatter", 2, False),
+    "all_gather": ("all_gather", 2, True), "gather_in_place": ("all_gather", 3, True),
 }
 KIND = {"reduce_scatter_tensor": "reduce_scatter", "reduce_scatter_single": "reduce_scatter",
         "all_gather_into_tensor": "all_gather", "all_gather_single": "all_gather", "batch_isend_irecv": "p2p"}
@@ -226,6 +232,25 @@ class StepRecorder:
         wrapped.__wrapped__ = fn  # type: ignore[attr-defined]
         return wrapped
 
+    def shm_collective(self, name: str, fn: Callable[..., Any]) -> Callable[..., Any]:
+        """`fn` (a collective of cocoweave's shared-memory algorithm, synchronous) recording what `collective`
+        records: the bytes of the whole (all-gathers: a rank's part times the ranks)."""
+        kind, index, part = SHM_COLLECTIVES[name]
+
+        def wrapped(*args: Any, **kwargs: Any) -> Any:
+            g = args[0]
+            nbytes = _nbytes(args[index]) * (g.size if part else 1)
+            start = self.clock()
+            result = fn(*args, **kwargs)
+            entry = self.collectives.setdefault(f"{kind}/p{g.size}", [0, 0.0, 0.0])
+            entry[0] += 1
+            entry[1] += nbytes
+            entry[2] += 1e3 * (self.clock() - start)
+            return result
+
+        wrapped.__wrapped__ = fn  # type: ignore[attr-defined]
+        return wrapped
+
 
 def _difference(total: dict[str, Any], before: dict[str, Any] | None) -> dict[str, Any]:
     """The counts of `total` that came after the snapshot `before`."""
@@ -261,6 +286,10 @@ def install(recorder: StepRecorder) -> None:
     for name in COLLECTIVES:
         if hasattr(dist, name):
             setattr(dist, name, recorder.collective(name, getattr(dist, name)))
+    from ..backends.torch import shm
+
+    for name in SHM_COLLECTIVES:
+        setattr(shm, name, recorder.shm_collective(name, getattr(shm, name)))
     original_init = DistributedDataParallel.__init__
 
     def ddp_init(self: Any, *args: Any, **kwargs: Any) -> None:
