@@ -97,3 +97,27 @@ def test_plan_writes_no_png_unless_asked(profile_file, tmp_path, monkeypatch):
     assert not list(tmp_path.glob("*.png")) and json.loads(result.stdout)["png"] is None
     result = runner.invoke(app, ["plan", "--profile", str(profile_file), "--budget", "100"])
     assert result.exit_code == 2 and "give --steps N" in result.output
+
+
+def test_plan_predicts_a_resize_schedule_on_the_recommended_machine(profile_file, tmp_path):
+    out = tmp_path / "plan.json"
+    args = ["plan", "--profile", str(profile_file), "--catalog", str(CATALOG), "--steps", "500000",
+            "--deadline", "100", "--json", str(out)]
+    steady = runner.invoke(app, [*args, "--resizes", "8"])
+    assert steady.exit_code == 0, steady.output
+    at_8 = json.loads(out.read_text())["resizes"]
+    resized = runner.invoke(app, [*args, "--resizes", "8:2,4:1,8"])
+    assert resized.exit_code == 0, resized.output
+    doc = json.loads(out.read_text())["resizes"]
+    assert doc["finished"] and [p["workers"] for p in doc["phases"]] == [8, 4, 8]
+    assert sum(p["steps"] for p in doc["phases"]) >= 500000
+    # an hour at half the workers, two more restarts and checkpoints: longer than 8 workers throughout
+    assert doc["hours"] > at_8["hours"] and len(at_8["phases"]) == 1
+    assert "Under the resize schedule 8:2,4:1,8" in resized.output
+
+
+@pytest.mark.parametrize("schedule, words", [("8:x", "must look like RANKS:HOURS"), ("3:1,8", "no positive step time")])
+def test_plan_bad_resize_schedule_exits_2(profile_file, schedule, words):
+    result = runner.invoke(app, ["plan", "--profile", str(profile_file), "--catalog", str(CATALOG),
+                                 "--steps", "100000", "--budget", "1000", "--resizes", schedule])
+    assert result.exit_code == 2 and words in result.output and "Traceback" not in result.output

@@ -211,15 +211,21 @@ def plan_command(
     json_path: JsonOpt = None,
     data: Annotated[Path | None, typer.Option("--data", help="CM-DARE data folder (default: the shipped copy).")]
     = None,
+    resizes: Annotated[str | None, typer.Option(
+        "--resizes", help="A resize schedule RANKS:HOURS,...,RANKS (e.g. 8:2,4:1.5,8): also predict the job's "
+                          "hours and dollars on the recommended machine when its workers change so (the global "
+                          "batch kept, a checkpoint and a restart at every resize).")] = None,
 ) -> None:
     """Recommend a cluster for a deadline or a budget (spot overheads counted) and show the Pareto front."""
     from cocoweave.cluster.catalog import load_catalog
     from cocoweave.cluster.cmdare_data import find_data_dir
     from cocoweave.cluster.planner import plan_cluster
     from cocoweave.cluster.workload_profile import profile_for_model
+    from cocoweave.elastic import parse_schedule
 
     check_writable(json_path)
     out = human(json_path)
+    schedule = parse_schedule(resizes) if resizes is not None else None
     if (model is None) == (profile is None):
         raise CocoweaveError("give exactly one of --model NAME or --profile FILE.")
     cat = load_catalog(catalog)
@@ -250,6 +256,13 @@ def plan_command(
     if result.unfinishable:
         out.print(f"[dim]{result.unfinishable} spot configurations left out: revoked faster than they "
                   "make progress.[/]")
+    elastic = None if schedule is None else _resized(prof, best, n_steps, schedule)
+    if elastic is not None:
+        out.print(_resize_table(elastic, best))
+        state = (f"finishes in {elastic.hours:.2f} h for ${elastic.cost:,.2f}" if elastic.finished else
+                 f"does not finish: the schedule ends after {elastic.progress:,.0f} of {n_steps:,} steps")
+        out.print(f"Under the resize schedule {resizes} on {best.machine.name} ({best.pricing}) the job {state}, "
+                  f"{elastic.lost_steps} steps lost at resizes.", highlight=False)
     if png is not None:
         path = _write_png(result, png, f"{prof.name}: {n_steps:,} steps" + label)
         out.print(f"plot written to {path}", highlight=False)
@@ -260,7 +273,41 @@ def plan_command(
         "deadline_h": deadline, "budget_usd": budget, "catalog": cat.source,
         "recommended": _option_json(best), "pareto_front": [_option_json(o) for o in result.front],
         "options": len(result.options), "unfinishable_spot": result.unfinishable,
-        "png": None if png is None else str(png)})
+        "png": None if png is None else str(png),
+        "resizes": None if elastic is None else _resize_json(elastic, resizes, best)})
+
+
+def _resized(prof, best, steps: int, schedule):
+    """The job under a resize schedule on the recommended machine type and pricing: step times from the profile's
+    points at each world size (keep_global: the profiled global batch at every size), a restart (the machine's
+    startup) when each phase starts, one checkpoint (the profile's) when a phase ends; priced per GPU (a node's
+    price over its GPUs)."""
+    from cocoweave.elastic import BatchPolicy, predict_resizes
+
+    machine = best.machine
+    times = {p.workers: p.step_time_s for p in prof.points
+             if p.gpu == machine.gpu and p.machine in (None, machine.name) and p.ps == best.ps}
+    node_price = machine.spot_per_hour if best.pricing == "spot" else machine.on_demand_per_hour
+    return predict_resizes(BatchPolicy.keep_global(1), steps, times, schedule,
+                           node_price / machine.gpus_per_node, restart_s=machine.startup_s,
+                           checkpoint_s=prof.checkpoint_s)
+
+
+def _resize_table(prediction, best) -> Table:
+    table = Table(title=f"Resize schedule on {best.machine.name} ({best.pricing})")
+    for col in ("workers", "hours", "steps", "kept", "cost $"):
+        table.add_column(col, justify="right")
+    for p in prediction.phases:
+        table.add_row(str(p.world), f"{p.hours:.2f}", f"{p.steps:,}", f"{p.kept:,}", f"{p.cost:,.2f}")
+    return table
+
+
+def _resize_json(prediction, text: str, best) -> dict:
+    return {"schedule": text, "machine": best.machine.name, "pricing": best.pricing, "finished": prediction.finished,
+            "hours": prediction.hours, "cost_usd": prediction.cost, "steps_run": prediction.steps,
+            "lost_steps": prediction.lost_steps,
+            "phases": [{"workers": p.world, "hours": p.hours, "steps": p.steps, "kept": p.kept, "cost_usd": p.cost}
+                       for p in prediction.phases]}
 
 
 def _write_png(result, path: Path, title: str) -> Path:
