@@ -5,6 +5,11 @@ plain-torch peers, in the same run, interleaved and repeated, on a LocalWorld of
     .venv/bin/python benchmarks/train_step.py --models small --worlds 2 --rounds 3 --steps 8
     .venv/bin/python benchmarks/train_step.py --memory              # peak memory, 8 x Linear(2048, 2048)
 
+--memory runs each variant in fresh ranks and reports peak RSS and PSS above the bare model (PSS splits the pages
+ranks share, e.g. cocoweave's shared-memory buckets, between them). `cocoweave-adamw` compiles its update with
+torch.compile, whose compiler takes about 200 MiB of RSS per process whatever the model; `cocoweave-adamw:eager`
+runs the same schedule with the update as eager torch ops, without the compiler.
+
 Models (one per run, same initial weights everywhere): "small", 5.3M parameters (Embedding 4096x256, 4 x
 nn.TransformerEncoderLayer(256, 4 heads, ffn 1024), Linear head) and "large", 25.1M (Embedding 6144x512, 6 x
 TransformerEncoderLayer(512, 8 heads, ffn 2048), Linear head); each rank trains on its own batch of 4 x 64 tokens.
@@ -184,8 +189,9 @@ def build_for(variant: str, model: torch.nn.Module) -> tuple[Any, Any]:
 
     from cocoweave.optim import DistributedAdamW
 
-    if variant == "cocoweave-adamw":
-        return model, DistributedAdamW(model.parameters(), **ADAMW)
+    if variant.startswith("cocoweave-adamw"):  # ":eager": the update as eager torch ops, no torch.compile in the process
+        kernels = "torch" if variant.endswith(":eager") else None
+        return model, DistributedAdamW(model.parameters(), **ADAMW, kernels=kernels)
     if variant == "fsdp2":
         from torch.distributed.fsdp import fully_shard
 
@@ -232,7 +238,7 @@ def main() -> None:
     print(f"load average at start: {os.getloadavg()[0]:.2f}")
     if args.memory:
         for ws in worlds:
-            for v in ["ddp-adamw:fused", "ddp-zero", "fsdp2", "cocoweave-adamw"]:
+            for v in ["ddp-adamw:fused", "ddp-zero", "fsdp2", "cocoweave-adamw", "cocoweave-adamw:eager"]:
                 with LocalWorld(ws, timeout_s=900) as world:
                     res = world.run(memory, v, 5)[0]
                 doc["rows"].append({"world": ws, "variant": v, **res})
