@@ -81,3 +81,30 @@ def test_a_stage_that_cannot_be_compiled_runs_op_by_op_with_a_warning(monkeypatc
     with pytest.warns(RuntimeWarning, match="could not be compiled .*no C\\+\\+ compiler found.*op by op"):
         got = exe.run({k: v.clone() if isinstance(v, torch.Tensor) else v for k, v in inputs[0].items()}).state
     assert all(compare(got[n], want[n]).ok for n in want)
+
+
+def test_a_compiled_stage_under_a_dispatch_mode_runs_op_by_op_and_the_mode_sees_its_ops():
+    """A FLOP counter (as `cocoweave profile`'s counted step) watching a step: torch.compile refuses to run under a
+    dispatch mode, so the stage runs eagerly for that call, counted, with the same results and no warning."""
+    from torch.utils.flop_counter import FlopCounterMode
+
+    program = load_example("adam.py:adam", N=64)
+    s = Schedule(program)
+    for stage in [x for x in s.stages if x.kind == "compute"]:
+        s.fuse(stage)
+    exe = Executable(lower(s), 0, 1, {}, "cpu", kernels="compiled")
+    inputs = make_inputs(program, 1, {}, seed=0)
+    want = reference.run(program, inputs, {})[0].state
+    ops = []
+
+    class Seen(torch.utils._python_dispatch.TorchDispatchMode):
+        def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+            ops.append(func)
+            return func(*args, **(kwargs or {}))
+
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        with Seen(), FlopCounterMode(display=False):
+            got = exe.run({k: v.clone() if isinstance(v, torch.Tensor) else v for k, v in inputs[0].items()}).state
+    assert all(compare(got[n], want[n]).ok for n in want)
+    assert torch.ops.aten.sqrt.default in ops  # Adam's update ran op by op where the mode could see it

@@ -105,14 +105,19 @@ def test_plan_predicts_a_resize_schedule_on_the_recommended_machine(profile_file
             "--deadline", "100", "--json", str(out)]
     steady = runner.invoke(app, [*args, "--resizes", "8"])
     assert steady.exit_code == 0, steady.output
-    at_8 = json.loads(out.read_text())["resizes"]
+    at_8 = json.loads(out.read_text())["resizes"]["policies"]["keep_global"]
     resized = runner.invoke(app, [*args, "--resizes", "8:2,4:1,8"])
     assert resized.exit_code == 0, resized.output
-    doc = json.loads(out.read_text())["resizes"]
-    assert doc["finished"] and [p["workers"] for p in doc["phases"]] == [8, 4, 8]
-    assert sum(p["steps"] for p in doc["phases"]) >= 500000
+    policies = json.loads(out.read_text())["resizes"]["policies"]
+    keep, scale = policies["keep_global"], policies["scale (linear lr)"]
+    assert keep["finished"] and [p["workers"] for p in keep["phases"]] == [8, 4, 8]
+    assert sum(p["steps"] for p in keep["phases"]) >= 500000
     # an hour at half the workers, two more restarts and checkpoints: longer than 8 workers throughout
-    assert doc["hours"] > at_8["hours"] and len(at_8["phases"]) == 1
+    assert keep["hours"] > at_8["hours"] and len(at_8["phases"]) == 1
+    # scale: at 4 workers a step keeps the 8-worker step time and makes half a step of progress
+    four = scale["phases"][1]
+    assert four["progress"] == pytest.approx(four["kept"] / 2)
+    assert "keep_global finishes" in resized.output and "scale (linear lr) finishes" in resized.output
     assert "Under the resize schedule 8:2,4:1,8" in resized.output
 
 

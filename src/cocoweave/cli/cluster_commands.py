@@ -213,8 +213,9 @@ def plan_command(
     = None,
     resizes: Annotated[str | None, typer.Option(
         "--resizes", help="A resize schedule RANKS:HOURS,...,RANKS (e.g. 8:2,4:1.5,8): also predict the job's "
-                          "hours and dollars on the recommended machine when its workers change so (the global "
-                          "batch kept, a checkpoint and a restart at every resize).")] = None,
+                          "hours and dollars on the recommended machine when its workers change so, under "
+                          "keep_global and under scale (linear lr), a checkpoint and a restart at every resize.")]
+    = None,
 ) -> None:
     """Recommend a cluster for a deadline or a budget (spot overheads counted) and show the Pareto front."""
     from cocoweave.cluster.catalog import load_catalog
@@ -256,13 +257,14 @@ def plan_command(
     if result.unfinishable:
         out.print(f"[dim]{result.unfinishable} spot configurations left out: revoked faster than they "
                   "make progress.[/]")
-    elastic = None if schedule is None else _resized(prof, best, n_steps, schedule)
-    if elastic is not None:
+    elastic = {} if schedule is None else _resized(prof, best, n_steps, schedule)
+    if elastic:
         out.print(_resize_table(elastic, best))
-        state = (f"finishes in {elastic.hours:.2f} h for ${elastic.cost:,.2f}" if elastic.finished else
-                 f"does not finish: the schedule ends after {elastic.progress:,.0f} of {n_steps:,} steps")
-        out.print(f"Under the resize schedule {resizes} on {best.machine.name} ({best.pricing}) the job {state}, "
-                  f"{elastic.lost_steps} steps lost at resizes.", highlight=False)
+        for name, pred in elastic.items():
+            state = (f"finishes in {pred.hours:.2f} h for ${pred.cost:,.2f}" if pred.finished else
+                     f"does not finish: the schedule ends after {pred.progress:,.0f} of {n_steps:,} steps")
+            out.print(f"Under the resize schedule {resizes} on {best.machine.name} ({best.pricing}), {name} "
+                      f"{state}, {pred.lost_steps} steps lost at resizes.", highlight=False)
     if png is not None:
         path = _write_png(result, png, f"{prof.name}: {n_steps:,} steps" + label)
         out.print(f"plot written to {path}", highlight=False)
@@ -274,40 +276,55 @@ def plan_command(
         "recommended": _option_json(best), "pareto_front": [_option_json(o) for o in result.front],
         "options": len(result.options), "unfinishable_spot": result.unfinishable,
         "png": None if png is None else str(png),
-        "resizes": None if elastic is None else _resize_json(elastic, resizes, best)})
+        "resizes": None if not elastic else _resize_json(elastic, resizes, best)})
 
 
-def _resized(prof, best, steps: int, schedule):
-    """The job under a resize schedule on the recommended machine type and pricing: step times from the profile's
-    points at each world size (keep_global: the profiled global batch at every size), a restart (the machine's
-    startup) when each phase starts, one checkpoint (the profile's) when a phase ends; priced per GPU (a node's
-    price over its GPUs)."""
+def _resized(prof, best, steps: int, schedule) -> dict:
+    """The job under a resize schedule on the recommended machine type and pricing, under each batch policy
+    (`steps` counted at the profiled global batch, which the schedule's first world size runs):
+
+    - keep_global: the profiled global batch at every size, so a step takes the profile's time at that size;
+    - scale (linear learning-rate rule): each rank keeps the first size's batch, so a step makes k = W / W0 steps
+      of progress and takes, approximately, the profile's time at W0 (a rank's compute is unchanged; a ring's
+      per-rank communication grows by at most (W - 1) / W over (W0 - 1) / W0, not modelled).
+
+    A restart (the machine's startup) starts each phase, one checkpoint (the profile's) ends it; priced per GPU
+    (a node's price over its GPUs)."""
     from cocoweave.elastic import BatchPolicy, predict_resizes
 
     machine = best.machine
     times = {p.workers: p.step_time_s for p in prof.points
              if p.gpu == machine.gpu and p.machine in (None, machine.name) and p.ps == best.ps}
     node_price = machine.spot_per_hour if best.pricing == "spot" else machine.on_demand_per_hour
-    return predict_resizes(BatchPolicy.keep_global(1), steps, times, schedule,
-                           node_price / machine.gpus_per_node, restart_s=machine.startup_s,
-                           checkpoint_s=prof.checkpoint_s)
+    base = next(r.world for r in schedule if r.world)
+    kw = {"restart_s": machine.startup_s, "checkpoint_s": prof.checkpoint_s}
+    price = node_price / machine.gpus_per_node
+    keep = predict_resizes(BatchPolicy.keep_global(base), steps, times, schedule, price, **kw)
+    if base not in times:  # keep_global has said which size has no step time
+        return {"keep_global": keep}
+    scaled = {r.world: times[base] for r in schedule if r.world}
+    scale = predict_resizes(BatchPolicy.scale(base, base, "linear"), steps, scaled, schedule, price, **kw)
+    return {"keep_global": keep, "scale (linear lr)": scale}
 
 
-def _resize_table(prediction, best) -> Table:
+def _resize_table(predictions: dict, best) -> Table:
     table = Table(title=f"Resize schedule on {best.machine.name} ({best.pricing})")
-    for col in ("workers", "hours", "steps", "kept", "cost $"):
-        table.add_column(col, justify="right")
-    for p in prediction.phases:
-        table.add_row(str(p.world), f"{p.hours:.2f}", f"{p.steps:,}", f"{p.kept:,}", f"{p.cost:,.2f}")
+    for col in ("policy", "workers", "hours", "steps", "kept", "progress", "cost $"):
+        table.add_column(col, justify="left" if col == "policy" else "right")
+    for name, pred in predictions.items():
+        for p in pred.phases:
+            table.add_row(name, str(p.world), f"{p.hours:.2f}", f"{p.steps:,}", f"{p.kept:,}", f"{p.progress:,.0f}",
+                          f"{p.cost:,.2f}")
     return table
 
 
-def _resize_json(prediction, text: str, best) -> dict:
-    return {"schedule": text, "machine": best.machine.name, "pricing": best.pricing, "finished": prediction.finished,
-            "hours": prediction.hours, "cost_usd": prediction.cost, "steps_run": prediction.steps,
-            "lost_steps": prediction.lost_steps,
-            "phases": [{"workers": p.world, "hours": p.hours, "steps": p.steps, "kept": p.kept, "cost_usd": p.cost}
-                       for p in prediction.phases]}
+def _resize_json(predictions: dict, text: str, best) -> dict:
+    return {"schedule": text, "machine": best.machine.name, "pricing": best.pricing, "policies": {
+        name: {"finished": pred.finished, "hours": pred.hours, "cost_usd": pred.cost, "steps_run": pred.steps,
+               "lost_steps": pred.lost_steps, "progress": pred.progress,
+               "phases": [{"workers": p.world, "hours": p.hours, "steps": p.steps, "kept": p.kept,
+                           "progress": p.progress, "cost_usd": p.cost} for p in pred.phases]}
+        for name, pred in predictions.items()}}
 
 
 def _write_png(result, path: Path, title: str) -> Path:

@@ -230,7 +230,7 @@ class Emitter:
 
 
 HALF = ("float16", "bfloat16")
-REDUCTIONS = ("sum", "max", "min", "norm")
+REDUCTIONS = R.names(R.REDUCTION)
 RAW = ("cast", "matmul", "slice")  # operands as they are, no rounding: the op itself gives the dtype
 
 
