@@ -12,7 +12,9 @@ in the training step, its forward and backward pass. So its computation takes tw
 collectives that follow it, as on a device half as fast, while its communication runs at the network's speed.
 Other load on the machine slows both ranks; run it on a quiet machine (the load average is recorded).
 
-Capacity: each rank times the same Adam step on its own; shares are proportional to the measured speeds
+The Adam update runs as one compiled loop (a fused stage), as `DistributedAdamW` runs it on CPU; op by op, its
+many 16 MB temporaries made the time depend on each process's allocator state (page faults), up to 2.5x between
+two runs of the same rank. Capacity: each rank times the same Adam step on its own; shares are proportional to the measured speeds
 (`cocoweave.ir.layout.shares_from_speeds`). Configurations, each equal vs weighted:
 - `adam`: the Adam program on N parameters with CoCoNet's schedule, the gradient reduce-scattered into parts in
   proportion to the shares (`Schedule.split(..., shares=...)`), the update on each part, m and v kept sliced
@@ -125,6 +127,8 @@ def adam_schedule(n: int, shares: tuple[int, ...] | None, shm: bool, weights: tu
     _, ag = s.split(s.find("all_reduce")[0], 0, shares=shares)
     s.reorder(ag)
     s.as_slice("m", "v", *(("w",) if sharded else ()))
+    for stage in [x for x in s.stages if x.kind == "compute"]:
+        s.fuse(stage)  # the update as one compiled loop, as DistributedAdamW runs it on CPU
     if shm:
         for stage in s.stages:
             if stage.kind == "collective":
@@ -145,7 +149,10 @@ def profile(rank: int, world_size: int, n: int, repeats: int, slowdown: float) -
     from cocoweave.backends.torch import Executable
     from cocoweave.plan import lower
 
-    exe = Executable(lower(Schedule(workloads.adam(n, grad="reduced"))), 0, 1, {}, "cpu")
+    s = Schedule(workloads.adam(n, grad="reduced"))
+    for stage in [x for x in s.stages if x.kind == "compute"]:
+        s.fuse(stage)  # one loop, no temporaries: op by op, a process's allocator state (page faults) decided the time
+    exe = Executable(lower(s), 0, 1, {}, "cpu")
     inputs = {"g": torch.randn(n), **_state(n), **SCALARS, "step": 1.0}
     exe.run(inputs)  # warm-up
     slow = _dilation(rank, slowdown)
