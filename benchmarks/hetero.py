@@ -14,8 +14,8 @@ Other load on the machine slows both ranks; run it on a quiet machine (the load 
 
 The Adam update runs as one compiled loop (a fused stage), as `DistributedAdamW` runs it on CPU; op by op, its
 many 16 MB temporaries made the time depend on each process's allocator state (page faults), up to 2.5x between
-two runs of the same rank. Capacity: each rank times the same Adam step on its own; shares are proportional to the measured speeds
-(`cocoweave.ir.layout.shares_from_speeds`). Configurations, each equal vs weighted:
+two runs of the same rank. Capacity: each rank times the same Adam step on its own; shares are proportional to the
+measured speeds (`cocoweave.ir.layout.shares_from_speeds`). Configurations, each equal vs weighted:
 - `adam`: the Adam program on N parameters with CoCoNet's schedule, the gradient reduce-scattered into parts in
   proportion to the shares (`Schedule.split(..., shares=...)`), the update on each part, m and v kept sliced
   (`as_slice`), w gathered: the slow rank updates fewer parameters. Collectives through the library (Gloo pads

@@ -189,7 +189,7 @@ def build_for(variant: str, model: torch.nn.Module) -> tuple[Any, Any]:
 
     from cocoweave.optim import DistributedAdamW
 
-    if variant.startswith("cocoweave-adamw"):  # ":eager": the update as eager torch ops, no torch.compile in the process
+    if variant.startswith("cocoweave-adamw"):  # ":eager": the update as eager torch ops, no torch.compile at all
         kernels = "torch" if variant.endswith(":eager") else None
         return model, DistributedAdamW(model.parameters(), **ADAMW, kernels=kernels)
     if variant == "fsdp2":
