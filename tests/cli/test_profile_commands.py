@@ -27,8 +27,8 @@ def lm_profile(tmp_path_factory):
     """train_lm.py (DDP + AdamW) fitted on 1 and 2 ranks, 3 predicted and measured."""
     folder = tmp_path_factory.mktemp("lm")
     out = folder / "lm.json"
-    r = invoke("profile", ROOT / "examples/train_lm.py", "-n", "1,2", "--predict", "3,16", "--steps", 3, "--warmup",
-               2, "--json", out, "--store", folder / "store", "--", *TINY_LM)
+    r = invoke("profile", ROOT / "examples/train_lm.py", "-n", "1,2", "--predict", "3,16", "--rounds", 1, "--steps", 3,
+               "--warmup", 2, "--json", out, "--store", folder / "store", "--", *TINY_LM)
     assert r.exit_code == 0, r.output
     return r, out, folder
 
@@ -72,8 +72,8 @@ def test_plan_reads_json_numbers_yaml_would_misread(lm_profile, tmp_path):
 
 
 def test_train_gpt_under_the_profiler_json_on_stdout(tmp_path):
-    r = invoke("profile", ROOT / "examples/train_gpt.py", "-n", "1,2", "--predict", 3, "--steps", 2, "--warmup", 2,
-               "--json", "-", "--store", tmp_path / "store")
+    r = invoke("profile", ROOT / "examples/train_gpt.py", "-n", "1,2", "--predict", 3, "--rounds", 1, "--steps", 2,
+               "--warmup", 2, "--json", "-", "--store", tmp_path / "store")
     assert r.exit_code == 0, r.output
     doc = json.loads(r.stdout)  # only JSON on stdout; the tables went to stderr
     assert doc["script_args"] == ["--tensor-parallel", "1", "--batch", "24"]  # its '# cocoweave profile:' line
