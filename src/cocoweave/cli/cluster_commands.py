@@ -220,7 +220,7 @@ def plan_command(
     """Recommend a cluster for a deadline or a budget (spot overheads counted) and show the Pareto front."""
     from cocoweave.cluster.catalog import load_catalog
     from cocoweave.cluster.cmdare_data import find_data_dir
-    from cocoweave.cluster.planner import plan_cluster
+    from cocoweave.cluster.planner import plan_cluster, resize_predictions
     from cocoweave.cluster.workload_profile import profile_for_model
     from cocoweave.elastic import parse_schedule
 
@@ -257,7 +257,7 @@ def plan_command(
     if result.unfinishable:
         out.print(f"[dim]{result.unfinishable} spot configurations left out: revoked faster than they "
                   "make progress.[/]")
-    elastic = {} if schedule is None else _resized(prof, best, n_steps, schedule)
+    elastic = {} if schedule is None else resize_predictions(prof, best, n_steps, schedule)
     if elastic:
         out.print(_resize_table(elastic, best))
         for name, pred in elastic.items():
@@ -277,34 +277,6 @@ def plan_command(
         "options": len(result.options), "unfinishable_spot": result.unfinishable,
         "png": None if png is None else str(png),
         "resizes": None if not elastic else _resize_json(elastic, resizes, best)})
-
-
-def _resized(prof, best, steps: int, schedule) -> dict:
-    """The job under a resize schedule on the recommended machine type and pricing, under each batch policy
-    (`steps` counted at the profiled global batch, which the schedule's first world size runs):
-
-    - keep_global: the profiled global batch at every size, so a step takes the profile's time at that size;
-    - scale (linear learning-rate rule): each rank keeps the first size's batch, so a step makes k = W / W0 steps
-      of progress and takes, approximately, the profile's time at W0 (a rank's compute is unchanged; a ring's
-      per-rank communication grows by at most (W - 1) / W over (W0 - 1) / W0, not modelled).
-
-    A restart (the machine's startup) starts each phase, one checkpoint (the profile's) ends it; priced per GPU
-    (a node's price over its GPUs)."""
-    from cocoweave.elastic import BatchPolicy, predict_resizes
-
-    machine = best.machine
-    times = {p.workers: p.step_time_s for p in prof.points
-             if p.gpu == machine.gpu and p.machine in (None, machine.name) and p.ps == best.ps}
-    node_price = machine.spot_per_hour if best.pricing == "spot" else machine.on_demand_per_hour
-    base = next(r.world for r in schedule if r.world)
-    kw = {"restart_s": machine.startup_s, "checkpoint_s": prof.checkpoint_s}
-    price = node_price / machine.gpus_per_node
-    keep = predict_resizes(BatchPolicy.keep_global(base), steps, times, schedule, price, **kw)
-    if base not in times:  # keep_global has said which size has no step time
-        return {"keep_global": keep}
-    scaled = {r.world: times[base] for r in schedule if r.world}
-    scale = predict_resizes(BatchPolicy.scale(base, base, "linear"), steps, scaled, schedule, price, **kw)
-    return {"keep_global": keep, "scale (linear lr)": scale}
 
 
 def _resize_table(predictions: dict, best) -> Table:

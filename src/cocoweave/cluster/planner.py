@@ -14,6 +14,7 @@ of lost work. Parameter servers are on-demand. Cost = T x hourly price of all ma
 from __future__ import annotations
 
 import math
+from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Literal
 
@@ -73,7 +74,8 @@ def spot_hours(compute_h: float, machines: int, revocations_per_hour: float, sta
     return hours, interval_h, rate * hours
 
 
-def _points(profile: WorkloadProfile, machine: MachineType) -> list:
+def points_for(profile: WorkloadProfile, machine: MachineType) -> list:
+    """The profile's points that apply to `machine`: its GPU, and that machine or none named."""
     return [p for p in profile.points if p.gpu == machine.gpu and p.machine in (None, machine.name)]
 
 
@@ -82,7 +84,7 @@ def evaluate_options(profile: WorkloadProfile, catalog: Catalog, steps: int) -> 
     Whole machines are rented: a configuration's price counts every machine its workers occupy."""
     if steps < 1:
         raise PlanningError(f"the number of training steps must be positive, got {steps}.")
-    usable = [m for m in catalog.machines if _points(profile, m)]
+    usable = [m for m in catalog.machines if points_for(profile, m)]
     if not usable:
         covered = ", ".join(sorted(profile.gpus))
         raise PlanningError(f"no catalog machine has a GPU the profile covers ({covered}).")
@@ -93,7 +95,7 @@ def evaluate_options(profile: WorkloadProfile, catalog: Catalog, steps: int) -> 
     checkpoint_h = profile.checkpoint_s / SECONDS_PER_HOUR
     for machine in usable:
         startup_h = machine.startup_s / SECONDS_PER_HOUR
-        for point in _points(profile, machine):
+        for point in points_for(profile, machine):
             compute_h = steps * point.step_time_s / SECONDS_PER_HOUR
             ps_cost = point.ps * (catalog.ps_per_hour or 0.0)
             nodes = machine.nodes(point.workers)
@@ -158,3 +160,31 @@ def plan_cluster(profile: WorkloadProfile, catalog: Catalog, steps: int, deadlin
     best = recommend(options, steps, deadline_h, budget_usd)
     return ClusterPlan(steps, deadline_h, budget_usd, tuple(options), tuple(pareto_front(options)), best,
                 unfinishable)
+
+
+def resize_predictions(profile: WorkloadProfile, option: Option, steps: int, schedule: Sequence) -> dict:
+    """The job of `steps` steps under a resize schedule (`elastic.parse_schedule`) on `option`'s machine type and
+    pricing, under each batch policy (`steps` counted at the profiled global batch, which the schedule's first
+    world size runs):
+
+    - keep_global: the profiled global batch at every size, so a step takes the profile's time at that size;
+    - scale (linear learning-rate rule): each rank keeps the first size's batch, so a step makes k = W / W0 steps
+      of progress and takes, approximately, the profile's time at W0 (a rank's compute is unchanged; a ring's
+      per-rank communication grows by at most (W - 1) / W over (W0 - 1) / W0, not modelled).
+
+    A restart (the machine's startup) starts each phase, one checkpoint (the profile's) ends it; priced per GPU
+    (a node's price over its GPUs)."""
+    from cocoweave.elastic import BatchPolicy, predict_resizes
+
+    machine = option.machine
+    times = {p.workers: p.step_time_s for p in points_for(profile, machine) if p.ps == option.ps}
+    node_price = machine.spot_per_hour if option.pricing == "spot" else machine.on_demand_per_hour
+    price = node_price / machine.gpus_per_node
+    base = next(r.world for r in schedule if r.world)
+    kw = {"restart_s": machine.startup_s, "checkpoint_s": profile.checkpoint_s}
+    keep = predict_resizes(BatchPolicy.keep_global(base), steps, times, schedule, price, **kw)
+    if base not in times:  # keep_global has said which size has no step time
+        return {"keep_global": keep}
+    scaled = {r.world: times[base] for r in schedule if r.world}
+    scale = predict_resizes(BatchPolicy.scale(base, base, "linear"), steps, scaled, schedule, price, **kw)
+    return {"keep_global": keep, "scale (linear lr)": scale}
