@@ -205,6 +205,13 @@ class StepRecorder:
         self.exit_process(0)
 
     # -- collectives --------------------------------------------------------------------------------
+    def _count(self, kind: str, size: int, nbytes: float, ms: float) -> None:
+        """One call of a collective of `kind` over `size` ranks: its count, bytes and wall time (0 if async)."""
+        entry = self.collectives.setdefault(f"{kind}/p{size}", [0, 0.0, 0.0])
+        entry[0] += 1
+        entry[1] += nbytes
+        entry[2] += ms
+
     def collective(self, name: str, fn: Callable[..., Any]) -> Callable[..., Any]:
         """`fn` (a torch.distributed function) recording its count, bytes and synchronous wall time."""
         index, part = COLLECTIVES[name]
@@ -223,10 +230,7 @@ class StepRecorder:
             start = self.clock()
             result = fn(*args, **kwargs)
             sync = not kwargs.get("async_op", False) and name != "batch_isend_irecv"
-            entry = self.collectives.setdefault(f"{KIND.get(name, name)}/p{size}", [0, 0.0, 0.0])
-            entry[0] += 1
-            entry[1] += nbytes
-            entry[2] += 1e3 * (self.clock() - start) if sync else 0.0
+            self._count(KIND.get(name, name), size, nbytes, 1e3 * (self.clock() - start) if sync else 0.0)
             return result
 
         wrapped.__wrapped__ = fn  # type: ignore[attr-defined]
@@ -242,10 +246,7 @@ class StepRecorder:
             nbytes = _nbytes(args[index]) * (g.size if part else 1)
             start = self.clock()
             result = fn(*args, **kwargs)
-            entry = self.collectives.setdefault(f"{kind}/p{g.size}", [0, 0.0, 0.0])
-            entry[0] += 1
-            entry[1] += nbytes
-            entry[2] += 1e3 * (self.clock() - start)
+            self._count(kind, g.size, nbytes, 1e3 * (self.clock() - start))
             return result
 
         wrapped.__wrapped__ = fn  # type: ignore[attr-defined]
