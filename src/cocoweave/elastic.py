@@ -41,6 +41,7 @@ import torch
 import torch.distributed as dist
 
 from .errors import ElasticError
+from .ir.layout import split_sizes
 
 Mode = Literal["keep_global", "scale"]
 MODES = ("keep_global", "scale")
@@ -55,8 +56,7 @@ def _count(value: Any, what: str, low: int = 1) -> int:
 
 def split_evenly(total: int, parts: int) -> tuple[int, ...]:
     """`total` items in `parts` contiguous shares, the first `total % parts` one larger (torch.tensor_split sizes)."""
-    q, r = divmod(total, parts)
-    return tuple(q + (i < r) for i in range(parts))
+    return tuple(split_sizes(total, parts))
 
 
 # ---------------------------------------------------------------------------------------------------------
@@ -257,8 +257,7 @@ def gradient_moments(grads: Sequence[torch.Tensor], group: Any = None) -> tuple[
     flat = torch.cat([g.detach().reshape(-1).float() for g in grads]) if grads else torch.zeros(1)
     local = flat.double().pow(2).sum().reshape(1)
     size = dist.get_world_size(group) if dist.is_available() and dist.is_initialized() else 1
-    if size > 1:
-        flat = flat.clone()
+    if size > 1:  # flat is a new tensor (torch.cat): reduced in place
         dist.all_reduce(flat, group=group)
         dist.all_reduce(local, group=group)
     return float(local), float((flat.double() / size).pow(2).sum())

@@ -218,13 +218,6 @@ class Position:
             r = r * n + c
         return r
 
-    @property
-    def group_size(self) -> int:
-        n = 1
-        for s in self.shape:
-            n *= s
-        return n
-
 
 def parts_along(p: Sliced, axis_size: int) -> int | tuple[int, ...]:
     """How placement `p` splits its dimension along an axis of `axis_size` ranks: a count or its shares."""

@@ -59,10 +59,6 @@ class OpDef:
         return self.group in ELEMENTWISE_GROUPS
 
     @property
-    def computation(self) -> bool:
-        return self.group in COMPUTE_GROUPS or self.group == MATMUL
-
-    @property
     def communication(self) -> bool:
         return self.group in COMMUNICATION_GROUPS
 
@@ -101,10 +97,6 @@ def names(*groups: str) -> tuple[str, ...]:
 def group(name: str) -> str:
     """The group of operation `name`."""
     return opdef(name).group
-
-
-def is_elementwise(name: str) -> bool:
-    return opdef(name).elementwise
 
 
 def is_communication(name: str) -> bool:

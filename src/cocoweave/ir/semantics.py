@@ -32,14 +32,6 @@ class Place:
     sizes: Mapping[str, int]
     chunk: tuple[int, int, int, int] | None = None
 
-    @property
-    def group_rank(self) -> int:
-        return self.pos.group_rank
-
-    @property
-    def group_size(self) -> int:
-        return self.pos.group_size
-
 
 def align(arg: Value, t: Any, out: Value, place: Place) -> Any:
     """Cut an operand to the part of the result this rank computes: a Replicated operand (along an axis where
@@ -168,12 +160,12 @@ MEANINGS: dict[str, Meaning] = {
 
 def compute(v: Value, args: list[Any], place: Place) -> Any:
     """Result of computation `v` on one rank, given its operands' local values."""
-    meaning = R.opdef(v.op).meaning
-    if meaning is None:
+    d = R.opdef(v.op)
+    if d.meaning is None:
         raise NotImplementedError(f"no local semantics for operation {v.op!r}")
-    if R.opdef(v.op).elementwise or v.op in R.names(R.NORMALISATION):  # operands line up with the result's part
+    if d.elementwise or d.group == R.NORMALISATION:  # operands line up with the result's part
         args = [align(a, t, v, place) for a, t in zip(v.args, args)]
-    return meaning(v, args, place)
+    return d.meaning(v, args, place)
 
 
 for _name, _meaning in MEANINGS.items():

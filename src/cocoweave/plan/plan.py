@@ -9,12 +9,12 @@ it takes part in) is `plan.view(rank, world_size, sizes)`.
 
 from __future__ import annotations
 
-from collections.abc import Iterator, Mapping
+from collections.abc import Mapping
 from dataclasses import dataclass, field
 
 from ..ir.graph import Program, Value
 from ..ir.layout import Layout
-from ..schedule.stages import Overlap, Stage
+from ..schedule.stages import Stage
 from .view import RankView
 
 
@@ -36,13 +36,6 @@ class Plan:
         """World rank `rank`'s view of this plan at `world_size` ranks with `sizes` bound."""
         self.program.check_world(world_size)
         return RankView(rank, world_size, dict(sizes))
-
-    def walk(self) -> Iterator[Stage]:
-        """Every stage, the parts of chunked chains included, in order."""
-        for s in self.stages:
-            yield s
-            if isinstance(s, Overlap):
-                yield from s.parts
 
     def live_outs(self) -> set[int]:
         """ids of the values read across a top-level stage boundary or kept as results (the parts of a chunked

@@ -162,7 +162,8 @@ def _all_gather_steps(peers: _Peers, mine: torch.Tensor, out_t: torch.Tensor, bo
         send = inbox
 
 
-def _part_bounds(size: int, p: int, shares: Sequence[int] | None = None) -> Bounds:
+def parts(size: int, p: int, shares: Sequence[int] | None = None) -> Bounds:
+    """[start, stop) of each of p ranks' parts of `size`: tensor_split sizes, or in proportion to `shares`."""
     return [share_bounds(size, tuple(shares) if shares is not None else p, r) for r in range(p)]
 
 
@@ -183,7 +184,7 @@ def ring_reduce_scatter(x: torch.Tensor, dim: int, op: str, group: dist.ProcessG
     _check_op(op)
     peers = _Peers(group)
     dim = dim % x.dim()
-    bounds = _part_bounds(x.shape[dim], peers.size, shares)
+    bounds = parts(x.shape[dim], peers.size, shares)
     start, stop = bounds[peers.me]
     _check_shape("ring_reduce_scatter's out", out, with_dim(x.shape, dim, stop - start), f"part {peers.me} of x")
     _drive(_Ring(_reduce_scatter_steps(peers, x.movedim(dim, 0), bounds, op, out.movedim(dim, 0), _RS_TAG)))
@@ -194,7 +195,7 @@ def ring_all_gather(part: torch.Tensor, dim: int, group: dist.ProcessGroup | Non
     """Gather every rank's `part` into the full-shape `out`, part r at its torch.tensor_split position along `dim`."""
     peers = _Peers(group)
     dim = dim % out.dim()
-    bounds = _part_bounds(out.shape[dim], peers.size, shares)
+    bounds = parts(out.shape[dim], peers.size, shares)
     start, stop = bounds[peers.me]
     _check_shape("ring_all_gather's part", part, with_dim(out.shape, dim, stop - start),
                  f"part {peers.me} of out")
@@ -233,12 +234,12 @@ def fused_ring(x: torch.Tensor, dim: int, op: str, group: dist.ProcessGroup | No
         if o.dim() != x.dim() or o.shape[dim] != size:
             raise BackendError(f"fused_ring's outs[{i}] has shape {tuple(o.shape)}; it must have {x.dim()} "
                                f"dimensions and size {size} along dim {dim} like x")
-    parts = _part_bounds(size, p, shares)
+    rank_parts = parts(size, p, shares)
     x_t, outs_t = x.movedim(dim, 0), [o.movedim(dim, 0) for o in outs]
 
     def piece_bounds(s: int) -> Bounds:
         """Global bounds of piece s of every rank's part."""
-        return [(a + lo, a + hi) for a, b in parts for lo, hi in [slice_bounds(b - a, subchunks, s)]]
+        return [(a + lo, a + hi) for a, b in rank_parts for lo, hi in [slice_bounds(b - a, subchunks, s)]]
 
     def start_reduce_scatter(s: int) -> tuple[torch.Tensor, _Ring]:
         bounds = piece_bounds(s)
@@ -260,7 +261,7 @@ def fused_ring(x: torch.Tensor, dim: int, op: str, group: dist.ProcessGroup | No
             reduced, rs = start_reduce_scatter(s + 1)  # its first step is in flight during compute(s)
         bounds = piece_bounds(s)
         lo, hi = bounds[me]
-        offset = lo - parts[me][0]
+        offset = lo - rank_parts[me][0]
         if hi > lo:
             results = compute(piece, offset, hi - lo)
             if len(results) != len(outs):

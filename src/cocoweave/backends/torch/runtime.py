@@ -21,10 +21,10 @@ import torch.distributed as dist
 from torch.utils._python_dispatch import _get_current_dispatch_mode
 
 from ... import faults, rng
-from ...ir.layout import share_bounds, slice_bounds
+from ...ir.layout import slice_bounds
 from ...ir.semantics import reduce_local
 from . import ring, shm
-from .ring import with_dim  # generated code calls rt.with_dim
+from .ring import parts, with_dim  # generated code calls rt.with_dim
 
 _REDUCE = {"sum": dist.ReduceOp.SUM, "avg": dist.ReduceOp.SUM, "max": dist.ReduceOp.MAX, "min": dist.ReduceOp.MIN}
 KERNELS_HINT = "COCOWEAVE_KERNELS=torch (op by op) or =compiled"
@@ -133,11 +133,6 @@ class CompiledStage:
             return self.eager(*args)
         self.compiled = True
         return out
-
-
-def parts(size: int, n: int, shares: Sequence[int] | None) -> list[tuple[int, int]]:
-    """[start, stop) of each of n ranks' parts of `size`: tensor_split sizes, or in proportion to `shares`."""
-    return [share_bounds(size, tuple(shares) if shares is not None else n, r) for r in range(n)]
 
 
 class Pending:
