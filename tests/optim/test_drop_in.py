@@ -173,3 +173,28 @@ def _accumulate_on_the_library(rank: int, world_size: int) -> float:
 
 def test_accumulation_with_no_sync_on_the_library_collectives(local_world):
     assert max(local_world(2).run(_accumulate_on_the_library)) <= 2e-5
+
+
+def _slots_after_rebuilds(rank: int, world_size: int) -> list[bool]:
+    """A bucket recompiled mid-training (clipping turned on, then its masked program when a parameter goes without a
+    gradient) keeps its gradients and weights where the new program's shared-memory collectives read and write
+    them, so the reduction copies nothing in and the all-gather writes the weights in place."""
+    model = Net(torch.float32)
+    opt = DistributedAdamW(model.parameters(), lr=1e-2)
+    for step in range(4):
+        opt.zero_grad()
+        _loss(model, step, 0, rank, world_size, torch.float32).backward()
+        if step == 1:
+            opt.clip_grad_norm_(0.5)
+        opt.step()
+    placed = []
+    for b in opt._buckets:
+        g, w = b.exe.shared_input("g"), b.exe.shared_input("w")
+        placed += [b.masked, g is not None and g.data_ptr() == b.grad.data_ptr(),
+                   w is not None and w.data_ptr() == b.data.data_ptr()]
+    return placed
+
+
+def test_a_recompiled_bucket_keeps_its_tensors_in_the_new_programs_slots(local_world):
+    for placed in local_world(2).run(_slots_after_rebuilds):
+        assert placed and all(placed)

@@ -223,13 +223,29 @@ class DistributedOptimizer(torch.optim.Optimizer):
             with torch.no_grad():
                 for p in b.params:
                     dist.broadcast(p.data, src, group=self.process_group)
-        b.attach(b.exe.shared_input("g"), b.exe.shared_input("p" if "p" in b.exe.program.inputs else "w"))
+        b.attach(*self._shared(b))
         self._reset_state(b, {})
         for i, p in enumerate(b.params):
             self._owner[id(p)] = b
             p.register_post_accumulate_grad_hook(self._arrived(b, i))
         log.info("%s: bucket of %d parameters (%d elements, %s) runs %s", type(self).__name__, len(b.params), b.numel,
                  b.dtype, b.schedule.name)
+
+    @staticmethod
+    def _shared(b: Bucket) -> tuple[torch.Tensor | None, torch.Tensor | None]:
+        """Where bucket b's gradients and parameters live so that its program's collectives need no copies (the
+        shared-memory slots on one host; None: a buffer of its own)."""
+        return b.exe.shared_input("g"), b.exe.shared_input("p" if "p" in b.exe.program.inputs else "w")
+
+    def _rebuild(self, b: Bucket, masked: bool) -> None:
+        """Recompile bucket b's program (masked, or clipping now on), its state carried over; its parameters and
+        gradients (values kept) move into the new program's slots, as `_build` puts them there."""
+        whole = self._gather_whole(b)
+        b.exe.cancel()
+        b.schedule, b.exe = self._compile(b, self._program(b, masked=masked))
+        b.masked = masked
+        b.attach(*self._shared(b), keep_grad=True)
+        self._reset_state(b, whole)
 
     def _arrived(self, b: Bucket, i: int) -> Callable[[torch.Tensor], None]:
         def hook(p: torch.Tensor) -> None:
@@ -336,10 +352,7 @@ class DistributedOptimizer(torch.optim.Optimizer):
         if self.max_grad_norm is None:  # the programs that clip: rebuilt once, state carried over
             self.max_grad_norm = float(max_norm)
             for b in self._ensure_buckets():
-                whole = self._gather_whole(b)
-                b.exe.cancel()
-                b.schedule, b.exe = self._compile(b, self._program(b, masked=b.masked))
-                self._reset_state(b, whole)
+                self._rebuild(b, b.masked)
         self.max_grad_norm = float(max_norm)
         self._paused = self._start(self._ensure_buckets())
         self._clip(self._paused)
@@ -352,8 +365,8 @@ class DistributedOptimizer(torch.optim.Optimizer):
         """The bucket program's inputs for this step (switching it to its masked program the first time a parameter
         goes without a gradient)."""
         group = self.param_groups[b.group]
-        if active is not None and not b.masked:
-            self._go_masked(b)
+        if active is not None and not b.masked:  # for good: per-element step counts start at the bucket's count
+            self._rebuild(b, masked=True)
         inputs = {"g": b.grad, **b.state, **b.pending, **self.scalars(group, b.step + 1), **self._clip_scalar()}
         if b.masked:
             inputs["active"] = active if active is not None else torch.ones(b.shape, dtype=torch.bool,
@@ -362,14 +375,6 @@ class DistributedOptimizer(torch.optim.Optimizer):
 
     def _clip_scalar(self) -> dict[str, float]:
         return {"max_norm": float(self.max_grad_norm)} if self.max_grad_norm is not None else {}
-
-    def _go_masked(self, b: Bucket) -> None:
-        """Switch bucket b to its masked program for good (per-element step counts start at the bucket's count)."""
-        whole = self._gather_whole(b)
-        b.exe.cancel()
-        b.schedule, b.exe = self._compile(b, self._program(b, masked=True))
-        b.masked = True
-        self._reset_state(b, whole)
 
     def _active(self, buckets: list[Bucket]) -> list[torch.Tensor | None]:
         """Per bucket, which elements to update (None: all of them). A parameter has a gradient if backward reached
@@ -590,7 +595,7 @@ class DistributedOptimizer(torch.optim.Optimizer):
                 continue
             steps = {int(e["step"]) for e in entries if e is not None and "step" in e} or {1}
             if (len(steps) > 1 or any(e is None for e in entries)) and not b.masked:
-                self._go_masked(b)
+                self._rebuild(b, masked=True)
             try:
                 state = {}
                 for n, key in self.state_keys.items():

@@ -69,16 +69,24 @@ class Bucket:
         flat = buf[i] if self.rows else buf[self.offsets[i]:self.offsets[i] + p.numel()]
         return flat.view(p.shape)
 
-    def attach(self, grad: torch.Tensor | None = None, data: torch.Tensor | None = None) -> None:
+    def attach(self, grad: torch.Tensor | None = None, data: torch.Tensor | None = None,
+               keep_grad: bool = False) -> None:
         """Move the parameters into one buffer (`data`, or a new one) and give them gradient views into `grad` (a new
-        zeroed buffer when None); e.g. the shared-memory slots of the program's collectives."""
+        buffer when None); e.g. the shared-memory slots of the program's collectives. The gradients start at zero,
+        or, with `keep_grad`, as they were (a bucket moving to a recompiled program's slots mid-step)."""
         data = data if data is not None else torch.empty(self.shape, dtype=self.dtype, device=self.device)
         with torch.no_grad():
             for i, p in enumerate(self.params):
                 self.part(data, i).copy_(p.data)
+        old = self.grad if keep_grad else None
         self.data = data
-        self.grad = grad if grad is not None else torch.zeros(self.shape, dtype=self.dtype, device=self.device)
-        self.grad.zero_()
+        self.grad = grad if grad is not None else torch.empty(self.shape, dtype=self.dtype, device=self.device)
+        if old is None:
+            self.grad.zero_()
+        elif old.data_ptr() != self.grad.data_ptr():
+            self.grad.copy_(old)
+            if self.version is not None:  # still the gradients backward wrote: the check goes on from the copy
+                self.version = self.grad._version
         for i, p in enumerate(self.params):
             p.data = self.part(data, i)
             p.grad = self.part(self.grad, i)
