@@ -64,10 +64,10 @@ def _schedules(program: Program) -> list[Schedule]:
 def norm_reduction(schedule: Schedule) -> str | None:
     """The name of the scalar all-reduce of a clipped program's squared-norm partials (split and reorder insert
     it), or None when the schedule has none (the gradient's all-reduce was not split)."""
+    by_name = {v.name: v for v in schedule.program.values}
     for stage in schedule.stages:
         for name in stage.names:
-            v = next(x for x in schedule.program.values if x.name == name)
-            if v.op == "all_reduce" and v.ndim == 0:
+            if by_name[name].op == "all_reduce" and by_name[name].ndim == 0:
                 return name
     return None
 
@@ -148,7 +148,7 @@ class DistributedOptimizer(torch.optim.Optimizer):
         self._paused: list[tuple[Bucket, Any, Iterator]] | None = None  # steps paused by clip_grad_norm_
         super().__init__(params, defaults)
         self._ensure_buckets()  # compile now, and start every rank from rank 0's parameters, as DDP does
-        self._publish_state()
+        self._publish_steps()
         if module is not None and world(process_group)[1] > 1:  # DDP's broadcast_buffers: rank 0's before forward
             self._buffer_hook = module.register_forward_pre_hook(self._broadcast_buffers)
 
@@ -206,18 +206,20 @@ class DistributedOptimizer(torch.optim.Optimizer):
         """The program inputs the model reads: never sliced."""
         return {"p"} if b.dtype != torch.float32 and self.master_weights else {"w"}
 
-    def _compile(self, b: Bucket, program: Program) -> tuple[Schedule, Any]:
+    def _compile(self, b: Bucket, program: Program) -> None:
+        """Give bucket b the schedule of `program` this optimizer runs, its executable, and (clipping) the name of
+        the squared-norm all-reduce the step pauses before."""
         rank, size = world(self.process_group)
         shared = size > 1 and b.device.type == "cpu" and _one_host(self.process_group)
-        s = resolve_schedule(program, self.schedule, size, self._whole(b), b.device.type, shared,
-                             self.max_grad_norm is not None)
-        exe = compile_schedule(s, "torch", device=b.device, rank=rank, world_size=size, group=self.process_group,
-                               kernels=self.kernels)
-        return s, exe
+        clipped = self.max_grad_norm is not None
+        b.schedule = resolve_schedule(program, self.schedule, size, self._whole(b), b.device.type, shared, clipped)
+        b.exe = compile_schedule(b.schedule, "torch", device=b.device, rank=rank, world_size=size,
+                                 group=self.process_group, kernels=self.kernels)
+        b.norm = norm_reduction(b.schedule) if clipped else None
 
     def _build(self, b: Bucket) -> None:
         rank, size = world(self.process_group)
-        b.schedule, b.exe = self._compile(b, self._program(b))
+        self._compile(b, self._program(b))
         if size > 1:  # every rank starts from rank 0's parameters, as DDP does
             src = dist.get_global_rank(self.process_group, 0) if self.process_group is not None else 0
             with torch.no_grad():
@@ -242,7 +244,7 @@ class DistributedOptimizer(torch.optim.Optimizer):
         gradients (values kept) move into the new program's slots, as `_build` puts them there."""
         whole = self._gather_whole(b)
         b.exe.cancel()
-        b.schedule, b.exe = self._compile(b, self._program(b, masked=masked))
+        self._compile(b, self._program(b, masked=masked))
         b.masked = masked
         b.attach(*self._shared(b), keep_grad=True)
         self._reset_state(b, whole)
@@ -283,6 +285,7 @@ class DistributedOptimizer(torch.optim.Optimizer):
             else:
                 shape = b.exe.local_shape(n) if n in sliced else b.shape
                 into[n] = torch.full(shape, self.initial_state(b, n), dtype=_TORCH[v.dtype], device=b.device)
+        self._publish_views(b)
 
     # -- the step -------------------------------------------------------------------------------
     @torch.no_grad()
@@ -311,7 +314,7 @@ class DistributedOptimizer(torch.optim.Optimizer):
         for b in buckets:
             b.arrived.clear()
             b.version = None
-        self._publish_state()
+        self._publish_steps()
         self.last_step_ms = {**phases, "step": (time.perf_counter() - start) * 1e3}
         return loss
 
@@ -424,7 +427,7 @@ class DistributedOptimizer(torch.optim.Optimizer):
         the partials of all buckets are summed and all-reduced once; every bucket then gets that total."""
         partials, names = [], []
         for b, exe, steps in runs:
-            name = norm_reduction(b.schedule)
+            name = b.norm
             while True:
                 index, reads = next(steps)
                 if name in exe.plan.stages[index].names:
@@ -518,18 +521,22 @@ class DistributedOptimizer(torch.optim.Optimizer):
                 out[n] = b.exe.gather_state(n)
         return out
 
-    def _publish_state(self) -> None:
-        """`opt.state[p]` as torch users read it (so that torch's checkpoint helpers see an initialised optimizer):
-        the step count, and views of exp_avg / exp_avg_sq / momentum_buffer where this rank holds them whole
-        (state kept sliced: state_dict() gathers it)."""
+    def _publish_steps(self) -> None:
+        """`opt.state[p]["step"]` as torch users read it (so that torch's checkpoint helpers see an initialised
+        optimizer); the state views are set when a bucket's state is (`_publish_views`)."""
+        if not self.has_step:
+            return
         for b in self._buckets:
-            for i, p in enumerate(b.params):
-                entry = self.state[p]
-                if self.has_step:
-                    entry.setdefault("step", torch.zeros(())).fill_(float(b.step))
-                for n, key in self.state_keys.items():
-                    if n in b.state:
-                        entry[key] = b.part(b.state[n], i)
+            for p in b.params:
+                self.state[p].setdefault("step", torch.zeros(())).fill_(float(b.step))
+
+    def _publish_views(self, b: Bucket) -> None:
+        """`opt.state[p]` views of exp_avg / exp_avg_sq / momentum_buffer where this rank holds them whole (state kept
+        sliced: state_dict() gathers it); they stay valid while the bucket's state tensors do (updated in place)."""
+        for i, p in enumerate(b.params):
+            for n, key in self.state_keys.items():
+                if n in b.state:
+                    self.state[p][key] = b.part(b.state[n], i)
 
     def _agree_on_state_dict(self) -> None:
         """state_dict() gathers state kept sliced, a collective: every rank must call it. Wait a few seconds for the
@@ -618,7 +625,7 @@ class DistributedOptimizer(torch.optim.Optimizer):
                                      f"match its parameters ({exc})") from None
             b.step = max(steps)
             self._reset_state(b, state, master)
-        self._publish_state()
+        self._publish_steps()
 
     def __repr__(self) -> str:
         head = super().__repr__()

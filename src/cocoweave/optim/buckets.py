@@ -37,6 +37,7 @@ class Bucket:
     has_grad: set[int] = field(default_factory=set)  # parameters with a gradient since zero_grad(set_to_none)
     launched: bool = False  # the gradient reduction was issued from a backward hook
     version: int | None = None  # the gradients' version counter when backward last wrote them
+    norm: str | None = None  # clipping: the scalar all-reduce of the program's squared-norm partials
 
     def __post_init__(self) -> None:
         sizes = [p.numel() for p in self.params]
