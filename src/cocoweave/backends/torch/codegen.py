@@ -43,7 +43,7 @@ class Emitter:
     in_function: bool = False  # emitting the body of a fused stage's function (no ctx there)
     extra: dict[str, str] = field(default_factory=dict)  # function parameter -> its argument at the call (host)
     into: dict[int, tuple[Value, bool]] = field(default_factory=dict)  # all_gather -> (state it fills, deferrable)
-    algorithms: dict[int, str] = field(default_factory=dict)  # those all-gathers' algorithms
+    shm_gathers: list[tuple[Value, int]] = field(default_factory=list)  # those through shared memory, and their stage
 
     # -- naming -------------------------------------------------------------------------------
     def var(self, v: Value) -> str:
@@ -406,6 +406,7 @@ def _gathers_into_state(em: Emitter) -> dict[int, tuple[Value, bool]]:
     in flight when the step returns, Executable.wait completes them) when nothing after them reads the result."""
     plan, view = em.plan, em.view
     out: dict[int, tuple[Value, bool]] = {}
+    order = [x for s in plan.stages for x in s.values]
     for name, v in plan.state.items():
         t = plan.program.inputs[name]
         if v.op != "all_gather" or not view.in_group(v) or view.local_shape(t) != view.local_shape(v):
@@ -414,14 +415,14 @@ def _gathers_into_state(em: Emitter) -> dict[int, tuple[Value, bool]]:
         stage = plan.stages[at]
         if isinstance(stage, Overlap) or (isinstance(stage, FusedCollective) and stage.algorithm == "ring"):
             continue  # gathered chunk by chunk or piece by piece: into its own buffers
-        em.algorithms[id(v)] = getattr(stage, "algorithm", "library")
-        order = [x for s in plan.stages for x in s.values]
         after = [a for x in order[order.index(v) + 1:] for a in x.args]
         if any(a is t for a in after):
             continue
         read_later = any(a is v or (a.op == "update" and a.args[1] is v) for a in after) or \
             any(o is v or (o.op == "update" and o.args[1] is v) for _, o in plan.outputs)
         out[id(v)] = (t, not read_later)
+        if getattr(stage, "algorithm", "library") == "shm":
+            em.shm_gathers.append((v, at))
     return out
 
 
@@ -485,21 +486,17 @@ def _into_own_part(em: Emitter, index: int, outs: list[Value], params: list[Valu
     gather a copy of this rank's part. Only where nothing between the stage and the gather reads the state."""
     out = {}
     for v in outs:
-        for ag_id, (t, _) in em.into.items():
-            ag = next((x for x in em.plan.program.values if id(x) == ag_id), None)
-            if ag is None or ag.args[0] is not v or em.algorithms.get(ag_id) != "shm" or ag.layout.is_sliced or \
-                    not any(p is t for p in params):
+        for ag, at in em.shm_gathers:
+            t = em.into[id(ag)][0]
+            if ag.args[0] is not v or ag.layout.is_sliced or not any(p is t for p in params):
                 continue
-            at = next(i for i, st in enumerate(em.plan.stages) if any(x is ag for x in st.values))
             between = [x for st in em.plan.stages[index + 1:at + 1] for x in st.values if x is not ag]
             if any(a is t for x in between for a in x.args):
                 continue
             d, shares = ag.attrs["dim"], getattr(v.layout, "shares", None)
             if shares or not v.layout.is_sliced or v.layout.dim != d or v.dtype != t.dtype:
                 continue
-            full = bind_shape(t.shape, em.view.sizes)[d]
-            gr, gs = em.view.group_rank(v)
-            start, stop = slice_bounds(full, gs, gr)
+            start, stop = em.bounds(v)[d]
             if tuple(em.view.local_shape(v)) != tuple(em.view.local_shape(t)[:d]) + (stop - start,) + \
                     tuple(em.view.local_shape(t)[d + 1:]):
                 continue
