@@ -15,7 +15,7 @@ from cocoweave.errors import CocoweaveError
 from .cluster_commands import cmdare_command
 from .common import err_console, user_errors
 from .json_output import JsonOpt, check_writable, human, write_json
-from .schedule_commands import parse_world_sizes
+from .options import load, parse_world_sizes
 
 perf_app = typer.Typer(help="Performance models: calibrate, predict, accuracy; the CM-DARE reproduction.",
                        no_args_is_help=True, add_completion=False)
@@ -116,23 +116,21 @@ def predict_command(
     json_path: JsonOpt = None,
 ) -> None:
     """Predict the step time of every schedule of a program from the calibrated cost model."""
-    from cocoweave.loader import load_program, parse_sizes, symbolic_sizes
     from cocoweave.perf.model import CostModel
     from cocoweave.perf.store import MeasurementStore
     from cocoweave.schedule.enumerate import enumerate_schedules
 
     check_writable(json_path)
     out = human(json_path)
-    sizes = parse_sizes(size)
-    program = load_program(spec, sizes)
-    sym = symbolic_sizes(program, sizes)
+    program, _, sym = load(spec, size)  # within the loading timeout, as every command that loads a program
     schedules = enumerate_schedules(program)
-    docs = []
+    docs, measurements, fitted = [], MeasurementStore(store), None
     for w in parse_world_sizes(world_size):
-        model = CostModel.load("torch", device, w, MeasurementStore(store), correct=correct)
+        model = CostModel.load("torch", device, w, measurements, correct=correct, fitted=fitted)
         if model is None:
             raise CocoweaveError(f"no calibration for torch/{device} on {w} ranks; run "
                                  f"`cocoweave perf calibrate --world-size {w} --device {device}` first.")
+        fitted = (model.correction, model.correction_note) if correct else None  # trained once for every size
         preds = sorted((model.predict(s, sym, w) for s in schedules), key=lambda p: p.ms)
         corr = model.correction
         out.print(_predict_table(program, w, device, preds, corr is not None))

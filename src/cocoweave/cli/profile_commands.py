@@ -17,7 +17,7 @@ from rich.table import Table
 from ..errors import CocoweaveError
 from .common import err_console, user_errors
 from .json_output import JsonOpt, check_writable, human, write_json
-from .schedule_commands import parse_world_sizes
+from .options import parse_world_sizes
 
 VALIDATE_UP_TO_CORES = 4  # predicted sizes up to 4 x cores are also measured (to check the prediction)
 

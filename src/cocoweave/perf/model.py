@@ -57,16 +57,17 @@ class CostModel:
 
     @classmethod
     def load(cls, backend: str, device: str, world_size: int, store: MeasurementStore | None = None,
-             correct: bool = True) -> CostModel | None:
+             correct: bool = True, fitted: tuple[Correction | None, str] | None = None) -> CostModel | None:
         """The model for (backend, device, world size): None if that was never calibrated. The correction is
         trained on the store's rows of that backend and device, and used only where it measured better than
-        the analytic model on held-out rows (`checked_correction`)."""
+        the analytic model on held-out rows (`checked_correction`); `fitted` is one trained already, e.g. by
+        the model of another world size (the rows do not depend on it), as (correction, note)."""
         cal = load_calibration(backend, device, world_size)
         if cal is None:
             return None
         if not correct or store is None:
             return cls(cal, None, "not requested" if not correct else "no measurement store")
-        correction, note = checked_correction(training_rows(store.load(), backend, device))
+        correction, note = fitted or checked_correction(training_rows(store.load(), backend, device))
         return cls(cal, correction, note)
 
     def predict(self, schedule: Schedule, sizes: Mapping[str, int], world_size: int) -> Predicted:
