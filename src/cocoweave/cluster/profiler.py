@@ -167,7 +167,8 @@ def summarise(world_size: int, folder: Path, seconds: float) -> WorldRun:
         per_rank_step_ms=[_median([s["wall_ms"] for s in t]) for t in timed])
 
 
-def _ranks(n: int) -> str:
+def ranks(n: int) -> str:
+    """'1 rank', '3 ranks'."""
     return f"{n} rank" if n == 1 else f"{n} ranks"
 
 
@@ -208,12 +209,12 @@ def run_world(script: Path, script_args: Sequence[str], world_size: int, steps: 
             proc = subprocess.run(torchrun_command(script, script_args, world_size, logs), env=env,
                                   capture_output=True, text=True, timeout=timeout_s, stdin=subprocess.DEVNULL)
         except subprocess.TimeoutExpired:
-            raise ProfileError(f"{script} on {_ranks(world_size)} did not finish within {timeout_s:g} s (raise "
+            raise ProfileError(f"{script} on {ranks(world_size)} did not finish within {timeout_s:g} s (raise "
                                f"--timeout); {_rank_failure(logs) or 'no rank reported an error'}") from None
         seconds = time.perf_counter() - start
         if proc.returncode != 0:
             why = _rank_failure(logs) or _tail(proc.stderr + proc.stdout) or "no output"
-            raise ProfileError(f"{script} failed on {_ranks(world_size)} (exit code {proc.returncode}): {why}")
+            raise ProfileError(f"{script} failed on {ranks(world_size)} (exit code {proc.returncode}): {why}")
         run = summarise(world_size, folder, seconds)
         busy1, ours = machine_busy_s(), _children_cpu_s() - ours0
         if busy0 is not None and busy1 is not None:

@@ -28,7 +28,7 @@ from dataclasses import asdict, dataclass
 import numpy as np
 from scipy.optimize import nnls
 
-from cocoweave.cluster.profiler import WorldRun
+from cocoweave.cluster.profiler import WorldRun, ranks
 from cocoweave.errors import CocoweaveError
 
 # Per collective kind: (fraction of the tensor a rank moves at p ranks, message steps of the ring at p ranks).
@@ -216,10 +216,6 @@ def measured_parts(run: WorldRun, model: HostScaling) -> StepParts:
     return StepParts(p, run.step_ms, compute, comm, wait, contention, by_kind, idle)
 
 
-def _ranks(p: int) -> str:
-    return f"{p} rank" if p == 1 else f"{p} ranks"
-
-
 def bottleneck(parts: Sequence[StepParts], cores: int) -> str:
     """One sentence naming what bounds the step, from the smallest world where it is not computation."""
     ordered = sorted(parts, key=lambda s: s.world_size)
@@ -228,7 +224,7 @@ def bottleneck(parts: Sequence[StepParts], cores: int) -> str:
                   "idle": s.idle_ms}
         name = max(pieces, key=lambda n: pieces[n])
         share = pieces[name] / s.total_ms if s.total_ms else 0.0
-        at = _ranks(s.world_size)
+        at = ranks(s.world_size)
         if name == "communication":
             kind, ms = max(s.comm_by_kind_ms.items(), key=lambda kv: kv[1])
             return (f"communication-bound from {at}: the {LABELS.get(kind, kind)} is {100 * ms / s.total_ms:.0f}% "
@@ -241,5 +237,5 @@ def bottleneck(parts: Sequence[StepParts], cores: int) -> str:
             return (f"bound by time off the CPU from {at}: the ranks wait {100 * share:.0f}% of the step for the CPU "
                     "or I/O with no peer to wait for (other processes on this machine?).")
     last = ordered[-1]
-    return (f"compute-bound up to {_ranks(last.world_size)}: computation is "
-            f"{100 * last.compute_ms / last.total_ms:.0f}% of the step at {_ranks(last.world_size)}.")
+    return (f"compute-bound up to {ranks(last.world_size)}: computation is "
+            f"{100 * last.compute_ms / last.total_ms:.0f}% of the step at {ranks(last.world_size)}.")

@@ -30,6 +30,7 @@ from ..backends.torch import shm
 from ..compiler import compile as compile_schedule
 from ..errors import OptimizerError
 from ..ir.graph import Program
+from ..ir.types import DTYPES, canonical_dtype
 from ..schedule.enumerate import enumerate_schedules
 from ..schedule.schedule import Schedule
 from .buckets import Bucket, make_buckets
@@ -38,7 +39,7 @@ log = logging.getLogger("cocoweave.optim")
 
 REDUCTION_MODES = ("avg", "sum", "adasum")  # how the ranks' gradients combine
 GATHERS = ("auto", "step", "forward")
-_PARAM_DTYPES = {torch.float32: "float32", torch.bfloat16: "bfloat16", torch.float16: "float16"}
+_PARAM_DTYPES = (torch.float32, torch.bfloat16, torch.float16)  # what the optimizer programs take
 _SD_WAIT_S = 5.0  # how long state_dict() waits for the other ranks before saying it is a collective
 
 
@@ -199,7 +200,7 @@ class DistributedOptimizer(torch.optim.Optimizer):
 
     def _program(self, b: Bucket, masked: bool = False) -> Program:
         sizes = {"N": b.shape[-1]} | ({"T": b.shape[0], "rows": True} if self.rows else {})
-        return self.workload(**sizes, grad="local", reduction=self.reduction, param_dtype=_PARAM_DTYPES[b.dtype],
+        return self.workload(**sizes, grad="local", reduction=self.reduction, param_dtype=canonical_dtype(b.dtype),
                              master_weights=self.master_weights, clip=self.max_grad_norm is not None, masked=masked)
 
     def _whole(self, b: Bucket) -> set[str]:
@@ -281,10 +282,10 @@ class DistributedOptimizer(torch.optim.Optimizer):
             into = b.pending if n in sliced else b.state
             t = state.get(n, master if n == "w" and master is not None else b.data if n == "w" else None)
             if t is not None:
-                into[n] = t.detach().to(_TORCH[v.dtype]).reshape(b.shape).clone()
+                into[n] = t.detach().to(DTYPES[v.dtype]).reshape(b.shape).clone()
             else:
                 shape = b.exe.local_shape(n) if n in sliced else b.shape
-                into[n] = torch.full(shape, self.initial_state(b, n), dtype=_TORCH[v.dtype], device=b.device)
+                into[n] = torch.full(shape, self.initial_state(b, n), dtype=DTYPES[v.dtype], device=b.device)
         self._publish_views(b)
 
     # -- the step -------------------------------------------------------------------------------
@@ -635,7 +636,6 @@ class DistributedOptimizer(torch.optim.Optimizer):
 
 
 _INSTANCES = itertools.count()
-_TORCH = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 
 
 PHASES = {"reduce_scatter": "reduce", "all_reduce": "reduce", "all_gather": "gather"}

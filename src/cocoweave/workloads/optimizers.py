@@ -25,8 +25,6 @@ Options every program takes:
 
 from __future__ import annotations
 
-from collections.abc import Callable
-
 from ..errors import ProgramError
 from ..ir import Local, Program, Replicated, Value
 from ..ir.ops import all_reduce, cast, minimum, norm, sqrt, where
@@ -200,7 +198,6 @@ def reduce_gradient(shape: tuple[Dim, ...] = (1 << 20,), reduction: str = "avg")
     return p
 
 
-OPTIMIZERS: dict[str, Callable[..., Program]] = {"sgd": sgd, "adam": adam, "adamw": adamw, "lamb": lamb}
 
 
 def adam_l2(N: int = 1 << 20, grad: str = "local", reduction: str = "avg", param_dtype: str = "float32",
