@@ -20,7 +20,7 @@ from ..errors import BackendError, LoadError
 from ..ir.graph import Program
 from ..ir.layout import Sliced
 from ..ir.types import DTYPES, bind_shape
-from ..launch import MAX_TIMEOUT_S, check_local_ranks
+from ..launch import check_local_ranks, check_seconds
 from ..loader import load_program, parse_sizes, symbolic_sizes
 from ..schedule.enumerate import enumerate_schedules
 from ..schedule.schedule import Schedule
@@ -60,11 +60,12 @@ def parse_world_sizes(text: str) -> list[int]:
 
 
 def parse_seconds(seconds: float, option: str = "--timeout") -> float:
-    """A timeout option's seconds; LoadError unless finite, above 0 and at most a week."""
-    if not (0 < seconds <= MAX_TIMEOUT_S):  # refuses inf and nan too
-        raise LoadError(f"{option} must be a finite number of seconds above 0 and at most {MAX_TIMEOUT_S:g} "
-                        f"(a week), got {seconds}")
-    return float(seconds)
+    """A timeout option's seconds; LoadError (bad input) unless finite, above 0 and at most a week, as the local
+    world checks them (launch.check_seconds)."""
+    try:
+        return check_seconds(seconds, option)
+    except BackendError as exc:
+        raise LoadError(str(exc)) from None
 
 
 def parse_timeouts(timeout: float, wall_timeout: float | None) -> tuple[float, float | None]:
