@@ -14,7 +14,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from cocoweave.cluster.catalog import Catalog, GPUSpec, MachineType, NetworkSpec
-from cocoweave.cluster.step_scaling import TRAFFIC, Traffic, work_share_fit
+from cocoweave.cluster.step_scaling import TRAFFIC, Traffic, counted_total, work_share_fit
 from cocoweave.errors import PlanningError
 
 FLOAT_DTYPES = ("float32", "float16", "bfloat16", "float64", "tfloat32", "float8")
@@ -37,8 +37,8 @@ class WorkCounts:
             raise PlanningError("the profile holds no operation counts (the script needs at least 2 warm-up steps); "
                                 "modelled predictions need them.")
         sizes = [r.world_size for r in counted]
-        flops = [_total(r.counts, "flops") for r in counted]
-        nbytes = [_total(r.counts, "bytes") for r in counted]
+        flops = [counted_total(r.counts, "flops") for r in counted]
+        nbytes = [counted_total(r.counts, "bytes") for r in counted]
         ref = max(counted, key=lambda r: r.world_size)
         hist = tuple((float(f), float(b), str(d), int(n)) for part in ("forward_backward", "update")
                      for f, b, d, n in ref.counts.get(part, {}).get("histogram", []))
@@ -57,10 +57,6 @@ def _scaling_fit(sizes: list[int], values: list[float]) -> tuple[float, float]:
     if len(set(sizes)) < 2:
         return values[0], 0.0
     return work_share_fit(sizes, values)
-
-
-def _total(counts: dict, key: str) -> float:
-    return sum(float(counts.get(part, {}).get(key, 0.0)) for part in ("forward_backward", "update"))
 
 
 @dataclass(frozen=True)

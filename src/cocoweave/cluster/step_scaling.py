@@ -101,6 +101,11 @@ class StepParts:
         return self.comm_cpu_ms + self.wait_ms
 
 
+def counted_total(counts: dict, key: str) -> float:
+    """A run's counted `key` ("flops" or "bytes") over the counted step: forward + backward and the update."""
+    return sum(float(counts.get(part, {}).get(key, 0.0)) for part in ("forward_backward", "update"))
+
+
 def work_share_fit(sizes: Sequence[int], flops: Sequence[float]) -> tuple[float, float]:
     """Non-negative (f0, f1) with per-rank FLOPs = f0 + f1 / p, fitted by relative least squares."""
     p = np.asarray(sizes, dtype=float)
@@ -160,8 +165,7 @@ def fit_host_scaling(runs: Sequence[WorldRun], cores: int) -> HostScaling:
                               f"got {sizes}.")
     multi = [r for r in runs if r.world_size > 1]
     traffic = Traffic.of(multi[-1])
-    flops = [r.counts.get("forward_backward", {}).get("flops", 0.0) + r.counts.get("update", {}).get("flops", 0.0)
-             for r in runs]
+    flops = [counted_total(r.counts, "flops") for r in runs]
     if all(f > 0 for f in flops):
         flops0, flops1 = work_share_fit(sizes, flops)
         reference = flops0 + flops1 / sizes[0]
