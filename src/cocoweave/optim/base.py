@@ -605,22 +605,16 @@ class DistributedOptimizer(torch.optim.Optimizer):
             if (len(steps) > 1 or any(e is None for e in entries)) and not b.masked:
                 self._rebuild(b, masked=True)
             try:
-                state = {}
-                for n, key in self.state_keys.items():
-                    state[n] = torch.zeros(b.shape, dtype=torch.float32, device=b.device)
-                    for i, e in enumerate(entries):
-                        if e is not None:
-                            b.part(state[n], i).copy_(e[key].reshape(b.params[i].shape))
+                zeros = dict(size=b.shape, dtype=torch.float32, device=b.device)
+                state = {n: b.fill(torch.zeros(**zeros), [e[key] if e is not None else None for e in entries])
+                         for n, key in self.state_keys.items()}
                 if "t" in b.exe.program.inputs:
-                    state["t"] = torch.zeros(b.shape, dtype=torch.float32, device=b.device)
-                    for i, e in enumerate(entries):
-                        b.part(state["t"], i).fill_(float(e["step"]) if e is not None else 0.0)
+                    state["t"] = b.fill(torch.zeros(**zeros), [float(e["step"]) if e is not None else 0.0
+                                                               for e in entries])
                 master = None
                 if "p" in b.exe.program.inputs:
-                    master = b.data.float().clone()
-                    for i, e in enumerate(entries):
-                        if e is not None and "master_param" in e:
-                            b.part(master, i).copy_(e["master_param"].reshape(b.params[i].shape))
+                    master = b.fill(b.data.float().clone(), [e.get("master_param") if e is not None else None
+                                                             for e in entries])
             except (KeyError, RuntimeError) as exc:
                 raise OptimizerError(f"{type(self).__name__}.load_state_dict: the state of group {b.group} does not "
                                      f"match its parameters ({exc})") from None

@@ -70,6 +70,16 @@ class Bucket:
         flat = buf[i] if self.rows else buf[self.offsets[i]:self.offsets[i] + p.numel()]
         return flat.view(p.shape)
 
+    def fill(self, buf: torch.Tensor, parts: list[torch.Tensor | float | None]) -> torch.Tensor:
+        """Write parameter i's part of bucket-shaped `buf` from parts[i] (a tensor of the parameter's elements, a
+        number for all of them, or None: left as it is); returns `buf`."""
+        for i, v in enumerate(parts):
+            if isinstance(v, torch.Tensor):
+                self.part(buf, i).copy_(v.reshape(self.params[i].shape))
+            elif v is not None:
+                self.part(buf, i).fill_(v)
+        return buf
+
     def attach(self, grad: torch.Tensor | None = None, data: torch.Tensor | None = None,
                keep_grad: bool = False) -> None:
         """Move the parameters into one buffer (`data`, or a new one) and give them gradient views into `grad` (a new
