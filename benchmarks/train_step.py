@@ -5,10 +5,12 @@ plain-torch peers, in the same run, interleaved and repeated, on a LocalWorld of
     .venv/bin/python benchmarks/train_step.py --models small --worlds 2 --rounds 3 --steps 8
     .venv/bin/python benchmarks/train_step.py --memory              # peak memory, 8 x Linear(2048, 2048)
 
---memory runs each variant in fresh ranks and reports peak RSS and PSS above the bare model (PSS splits the pages
-ranks share, e.g. cocoweave's shared-memory buckets, between them). `cocoweave-adamw` compiles its update with
-torch.compile, whose compiler takes about 200 MiB of RSS per process whatever the model; `cocoweave-adamw:eager`
-runs the same schedule with the update as eager torch ops, without the compiler.
+--memory runs each variant in fresh ranks and reports, above the bare model, rank 0's peak RSS (VmHWM) and its
+peak PSS (sampled after construction and after every backward and step). RSS counts a page shared by several
+ranks fully in each of them, PSS divides it between them: cocoweave keeps on one host the parameters once for all
+ranks and reads the others' gradient buckets in place, so its PSS is the fairer share of the machine's memory, and
+its RSS counts those shared pages in every rank. `cocoweave-adamw` compiles its update with torch.compile (the
+default route on CPU); `cocoweave-adamw:eager` runs the same schedule with the update as eager torch ops.
 
 Models (one per run, same initial weights everywhere): "small", 5.3M parameters (Embedding 4096x256, 4 x
 nn.TransformerEncoderLayer(256, 4 heads, ffn 1024), Linear head) and "large", 25.1M (Embedding 6144x512, 6 x
@@ -173,13 +175,17 @@ def memory(rank: int, world_size: int, variant: str, steps: int) -> dict[str, in
     with open("/proc/self/clear_refs", "w") as f:  # peak RSS from here on
         f.write("5")
     run, opt = build_for(variant, model)
+    pss = [_pss()]
     x = torch.randn(32, 2048, generator=torch.Generator().manual_seed(rank))
     for _ in range(steps):
         opt.zero_grad()
         run(x).square().mean().backward()
+        pss.append(_pss())
         opt.step()
+        pss.append(_pss())
         dist.barrier()
-    return {"peak_rss": _status("VmHWM") - base, "pss": _pss() - base, "state_bytes": state_bytes(opt)}
+    return {"peak_rss": _status("VmHWM") - base, "pss": pss[-1] - base, "peak_pss": max(pss) - base,
+            "state_bytes": state_bytes(opt)}
 
 
 def build_for(variant: str, model: torch.nn.Module) -> tuple[Any, Any]:
@@ -242,8 +248,8 @@ def main() -> None:
                 with LocalWorld(ws, timeout_s=900) as world:
                     res = world.run(memory, v, 5)[0]
                 doc["rows"].append({"world": ws, "variant": v, **res})
-                print(f"world {ws} {v:<22} peak RSS {res['peak_rss'] / 2**20:7.1f} MiB  PSS {res['pss'] / 2**20:7.1f} "
-                      f"MiB  optimizer state {res['state_bytes'] / 2**20:7.1f} MiB")
+                print(f"world {ws} {v:<22} peak RSS {res['peak_rss'] / 2**20:7.1f} MiB  peak PSS "
+                      f"{res['peak_pss'] / 2**20:7.1f} MiB  optimizer state {res['state_bytes'] / 2**20:7.1f} MiB")
     else:
         for ws in worlds:
             with LocalWorld(ws, timeout_s=1800) as world:

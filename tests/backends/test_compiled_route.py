@@ -6,6 +6,7 @@ stage that cannot be compiled still runs (op by op) with a warning."""
 from __future__ import annotations
 
 import warnings
+import weakref
 
 import pytest
 import torch
@@ -75,6 +76,7 @@ def test_a_stage_that_cannot_be_compiled_runs_op_by_op_with_a_warning(monkeypatc
         return fail
 
     monkeypatch.setattr(torch, "compile", broken)
+    monkeypatch.setattr(runtime, "_COMPILED", weakref.WeakValueDictionary())  # nothing compiled by an earlier test
     exe = Executable(lower(s), 0, 1, {}, "cpu", kernels="compiled")
     inputs = make_inputs(program, 1, {}, seed=0)
     want = reference.run(program, inputs, {})[0].state
@@ -108,3 +110,18 @@ def test_a_compiled_stage_under_a_dispatch_mode_runs_op_by_op_and_the_mode_sees_
             got = exe.run({k: v.clone() if isinstance(v, torch.Tensor) else v for k, v in inputs[0].items()}).state
     assert all(compare(got[n], want[n]).ok for n in want)
     assert torch.ops.aten.sqrt.default in ops  # Adam's update ran op by op where the mode could see it
+
+
+def test_executables_of_one_stage_and_shape_share_one_compilation():
+    """An optimizer's buckets of one size are executables of one plan: the first compiles the fused stage, the others
+    run that compilation (the compiler's time and memory paid once); another size compiles its own."""
+    compiled = []
+    for n in (16, 16, 24):
+        program = load_example("adam.py:adam", N=n)
+        s = Schedule(program)
+        s.fuse(*[x for x in s.stages if x.kind == "compute"])
+        exe = Executable(lower(s), 0, 1, {}, "cpu", kernels="compiled")
+        exe.run(dict(make_inputs(program, 1, {}, seed=0)[0]))
+        compiled += [f.fn for f in exe.ctx._stages.values() if isinstance(f, runtime.CompiledStage)]
+    assert len(compiled) == 3 and compiled[0] is compiled[1] is not None
+    assert compiled[2] is not compiled[0]

@@ -13,6 +13,7 @@ import torch
 import torch.distributed as dist
 from torch.nn.parallel import DistributedDataParallel as DDP
 
+from cocoweave.errors import OptimizerError
 from cocoweave.optim import DistributedAdamW, DistributedSGD
 
 STEPS = 50
@@ -198,3 +199,55 @@ def _slots_after_rebuilds(rank: int, world_size: int) -> list[bool]:
 def test_a_recompiled_bucket_keeps_its_tensors_in_the_new_programs_slots(local_world):
     for placed in local_world(2).run(_slots_after_rebuilds):
         assert placed and all(placed)
+
+
+def _stored_once(rank: int, world_size: int) -> list[float]:
+    """On one host the ranks keep the parameters in one tensor they all map (the all-gather is then a barrier):
+    what rank 0 writes into a weight between steps, every rank reads, and training still equals DDP + AdamW."""
+    ours, theirs = Net(torch.float32), Net(torch.float32)
+    opt = DistributedAdamW(ours.parameters(), lr=1e-2)
+    ref_opt, ddp = torch.optim.AdamW(theirs.parameters(), lr=1e-2), DDP(theirs)
+    for step in range(3):
+        for model, o in ((ours, opt), (ddp, ref_opt)):
+            o.zero_grad()
+            _loss(model, 2 * step + 1, 0, rank, world_size, torch.float32).backward()
+            o.step()
+    diff = max(float((p - q).abs().max()) for p, q in zip(ours.parameters(), theirs.parameters(), strict=True))
+    dist.barrier()
+    if rank == 0:
+        with torch.no_grad():
+            ours.a.weight[0, 0] = 123.0
+    dist.barrier()
+    return [diff, float(ours.a.weight[0, 0])]
+
+
+def test_the_ranks_of_one_host_store_the_parameters_once(local_world):
+    for diff, seen in local_world(2).run(_stored_once):
+        assert diff <= 2e-5
+        assert seen == 123.0
+
+
+def _steps_without_zero_grad(rank: int, world_size: int) -> list[str]:
+    """The reduction works inside the gradient buffers, so gradients cannot pile up across steps: a second step without
+    zero_grad() is refused with a sentence; model.zero_grad() (gradients set to None) is as good as opt.zero_grad()."""
+    model = Net(torch.float32)
+    opt = DistributedAdamW(model.parameters(), lr=1e-2)
+    said = []
+    for step, clear in enumerate(["opt", "model", None]):
+        if clear == "opt":
+            opt.zero_grad()
+        elif clear == "model":
+            model.zero_grad()
+        _loss(model, 2 * step + 1, 0, rank, world_size, torch.float32).backward()
+        try:
+            opt.step()
+            said.append("ok")
+        except OptimizerError as exc:
+            said.append(str(exc))
+    return said
+
+
+def test_a_step_without_zero_grad_since_the_last_is_refused(local_world):
+    for said in local_world(2).run(_steps_without_zero_grad):
+        assert said[:2] == ["ok", "ok"]
+        assert "without zero_grad()" in said[2] and "no_sync()" in said[2]

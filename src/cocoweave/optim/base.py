@@ -226,7 +226,7 @@ class DistributedOptimizer(torch.optim.Optimizer):
             with torch.no_grad():
                 for p in b.params:
                     dist.broadcast(p.data, src, group=self.process_group)
-        b.attach(*self._shared(b))
+        self._place(b)
         self._reset_state(b, {})
         for i, p in enumerate(b.params):
             self._owner[id(p)] = b
@@ -235,10 +235,13 @@ class DistributedOptimizer(torch.optim.Optimizer):
                  b.dtype, b.schedule.name)
 
     @staticmethod
-    def _shared(b: Bucket) -> tuple[torch.Tensor | None, torch.Tensor | None]:
-        """Where bucket b's gradients and parameters live so that its program's collectives need no copies (the
-        shared-memory slots on one host; None: a buffer of its own)."""
-        return b.exe.shared_input("g"), b.exe.shared_input("p" if "p" in b.exe.program.inputs else "w")
+    def _place(b: Bucket, keep_grad: bool = False) -> None:
+        """Put bucket b's gradients and parameters where its program's collectives need no copies (on one host: the
+        slot its gradient reduction reads, the tensor its all-gather fills, shared by the host's ranks; else buffers
+        of its own)."""
+        grad = b.exe.shared_input("g")
+        b.attach(grad, b.exe.shared_input("p" if "p" in b.exe.program.inputs else "w"), keep_grad=keep_grad)
+        b.in_slot, b.stale = grad is not None, set()
 
     def _rebuild(self, b: Bucket, masked: bool) -> None:
         """Recompile bucket b's program (masked, or clipping now on), its state carried over; its parameters and
@@ -247,7 +250,7 @@ class DistributedOptimizer(torch.optim.Optimizer):
         b.exe.cancel()
         self._compile(b, self._program(b, masked=masked))
         b.masked = masked
-        b.attach(*self._shared(b), keep_grad=True)
+        self._place(b, keep_grad=True)
         self._reset_state(b, whole)
 
     def _arrived(self, b: Bucket, i: int) -> Callable[[torch.Tensor], None]:
@@ -256,6 +259,7 @@ class DistributedOptimizer(torch.optim.Optimizer):
             if p.grad.data_ptr() != view.data_ptr():  # the user set .grad to None (or another tensor) before backward
                 view.copy_(p.grad)
                 p.grad = view
+                b.stale.discard(i)
             b.has_grad.add(i)
             b.version = b.grad._version  # any later in-place change of the gradients shows in this counter
             if not self._sync:  # accumulating under no_sync: the reduction waits for the backward outside it
@@ -268,24 +272,26 @@ class DistributedOptimizer(torch.optim.Optimizer):
 
     def _reset_state(self, b: Bucket, state: Mapping[str, torch.Tensor], master: torch.Tensor | None = None) -> None:
         """Give bucket b this (whole) state, initial values for names not given. The parameters themselves are the
-        program's weights (updated in place); fp32 master weights start from them. Sliced state is handed to the
-        executable on the next call, which keeps its slice (made already sliced when it starts from a constant)."""
+        program's weights (updated in place); fp32 master weights start from them. Sliced state goes to the
+        executable, which keeps only its slice (made already sliced when it starts from a constant: no whole copy)."""
         program, sliced = b.exe.program, set(b.schedule.sliced_state)
         model_reads = "p" if "p" in program.inputs else "w"
-        b.state, b.pending = {}, {}
+        b.state = {}
         for n, v in program.inputs.items():
             if v.op != "input" or n in ("g", "active"):
                 continue
             if n == model_reads:
                 b.state[n] = b.data
                 continue
-            into = b.pending if n in sliced else b.state
             t = state.get(n, master if n == "w" and master is not None else b.data if n == "w" else None)
-            if t is not None:
-                into[n] = t.detach().to(DTYPES[v.dtype]).reshape(b.shape).clone()
+            if n in sliced:  # whole: its slice is copied out; the initial value: made as the slice
+                b.exe.adopt(n, t.detach().to(DTYPES[v.dtype]).reshape(b.shape) if t is not None else
+                            torch.full(b.exe.local_shape(n), self.initial_state(b, n), dtype=DTYPES[v.dtype],
+                                       device=b.device))
+            elif t is not None:
+                b.state[n] = t.detach().to(DTYPES[v.dtype]).reshape(b.shape).clone()
             else:
-                shape = b.exe.local_shape(n) if n in sliced else b.shape
-                into[n] = torch.full(shape, self.initial_state(b, n), dtype=DTYPES[v.dtype], device=b.device)
+                b.state[n] = torch.full(b.shape, self.initial_state(b, n), dtype=DTYPES[v.dtype], device=b.device)
         self._publish_views(b)
 
     # -- the step -------------------------------------------------------------------------------
@@ -306,8 +312,10 @@ class DistributedOptimizer(torch.optim.Optimizer):
         phases: dict[str, float] = {}
         for b, exe, steps in runs:
             _finish(steps, exe, phases)
+            if b.in_slot:  # this rank's part of the gradient buffer now holds the reduced gradient
+                b.stale = set(range(len(b.params)))
             b.step += 1
-            b.pending, b.launched = {}, False
+            b.launched = False
             if self._defer(b):
                 self._deferred.append(b)
         if self._deferred and self._forward_hook is None:
@@ -371,7 +379,7 @@ class DistributedOptimizer(torch.optim.Optimizer):
         group = self.param_groups[b.group]
         if active is not None and not b.masked:  # for good: per-element step counts start at the bucket's count
             self._rebuild(b, masked=True)
-        inputs = {"g": b.grad, **b.state, **b.pending, **self.scalars(group, b.step + 1), **self._clip_scalar()}
+        inputs = {"g": b.grad, **b.state, **self.scalars(group, b.step + 1), **self._clip_scalar()}
         if b.masked:
             inputs["active"] = active if active is not None else torch.ones(b.shape, dtype=torch.bool,
                                                                              device=b.device)
@@ -387,6 +395,12 @@ class DistributedOptimizer(torch.optim.Optimizer):
         flags = []
         for b in buckets:
             none = set(b.restore_views())
+            if b.stale:
+                raise OptimizerError(
+                    f"{type(self).__name__}: step() was called without zero_grad() since the last step; the gradient "
+                    "buffers were reduced in place (on one host the reduction works inside them), so gradients cannot "
+                    "accumulate across steps. Call opt.zero_grad() (or model.zero_grad()) after each step, and "
+                    "accumulate micro-batches with opt.no_sync() before one step instead")
             if self._set_to_none:
                 none |= set(range(len(b.params))) - b.has_grad
             flags.append([0 if i in none else 1 for i in range(len(b.params))])
@@ -457,6 +471,7 @@ class DistributedOptimizer(torch.optim.Optimizer):
                 b.launched = False
             b.restore_views()
             b.grad.zero_()
+            b.stale = set()
             b.arrived.clear()
             b.has_grad = set() if set_to_none else set(range(len(b.params)))
 
@@ -509,18 +524,7 @@ class DistributedOptimizer(torch.optim.Optimizer):
     # -- state dicts ----------------------------------------------------------------------------
     def _gather_whole(self, b: Bucket) -> dict[str, torch.Tensor]:
         """Every state tensor of bucket b, whole (a collective when the executable keeps some sliced)."""
-        out = {}
-        for n in list(b.state) + [n for n in b.exe.plan.sliced_state if n not in b.state]:
-            if n in b.state:
-                out[n] = b.state[n]
-            elif n in b.pending:  # not handed over yet: whole, or a slice of a constant start (see _reset_state)
-                t = b.pending[n]
-                out[n] = t if t.numel() == b.numel else torch.full(b.shape, float(t.reshape(-1)[0]) if t.numel() else
-                                                                   self.initial_state(b, n), dtype=t.dtype,
-                                                                   device=t.device)
-            else:
-                out[n] = b.exe.gather_state(n)
-        return out
+        return {**b.state, **{n: b.exe.gather_state(n) for n in b.exe.plan.sliced_state if n not in b.state}}
 
     def _publish_steps(self) -> None:
         """`opt.state[p]["step"]` as torch users read it (so that torch's checkpoint helpers see an initialised

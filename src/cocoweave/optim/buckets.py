@@ -31,13 +31,14 @@ class Bucket:
     exe: Any = None  # the compiled program (cocoweave Executable)
     masked: bool = False  # it runs the masked program: a parameter of the bucket once went without a gradient
     state: dict[str, torch.Tensor] = field(default_factory=dict)  # state given on every call (not kept sliced)
-    pending: dict[str, torch.Tensor] = field(default_factory=dict)  # sliced state to hand over on the next call
     step: int = 0  # steps taken while every parameter of the bucket had a gradient
     arrived: set[int] = field(default_factory=set)  # parameters backward reached since the last launch or step
     has_grad: set[int] = field(default_factory=set)  # parameters with a gradient since zero_grad(set_to_none)
     launched: bool = False  # the gradient reduction was issued from a backward hook
     version: int | None = None  # the gradients' version counter when backward last wrote them
     norm: str | None = None  # clipping: the scalar all-reduce of the program's squared-norm partials
+    in_slot: bool = False  # `grad` is the slot of a shared-memory reduction, which leaves this rank's part reduced
+    stale: set[int] = field(default_factory=set)  # parameters whose gradient view still holds the last reduction
 
     def __post_init__(self) -> None:
         sizes = [p.numel() for p in self.params]
@@ -111,8 +112,10 @@ class Bucket:
             if p.grad is None:
                 missing.append(i)
                 view.zero_()
+                self.stale.discard(i)
             elif p.grad.data_ptr() != view.data_ptr() or p.grad.shape != view.shape:
                 view.copy_(p.grad)
+                self.stale.discard(i)
             p.grad = view
             if p.data.data_ptr() != self.part(self.data, i).data_ptr():  # the user replaced the weights
                 self.part(self.data, i).copy_(p.data)

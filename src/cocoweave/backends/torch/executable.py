@@ -150,17 +150,30 @@ class Executable:
             if self.rank not in v.group.ranks(self.world_size):
                 continue
             if name in given:
-                t = given.pop(name)
-                full, pos = bind_shape(v.shape, self.sizes), v.position(self.rank, self.world_size)
-                have = part_bounds(self.plan.unsliced.get(name, Replicated), full, pos)  # its part as written
-                if isinstance(t, torch.Tensor) and tuple(t.shape) == tuple(b - a for a, b in have):
-                    t = cut(t, have, part_bounds(v.layout, full, pos))
-                self.kept[name] = t.clone() if isinstance(t, torch.Tensor) else t
+                self._keep(name, given.pop(name), copy=True)
             if name not in self.kept:
                 raise InputError(f"rank {self.rank}: state `{name}` was never given; pass it on the first call")
             given[name] = self.kept[name]
         check_rank_inputs(self.program, self.rank, self.world_size, given, self.sizes)
         return given
+
+    def _keep(self, name: str, t: Any, copy: bool) -> None:
+        """Keep state `name` (sliced by the plan) from `t`: this rank's slice of it, or the tensor as the program
+        writes it (e.g. whole), whose slice is cut out. With `copy`, what is kept is a copy (the caller keeps `t`)."""
+        v = self.program.inputs[name]
+        full, pos = bind_shape(v.shape, self.sizes), v.position(self.rank, self.world_size)
+        have = part_bounds(self.plan.unsliced.get(name, Replicated), full, pos)  # its part as written
+        if isinstance(t, torch.Tensor) and tuple(t.shape) == tuple(b - a for a, b in have):
+            cut_ = cut(t, have, part_bounds(v.layout, full, pos))
+            copy = copy or cut_.numel() != t.numel()  # a slice of a larger tensor: keep only the slice
+            t = cut_
+        self.kept[name] = t.clone() if copy and isinstance(t, torch.Tensor) else t
+
+    def adopt(self, name: str, t: torch.Tensor) -> None:
+        """Hand state `name` (sliced by the plan) to the executable, which keeps it from now on: `t` is this rank's
+        slice (kept as it is, no copy: the caller must not use it afterwards) or the whole tensor (its slice is
+        copied out). Saves the copy a first `run` makes of state given as an input."""
+        self._keep(name, t, copy=False)
 
     def run(self, inputs: RankInputs, defer_gathers: bool = False) -> RankResult:
         """One step. State tensors are updated in place (sliced ones are kept by the executable);
@@ -207,32 +220,44 @@ class Executable:
     def shared_input(self, name: str) -> torch.Tensor | None:
         """Where to put input `name` so that a shared-memory collective works on it without copies: for the operand of
         the step's opening shm reduce-scatter or all-reduce, this rank's slot of it (a gradient bucket can live there,
-        filled by backward); for a state tensor an shm all-gather fills whole (an optimizer's parameters), a
-        whole-size slot the other ranks read this rank's part from. None when neither applies on this host."""
+        filled by backward); for a state tensor an shm all-gather fills whole (an optimizer's parameters), one tensor
+        all ranks of the group map when the step opens with a shared-memory collective of that group (whose barrier
+        orders every read of the old whole before any rank writes its new part: the all-gather is then a barrier,
+        the tensor stored once per host), else a whole-size slot of its own the other ranks read this rank's part
+        from. None when neither applies on this host."""
         if self.world_size == 1:
             return None
         view = self.plan.view(self.rank, self.world_size, self.sizes)
         stage = next((s for s in self.plan.stages if view.takes_part(s)), None)
         head = stage.values[0] if isinstance(stage, Collective | FusedCollective) else None
-        if head is not None and stage.algorithm == "shm" and head.op in ("all_reduce", "reduce_scatter") and \
-                head.args[0].name == name and head.args[0].op == "input":
-            x, key = head.args[0], head.name
+        opening = self._shm_group(head) if head is not None and stage.algorithm == "shm" else None
+        if opening is not None and head.op in ("all_reduce", "reduce_scatter") and head.args[0].name == name and \
+                head.args[0].op == "input":
+            x = head.args[0]
             if (x.dtype in ("float16", "bfloat16") and self.ctx.backend == "gloo") or \
                     (head.op == "reduce_scatter" and head.attrs["dim"] != 0):  # a copy is made anyway
                 return None
-        else:
-            new = self.plan.state.get(name)
-            at = next((s for s in self.plan.stages if new is not None and any(v is new for v in s.values)), None)
-            if new is None or new.op != "all_gather" or getattr(at, "algorithm", "") != "shm" or \
-                    new.attrs["dim"] != 0 or view.local_shape(new) != view.local_shape(self.program.inputs[name]):
-                return None
-            x, key, head = self.program.inputs[name], (new.name, "whole"), new
-        g = shm.group_for(self.ctx.group(head.attrs.get("axis") or x.group.name))  # on a mesh: the axis' line
+            shape = view.local_shape(x)
+            return self.ctx.shm_buffers.get(opening, head.name, math.prod(shape), DTYPES[x.dtype])[opening.me] \
+                [:math.prod(shape)].view(shape)
+        new = self.plan.state.get(name)
+        at = next((s for s in self.plan.stages if new is not None and any(v is new for v in s.values)), None)
+        if new is None or new.op != "all_gather" or getattr(at, "algorithm", "") != "shm" or \
+                new.attrs["dim"] != 0 or view.local_shape(new) != view.local_shape(self.program.inputs[name]):
+            return None
+        x, g = self.program.inputs[name], self._shm_group(new)
         if g is None:
             return None
         shape = view.local_shape(x)
         numel = math.prod(shape)
-        return self.ctx.shm_buffers.get(g, key, numel, DTYPES[x.dtype])[g.me][:numel].view(shape)
+        if opening is g:
+            return self.ctx.shm_buffers.common(g, (new.name, "whole"), numel, DTYPES[x.dtype]).view(shape)
+        return self.ctx.shm_buffers.get(g, (new.name, "whole"), numel, DTYPES[x.dtype])[g.me][:numel].view(shape)
+
+    def _shm_group(self, collective: Any) -> shm.ShmGroup | None:
+        """The shared-memory group a collective value runs over (on a mesh: the line of its axis through this
+        rank), or None where its ranks do not share this host."""
+        return shm.group_for(self.ctx.group(collective.attrs.get("axis") or collective.group.name))
 
     def wait(self) -> None:
         """Complete the all-gathers a deferred step left in flight (their state tensors are then final)."""

@@ -12,6 +12,7 @@ from __future__ import annotations
 import math
 import time
 import warnings
+import weakref
 from collections.abc import Callable, Sequence
 from contextlib import contextmanager
 from typing import Any
@@ -94,20 +95,19 @@ def logical_index(full: Sequence[int], local: Sequence[int], dim: int | Sequence
 
 class CompiledStage:
     """A fused stage's function run as one loop: torch.compile (Inductor: C++ on CPU, Triton on CUDA), compiled
-    once per executable. Python numbers (learning rate, step, dropout keys) are passed as 0-dim tensors kept here,
-    so that a new value each step does not recompile."""
+    on the first call. Python numbers (learning rate, step, dropout keys) are passed as 0-dim tensors kept here,
+    so that a new value each step does not recompile. Stages of the same code called on tensors of the same shapes
+    (an optimizer's buckets of one size, each its own executable) share one compilation: the compiler's work and
+    memory are paid once per process, not once per bucket."""
 
     def __init__(self, fn: Callable[..., Any]):
-        import torch._inductor.config as inductor
-
-        inductor.compile_threads = 1  # ranks share the machine's cores: no pool of compile workers per rank
         self.name, self.eager = fn.__name__, fn
-        self.fn: Callable[..., Any] | None = torch.compile(fn, fullgraph=True, dynamic=False)
+        self.fn: Callable[..., Any] | None = None  # the compiled function, found or made on the first call
+        self.failed = False  # it could not be compiled: the ops run one by one
         self.numbers: dict[int, torch.Tensor] = {}
-        self.compiled = False
 
     def __call__(self, *args: Any) -> Any:
-        if self.fn is None or _get_current_dispatch_mode() is not None:
+        if self.failed or _get_current_dispatch_mode() is not None:
             # a dispatch mode watching the ops (a FLOP counter, `cocoweave profile`'s counted step) sees them one by
             # one: torch.compile refuses to run under one
             return self.eager(*args)
@@ -121,18 +121,40 @@ class CompiledStage:
                 t.fill_(a)
                 a = t
             call.append(a)
-        if self.compiled:
+        if self.fn is not None:
             return self.fn(*call)
+        key = _stage_key(self.eager, call)
+        shared = _COMPILED.get(key)
+        if shared is not None:
+            self.fn = shared
+            return shared(*call)
+        import torch._inductor.config as inductor
+
+        inductor.compile_threads = 1  # ranks share the machine's cores: no pool of compile workers per rank
+        fn = torch.compile(self.eager, fullgraph=True, dynamic=False)
         try:  # the first call compiles; a machine without a working C++ compiler runs the ops one by one
-            out = self.fn(*call)
+            out = fn(*call)
         except Exception as exc:  # noqa: BLE001 - torch.compile raises many types; the stage still runs
             warnings.warn(f"fused stage {self.name} could not be compiled ({type(exc).__name__}: "
                           f"{str(exc).strip().splitlines()[0][:200] if str(exc).strip() else ''}); it runs op by op. "
                           f"Set {KERNELS_HINT} to choose the route.", RuntimeWarning, stacklevel=2)
-            self.fn = None
+            self.failed = True
             return self.eager(*args)
-        self.compiled = True
+        self.fn = _COMPILED[key] = fn
         return out
+
+
+# compiled stage functions by code and argument shapes, while a CompiledStage holds them
+_COMPILED: weakref.WeakValueDictionary[tuple, Callable[..., Any]] = weakref.WeakValueDictionary()
+
+
+def _stage_key(fn: Callable[..., Any], args: Sequence[Any]) -> tuple:
+    """What decides a compiled stage: its code (constants included), and its tensors' shapes, strides, dtypes and
+    devices (numbers arrive as 0-dim tensors)."""
+    code = fn.__code__
+    return (code.co_code, code.co_consts, code.co_names, code.co_varnames,
+            tuple((tuple(a.shape), a.stride(), a.dtype, a.device) if isinstance(a, torch.Tensor) else type(a)
+                  for a in args))
 
 
 class Pending:
@@ -446,9 +468,13 @@ class RankContext:
         flat_parts = self._rows(rows, flat.numel() // rows if rows else 0, g.size, shares)
         slots = self.shm_buffers.get(g, out, flat.numel(), flat.dtype)
         mine = parts(rows, g.size, shares)[g.me]
+        shape = with_dim(x.shape, dim, mine[1] - mine[0])
+        if dim == 0 and wire.dtype == x.dtype:  # reduced in place in this rank's slot: valid until it is written
+            reduced = shm.reduce_scatter(g, slots, flat, op, flat_parts).view(shape)
+            return self._done(None, lambda: reduced, async_op)
         part = self.buffer((out, "part"), (mine[1] - mine[0], *wire.shape[1:]), flat.dtype)
         shm.reduce_scatter(g, slots, flat, op, flat_parts, part.view(-1))
-        res = self.buffer(out, with_dim(x.shape, dim, mine[1] - mine[0]), x.dtype)
+        res = self.buffer(out, shape, x.dtype)
         res.movedim(dim, 0).copy_(part)
         return self._done(None, lambda: res, async_op)
 
@@ -465,10 +491,16 @@ class RankContext:
         flat = xt.reshape(-1) if xt.is_contiguous() else xt.contiguous().reshape(-1)
         row = flat.numel() // x.shape[dim] if x.shape[dim] else math.prod(xt.shape[1:])
         bounds = parts(total, g.size, shares)
+        flat_bounds = [(a * row, (b - a) * row) for a, b in bounds]
+        common = self.shm_buffers.commons.get((out, "whole"))
+        if into is not None and dim == 0 and common is not None and into.data_ptr() == common.data_ptr():
+            # the state is stored once for the group (Executable.shared_input): parts in place, one barrier
+            shm.gather_common(g, common, flat_bounds, flat)
+            return self._done(None, lambda: res, async_op)
         wholes = self.shm_buffers.slots.get((out, "whole"))
         if into is not None and dim == 0 and wholes is not None and into.data_ptr() == wholes[g.me].data_ptr():
             # the state lives in shared memory (Executable.shared_input): the others read this rank's part there
-            shm.gather_in_place(g, wholes, [(a * row, (b - a) * row) for a, b in bounds], flat)
+            shm.gather_in_place(g, wholes, flat_bounds, flat)
             return self._done(None, lambda: res, async_op)
         biggest = max(stop - start for start, stop in bounds)
         slots = self.shm_buffers.get(g, out, biggest * row, x.dtype)

@@ -150,6 +150,12 @@ class ShmGroup:
 
         _wait_until(lambda: int(self.flags.min()) >= self.epoch, check)
 
+    def common(self, prefix: str, numel: int, dtype: torch.dtype) -> torch.Tensor:
+        """A new segment of `numel` elements that every rank of the group maps: the same memory on all of them."""
+        itemsize = torch.empty((), dtype=dtype).element_size()
+        seg = _map(_unique(f"{self.key}/{prefix}"), max(numel * itemsize, 64), self.ranks)
+        return seg[:numel * itemsize].view(dtype)
+
     def slots(self, prefix: str, numel: int, dtype: torch.dtype) -> list[torch.Tensor]:
         """A new segment of one slot of `numel` elements per rank (index i: group rank i's slot)."""
         itemsize = torch.empty((), dtype=dtype).element_size()
@@ -181,10 +187,18 @@ def same_host(peer: int) -> bool:
 
 
 class ShmBuffers:
-    """The slots one collective of an executable uses, made on first use and kept for every later step."""
+    """The slots one collective of an executable uses, made on first use and kept for every later step; and the
+    tensors its ranks share whole (`common`)."""
 
     def __init__(self) -> None:
         self.slots: dict[Any, list[torch.Tensor]] = {}
+        self.commons: dict[Any, torch.Tensor] = {}
+
+    def common(self, g: ShmGroup, key: Any, numel: int, dtype: torch.dtype) -> torch.Tensor:
+        c = self.commons.get(key)
+        if c is None or c.numel() != numel or c.dtype != dtype:
+            c = self.commons[key] = g.common(str(key), numel, dtype)
+        return c
 
     def get(self, g: ShmGroup, key: Any, numel: int, dtype: torch.dtype) -> list[torch.Tensor]:
         s = self.slots.get(key)
@@ -209,13 +223,18 @@ def _reduce(slots: list[torch.Tensor], start: int, n: int, op: str, out: torch.T
 
 
 def reduce_scatter(g: ShmGroup, slots: list[torch.Tensor], flat: torch.Tensor, op: str,
-                   parts: list[tuple[int, int]], out: torch.Tensor) -> torch.Tensor:
-    """Every rank's `flat` reduced with `op`; this rank's part (start, length in `parts`) into `out`."""
+                   parts: list[tuple[int, int]], out: torch.Tensor | None = None) -> torch.Tensor:
+    """Every rank's `flat` reduced with `op`; this rank's part (start, length in `parts`) into `out`, or, when
+    `out` is None, in place into this rank's part of its own slot (as Megatron-core reduce-scatters into its
+    gradient buffer's shard: no result buffer; nobody else reads that part of this slot), returned as a view."""
     _write(slots[g.me][:flat.numel()], flat)
     g.barrier()
     start, n = parts[g.me]
-    out.copy_(slots[0][start:start + n])
-    _reduce(slots, start, n, op, out, 0)
+    if out is None:
+        out = _reduce(slots, start, n, op, slots[g.me][start:start + n], g.me)
+    else:
+        out.copy_(slots[0][start:start + n])
+        _reduce(slots, start, n, op, out, 0)
     g.barrier()  # nobody reads a slot after this: its owner may write it again
     return out
 
@@ -259,6 +278,18 @@ def gather_in_place(g: ShmGroup, wholes: list[torch.Tensor], bounds: list[tuple[
         if j != g.me and k:
             me[s:s + k].copy_(wholes[j][s:s + k])
     g.barrier()  # a rank changes its part again only after every other rank has copied it
+
+
+def gather_common(g: ShmGroup, whole: torch.Tensor, bounds: list[tuple[int, int]], part: torch.Tensor) -> None:
+    """All-gather into one tensor every rank of the group maps (Executable.shared_input: an optimizer's parameters
+    stored once per host): each rank's part goes to [start, start + length) of `bounds` (nothing to copy when it
+    was computed there), then one barrier. The caller guarantees that no rank writes its part again before every
+    rank is done reading the whole: a step that opens with a shared-memory collective of the group does (its
+    first barrier comes after everything read before it)."""
+    start, n = bounds[g.me]
+    if n and part.data_ptr() != whole[start:start + n].data_ptr():
+        whole[start:start + n].copy_(part.reshape(-1))
+    g.barrier()
 
 
 class Pair:
