@@ -22,7 +22,8 @@ Every variant lives in the same rank processes; each round times every variant f
 warm-up step, in a rotated order. The step time of a variant is the median over all its steps of the slowest
 rank's time (each step starts after a barrier); the table gives it, its ratio to the fastest peer (the fastest
 variant that is not cocoweave) and the optimizer-state bytes per rank. JSON goes to
-benchmarks/results/train_step-<device>-<date>.json with the machine, versions, date and load average.
+benchmarks/results/train_step-<device>-<date>.json (options other than the defaults named before <device>) with the
+machine, versions, date and load average; --memory to memory-<device>-<date>.json.
 """
 
 from __future__ import annotations
@@ -98,6 +99,8 @@ def build(variant: str, model_name: str) -> tuple[Any, Any]:
     kind, _, how = variant.partition(":")
     if kind == "cocoweave-adamw":
         return model, DistributedAdamW(model.parameters(), **ADAMW, schedule=how or "auto")
+    if kind == "cocoweave-adamw-eager":  # the update as eager torch ops (no torch.compile)
+        return model, DistributedAdamW(model.parameters(), **ADAMW, schedule=how or "auto", kernels="torch")
     if kind == "cocoweave-sgd":
         return model, DistributedSGD(model.parameters(), **SGD, schedule=how or "auto")
     if kind == "fsdp2":
@@ -117,10 +120,10 @@ def build(variant: str, model_name: str) -> tuple[Any, Any]:
                                                                 {"foreach": True}))
 
 
-def variants(optimizer: str) -> list[str]:
+def variants(optimizer: str, eager: bool = False) -> list[str]:
     if optimizer == "adamw":
         return ["ddp-adamw:foreach", "ddp-adamw:fused", "ddp-zero", "fsdp2", "cocoweave-adamw",
-                "cocoweave-adamw:RS-C-AG+slice(m,v)"]
+                "cocoweave-adamw:RS-C-AG+slice(m,v)"] + (["cocoweave-adamw-eager"] if eager else [])
     return ["ddp-sgd:foreach", "ddp-sgd:fused", "cocoweave-sgd", "cocoweave-sgd:RS-C-AG+slice(buf)"]
 
 
@@ -233,6 +236,8 @@ def main() -> None:
     ap.add_argument("--rounds", type=int, default=3)
     ap.add_argument("--steps", type=int, default=6)
     ap.add_argument("--memory", action="store_true", help="peak memory per variant instead of step times")
+    ap.add_argument("--repeats", type=int, default=3, help="--memory: fresh runs of each variant (median reported)")
+    ap.add_argument("--eager", action="store_true", help="also time DistributedAdamW with its update as eager ops")
     ap.add_argument("--out", type=Path, default=Path(__file__).parent / "results")
     args = ap.parse_args()
     from cocoweave.backends.torch.worker import step_time_ms, step_times
@@ -242,20 +247,32 @@ def main() -> None:
     doc: dict[str, Any] = {"command": "benchmarks/train_step.py " + " ".join(os.sys.argv[1:]), "machine": machine(),
                            "rows": []}
     print(f"load average at start: {os.getloadavg()[0]:.2f}")
-    if args.memory:
+    if args.memory:  # every variant in fresh ranks, the variants taking turns, --repeats times
+        names = ["ddp-adamw:fused", "ddp-zero", "fsdp2", "cocoweave-adamw", "cocoweave-adamw:eager"]
         for ws in worlds:
-            for v in ["ddp-adamw:fused", "ddp-zero", "fsdp2", "cocoweave-adamw", "cocoweave-adamw:eager"]:
-                with LocalWorld(ws, timeout_s=900) as world:
-                    res = world.run(memory, v, 5)[0]
-                doc["rows"].append({"world": ws, "variant": v, **res})
-                print(f"world {ws} {v:<22} peak RSS {res['peak_rss'] / 2**20:7.1f} MiB  peak PSS "
-                      f"{res['peak_pss'] / 2**20:7.1f} MiB  optimizer state {res['state_bytes'] / 2**20:7.1f} MiB")
+            runs: dict[str, list[dict]] = {v: [] for v in names}
+            for _ in range(args.repeats):
+                for v in names:
+                    with LocalWorld(ws, timeout_s=900) as world:
+                        runs[v].append(world.run(memory, v, 5)[0])
+            print(f"\nworld {ws}: MiB above the bare model, median (min-max) of {args.repeats} fresh runs")
+            for v in names:
+                row = {"world": ws, "variant": v, "runs": runs[v], "state_bytes": runs[v][0]["state_bytes"]}
+                for k in ("peak_rss", "peak_pss"):
+                    xs = sorted(r[k] for r in runs[v])
+                    row[k] = xs[len(xs) // 2]
+                    row[k + "_range"] = [xs[0], xs[-1]]
+                doc["rows"].append(row)
+                print(f"  {v:<22} peak RSS {row['peak_rss'] / 2**20:6.1f} ({row['peak_rss_range'][0] / 2**20:.0f}-"
+                      f"{row['peak_rss_range'][1] / 2**20:.0f})  peak PSS {row['peak_pss'] / 2**20:6.1f} "
+                      f"({row['peak_pss_range'][0] / 2**20:.0f}-{row['peak_pss_range'][1] / 2**20:.0f})  "
+                      f"optimizer state {row['state_bytes'] / 2**20:6.1f}")
     else:
         for ws in worlds:
             with LocalWorld(ws, timeout_s=1800) as world:
                 for model_name in args.models.split(","):
                     for optimizer in args.optimizers.split(","):
-                        names = variants(optimizer)
+                        names = variants(optimizer, args.eager)
                         per_rank = world.run(timings, model_name, names, args.rounds, args.steps)
                         rows = []
                         for v in names:
@@ -277,7 +294,9 @@ def main() -> None:
     doc["machine"]["load_average_end"] = os.getloadavg()
     args.out.mkdir(parents=True, exist_ok=True)
     kind = "memory" if args.memory else "train_step"
-    path = args.out / f"{kind}-cpu{os.cpu_count()}-{datetime.date.today().isoformat()}.json"
+    options = {"models": args.models, "worlds": args.worlds, "optimizers": args.optimizers, "eager": args.eager}
+    tag = "".join(f"-{k}-{v}".replace(",", "+") for k, v in options.items() if v != ap.get_default(k))
+    path = args.out / f"{kind}{'' if args.memory else tag}-cpu{os.cpu_count()}-{datetime.date.today().isoformat()}.json"
     path.write_text(json.dumps(doc, indent=1))
     print(f"\nJSON: {path}")
 

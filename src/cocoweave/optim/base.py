@@ -10,6 +10,9 @@ The step of one bucket, with the usual sliced schedule RS-C-AG+slice(m,v) on p r
 - `step()` runs the program: wait for the reduction, update 1/p of the weights and of exp_avg / exp_avg_sq (kept
   sliced by the executable: 1/p of the memory), all-gather the new weights straight into the parameters (or, with
   gather="forward", leave the gather in flight until a module that uses them runs forward).
+On one host the shared-memory reduce-scatter works inside the gradient bucket (this rank's part ends up holding the
+reduced gradient: a step needs zero_grad() since the last one), and the parameters are one tensor all ranks map
+(each updates its part in place; the all-gather is a barrier): parameters once per host, no result buffers.
 """
 
 from __future__ import annotations

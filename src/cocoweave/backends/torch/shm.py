@@ -5,8 +5,11 @@ Each rank of a process group owns a slot of a segment (a file in /dev/shm mapped
 unlinked as soon as all have mapped it, so nothing outlives the processes). A collective is: every rank writes its
 operand into its slot (nothing to write when the operand already lives there, e.g. a gradient bucket the
 optimizer allocated in shared memory), a barrier, every rank reads what it needs straight from the others' slots,
-a barrier. A reduce-scatter then reads 1/p of every slot and writes nothing back; an all-reduce reduces its 1/p
-into its own slot and reads the others' reduced parts; an all-gather reads the others' parts. This is DeepSpeed's
+a barrier. A reduce-scatter then reads 1/p of every slot and reduces into its own part of its own slot (nobody else
+reads that part); an all-reduce reduces its 1/p into its own slot and reads the others' reduced parts; an all-gather
+reads the others' parts. A state tensor every rank holds whole and only an all-gather writes (an optimizer's
+parameters) can live in one segment all ranks map (`common`): each rank computes its part in place there and the
+all-gather is a barrier, the tensor stored once per host. This is DeepSpeed's
 CPU shared-memory all-reduce idea (and what NCCL's SHM transport does between GPUs of a node), here as a checked
 schedule choice for every collective of a program.
 
