@@ -3,11 +3,11 @@ the gradients and updates the parameters with one compiled cocoweave program per
 
     dist.init_process_group("gloo")          # or NCCL; under torchrun
     opt = cocoweave.optim.DistributedAdamW(model.parameters(), lr=1e-3, weight_decay=0.01, max_grad_norm=1.0)
-    loss.backward(); opt.step(); opt.zero_grad()
+    loss.backward(); opt.step(); opt.zero_grad()   # zero_grad() between steps: buckets are reduced in place
 """
 
 from .base import DistributedOptimizer, resolve_schedule
-from .optimizers import DistributedAdam, DistributedAdamW, DistributedLAMB, DistributedSGD
+from .optimizers import DistributedAdam, DistributedAdamW, DistributedLAMB, DistributedOptions, DistributedSGD
 
-__all__ = ["DistributedAdam", "DistributedAdamW", "DistributedLAMB", "DistributedOptimizer", "DistributedSGD",
-           "resolve_schedule"]
+__all__ = ["DistributedAdam", "DistributedAdamW", "DistributedLAMB", "DistributedOptimizer", "DistributedOptions",
+           "DistributedSGD", "resolve_schedule"]

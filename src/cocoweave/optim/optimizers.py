@@ -5,7 +5,7 @@ the gradients (from backward hooks, while backward goes on) and updates weights 
 from __future__ import annotations
 
 from collections.abc import Iterable
-from typing import Any
+from typing import Any, TypedDict, Unpack
 
 import torch
 
@@ -13,41 +13,60 @@ from ..errors import OptimizerError
 from ..workloads.optimizers import adam_l2, adamw, lamb, sgd
 from .base import DistributedOptimizer
 
+
+class DistributedOptions(TypedDict, total=False):
+    """The options every distributed optimizer takes beside its hyperparameters (DistributedAdamW says what each
+    does)."""
+
+    schedule: str
+    reduction: str
+    max_grad_norm: float | None
+    process_group: Any
+    bucket_cap_mb: float
+    overlap: bool
+    gather: str
+    master_weights: bool
+    kernels: str | None
+    module: torch.nn.Module | None
+
+
 # torch.optim's implementation switches: one fused program runs every step here, so they change nothing
 _IGNORED = ("fused", "foreach", "capturable", "differentiable")
+_UNSUPPORTED = {"amsgrad": "amsgrad=True is not supported yet; use amsgrad=False",
+                "maximize": "maximize=True is not supported yet; minimise the negated loss instead",
+                "capturable": "capturable=True is not supported (the step runs one compiled program per bucket); "
+                              "leave it False",
+                "differentiable": "differentiable=True is not supported (the step runs one compiled program per "
+                                  "bucket); leave it False"}
 
 
-def _torch_options(name: str, options: dict[str, Any]) -> dict[str, Any]:
-    """Accept torch.optim's keyword arguments that mean the same here; refuse with a sentence those that do not."""
-    out = {}
+def _options(name: str, options: dict[str, Any], torch_names: bool = True) -> dict[str, Any]:
+    """The distributed options among `options`. torch.optim's keyword arguments that mean the same here are accepted
+    (`torch_names`), those that do not are refused with a sentence, as is any other name."""
+    ours = {}
     for key, value in options.items():
-        if key in _IGNORED:
-            if key in ("capturable", "differentiable") and value:
-                raise OptimizerError(f"{name}: {key}=True is not supported (the step runs one compiled program per "
-                                     "bucket); leave it False")
-            continue
-        if key == "amsgrad":
-            if value:
-                raise OptimizerError(f"{name}: amsgrad=True is not supported yet; use amsgrad=False")
-            continue
-        if key == "maximize":
-            if value:
-                raise OptimizerError(f"{name}: maximize=True is not supported yet; minimise the negated loss instead")
-            continue
-        out[key] = value
-    if out:
-        raise OptimizerError(f"{name}: unknown argument {next(iter(out))!r}")
-    return out
+        if key in DistributedOptions.__annotations__:
+            ours[key] = value
+        elif torch_names and key in _UNSUPPORTED and value:
+            raise OptimizerError(f"{name}: {_UNSUPPORTED[key]}")
+        elif not (torch_names and (key in _IGNORED or key in _UNSUPPORTED)):
+            raise OptimizerError(f"{name}: unknown argument {key!r}")
+    return ours
 
 
 class _AdamLike(DistributedOptimizer):
     state_keys = {"m": "exp_avg", "v": "exp_avg_sq"}
 
+    def __init__(self, params: Iterable[Any], lr: float, betas: tuple[float, float], eps: float,
+                 weight_decay: float, torch_names: bool, options: dict[str, Any]):
+        defaults = {"lr": lr, "betas": tuple(betas), "eps": eps, "weight_decay": weight_decay}
+        super().__init__(params, defaults, **_options(type(self).__name__, options, torch_names))
+
     def check_group(self, group: dict[str, Any]) -> None:
         betas = group["betas"]
         if len(betas) != 2 or not all(isinstance(b, int | float) and 0.0 <= b < 1.0 for b in betas):
             raise OptimizerError(f"{type(self).__name__}: betas must be two numbers in [0, 1), got {betas!r}")
-        _torch_options(type(self).__name__, {k: group[k] for k in ("amsgrad", "maximize") if k in group})
+        _options(type(self).__name__, {k: group[k] for k in ("amsgrad", "maximize") if k in group})
 
     def scalars(self, group: dict[str, Any], step: int) -> dict[str, float]:
         b1, b2 = group["betas"]
@@ -67,7 +86,8 @@ class DistributedAdamW(_AdamLike):
     backward; gather: "step" (the new parameters are in place when step() returns), "forward" (finished just
     before a module that uses them runs) or "auto" (forward on CUDA, step on CPU); master_weights: fp32 master
     weights and state for bf16/fp16 parameters (default False: torch's own semantics, state in their dtype);
-    module: the model, to broadcast its buffers (BatchNorm statistics) from rank 0 before each forward, as DDP does.
+    kernels: how the fused update runs ("auto", "compiled", "triton", "torch"); module: the model, to broadcast its
+    buffers (BatchNorm statistics) from rank 0 before each forward, as DDP does.
     torch.optim's fused=, foreach=, capturable=False, differentiable=False and amsgrad=False are accepted.
     Clip with max_grad_norm= or opt.clip_grad_norm_(max_norm), never torch.nn.utils.clip_grad_norm_: gradients are
     reduced in step(), so between backward() and step() each rank holds its own (a change there is refused)."""
@@ -75,15 +95,8 @@ class DistributedAdamW(_AdamLike):
     workload = staticmethod(adamw)
 
     def __init__(self, params: Iterable[Any], lr: float = 1e-3, betas: tuple[float, float] = (0.9, 0.999),
-                 eps: float = 1e-8, weight_decay: float = 1e-2, *, schedule: str = "auto", reduction: str = "avg",
-                 max_grad_norm: float | None = None, process_group: Any = None, bucket_cap_mb: float = 25.0,
-                 overlap: bool = True, gather: str = "auto", master_weights: bool = False, kernels: str | None = None,
-                 module: torch.nn.Module | None = None, **torch_options: Any):
-        _torch_options(type(self).__name__, torch_options)
-        defaults = {"lr": lr, "betas": tuple(betas), "eps": eps, "weight_decay": weight_decay}
-        super().__init__(params, defaults, schedule, reduction, max_grad_norm, process_group,
-                         bucket_cap_mb=bucket_cap_mb, overlap=overlap, gather=gather, master_weights=master_weights,
-                         kernels=kernels, module=module)
+                 eps: float = 1e-8, weight_decay: float = 1e-2, **options: Unpack[DistributedOptions]):
+        super().__init__(params, lr, betas, eps, weight_decay, True, dict(options))
 
 
 class DistributedAdam(DistributedAdamW):
@@ -93,27 +106,22 @@ class DistributedAdam(DistributedAdamW):
     workload = staticmethod(adam_l2)
 
     def __init__(self, params: Iterable[Any], lr: float = 1e-3, betas: tuple[float, float] = (0.9, 0.999),
-                 eps: float = 1e-8, weight_decay: float = 0.0, **options: Any):
+                 eps: float = 1e-8, weight_decay: float = 0.0, **options: Unpack[DistributedOptions]):
         super().__init__(params, lr, betas, eps, weight_decay, **options)
 
 
 class DistributedLAMB(_AdamLike):
     """LAMB (You et al. 2020, Algorithm 2, phi = identity): the bias-corrected Adam direction plus weight decay,
     scaled per parameter tensor by |w| / |u|. Parameters of equal size share one [T, N] bucket (one per row), so
-    the sliced schedules give each rank whole tensors and the trust ratios need no communication."""
+    the sliced schedules give each rank whole tensors and the trust ratios need no communication. The options are
+    DistributedAdamW's (torch has no LAMB, so none of torch.optim's switches)."""
 
     workload = staticmethod(lamb)
     rows = True
 
     def __init__(self, params: Iterable[Any], lr: float = 1e-3, betas: tuple[float, float] = (0.9, 0.999),
-                 eps: float = 1e-6, weight_decay: float = 0.0, *, schedule: str = "auto", reduction: str = "avg",
-                 max_grad_norm: float | None = None, process_group: Any = None, bucket_cap_mb: float = 25.0,
-                 overlap: bool = True, gather: str = "auto", master_weights: bool = False, kernels: str | None = None,
-                 module: torch.nn.Module | None = None):
-        defaults = {"lr": lr, "betas": tuple(betas), "eps": eps, "weight_decay": weight_decay}
-        super().__init__(params, defaults, schedule, reduction, max_grad_norm, process_group,
-                         bucket_cap_mb=bucket_cap_mb, overlap=overlap, gather=gather, master_weights=master_weights,
-                         kernels=kernels, module=module)
+                 eps: float = 1e-6, weight_decay: float = 0.0, **options: Unpack[DistributedOptions]):
+        super().__init__(params, lr, betas, eps, weight_decay, False, dict(options))
 
 
 class DistributedSGD(DistributedOptimizer):
@@ -125,17 +133,10 @@ class DistributedSGD(DistributedOptimizer):
     has_step = False
 
     def __init__(self, params: Iterable[Any], lr: float = 1e-3, momentum: float = 0.0, dampening: float = 0.0,
-                 weight_decay: float = 0.0, nesterov: bool = False, *, schedule: str = "auto",
-                 reduction: str = "avg", max_grad_norm: float | None = None, process_group: Any = None,
-                 bucket_cap_mb: float = 25.0, overlap: bool = True, gather: str = "auto",
-                 master_weights: bool = False, kernels: str | None = None, module: torch.nn.Module | None = None,
-                 **torch_options: Any):
-        _torch_options(type(self).__name__, torch_options)
+                 weight_decay: float = 0.0, nesterov: bool = False, **options: Unpack[DistributedOptions]):
         defaults = {"lr": lr, "momentum": momentum, "dampening": dampening, "weight_decay": weight_decay,
                     "nesterov": nesterov}
-        super().__init__(params, defaults, schedule, reduction, max_grad_norm, process_group,
-                         bucket_cap_mb=bucket_cap_mb, overlap=overlap, gather=gather, master_weights=master_weights,
-                         kernels=kernels, module=module)
+        super().__init__(params, defaults, **_options(type(self).__name__, dict(options)))
 
     def check_group(self, group: dict[str, Any]) -> None:
         if group["nesterov"] and (group["momentum"] <= 0 or group["dampening"] != 0):
