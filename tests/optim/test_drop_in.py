@@ -244,10 +244,49 @@ def _steps_without_zero_grad(rank: int, world_size: int) -> list[str]:
             said.append("ok")
         except OptimizerError as exc:
             said.append(str(exc))
+    try:  # turning clipping on recompiles the buckets: the gradients they carry over are still the stale ones
+        opt.clip_grad_norm_(1.0)
+        said.append("ok")
+    except OptimizerError as exc:
+        said.append(str(exc))
     return said
 
 
 def test_a_step_without_zero_grad_since_the_last_is_refused(local_world):
     for said in local_world(2).run(_steps_without_zero_grad):
         assert said[:2] == ["ok", "ok"]
-        assert "without zero_grad()" in said[2] and "no_sync()" in said[2]
+        assert all("without zero_grad()" in s and "no_sync()" in s for s in said[2:]) and len(said) == 4
+
+
+def _load_right_after_construction(rank: int, world_size: int) -> float:
+    """The ranks share the parameters' memory, so a rank must not go on from the constructor while another still
+    copies the initial parameters in: rank 1 copies late here, rank 0 loads new values at once and reads them later."""
+    import time
+
+    from cocoweave.optim import buckets
+
+    attach = buckets.Bucket.attach
+
+    def late(self, *args, **kwargs):  # noqa: ANN001, ANN202
+        if rank == 1:
+            time.sleep(0.5)
+        return attach(self, *args, **kwargs)
+
+    buckets.Bucket.attach = late
+    try:
+        model = Net(torch.float32)
+        DistributedAdamW(model.parameters(), lr=1e-2)
+    finally:
+        buckets.Bucket.attach = attach
+    time.sleep(0.0 if rank == 0 else 1.5)
+    with torch.no_grad():
+        for p in model.parameters():
+            p.fill_(7.0)  # a checkpoint loaded into the model (by rank 1 too, later)
+    time.sleep(1.0 if rank == 0 else 0.0)
+    seen = min(float(p.min()) for p in model.parameters())
+    dist.barrier()
+    return seen
+
+
+def test_parameters_loaded_right_after_construction_are_not_overwritten(local_world):
+    assert local_world(2).run(_load_right_after_construction) == [7.0, 7.0]

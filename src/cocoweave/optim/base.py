@@ -194,12 +194,23 @@ class DistributedOptimizer(torch.optim.Optimizer):
         """Buckets (compiled, with views and hooks) for every parameter group not yet bucketed."""
         done = {b.group for b in self._buckets}
         cap = 0 if self.reduction == "adasum" else int(self.bucket_cap_mb * 2**20)  # Adasum combines each tensor
+        built = False
         for gi, group in enumerate(self.param_groups):
             if gi not in done:
                 for b in make_buckets(gi, group["params"], cap, self.rows):
                     self._build(b)
                     self._buckets.append(b)
+                    built = True
+        if built:
+            self._settle()
         return self._buckets
+
+    def _settle(self) -> None:
+        """Wait until every rank has put its parameters into their buckets. On one host the ranks share the
+        parameters' memory: without this, a rank that goes on (say, to load a checkpoint into the model) could
+        have its writes overwritten by a slower rank still copying the parameters in."""
+        if world(self.process_group)[1] > 1:
+            dist.barrier(group=self.process_group)
 
     def _program(self, b: Bucket, masked: bool = False) -> Program:
         sizes = {"N": b.shape[-1]} | ({"T": b.shape[0], "rows": True} if self.rows else {})
@@ -244,7 +255,9 @@ class DistributedOptimizer(torch.optim.Optimizer):
         of its own)."""
         grad = b.exe.shared_input("g")
         b.attach(grad, b.exe.shared_input("p" if "p" in b.exe.program.inputs else "w"), keep_grad=keep_grad)
-        b.in_slot, b.stale = grad is not None, set()
+        b.in_slot = grad is not None
+        if not keep_grad:  # kept gradients keep their standing (a step without zero_grad() is still refused)
+            b.stale = set()
 
     def _rebuild(self, b: Bucket, masked: bool) -> None:
         """Recompile bucket b's program (masked, or clipping now on), its state carried over; its parameters and
@@ -602,6 +615,7 @@ class DistributedOptimizer(torch.optim.Optimizer):
         keys = [k for g in state_dict["param_groups"] for k in g["params"]]
         params = [p for g in self.param_groups for p in g["params"]]
         entry_of = {id(p): saved.get(k, saved.get(str(k))) for p, k in zip(params, keys, strict=True)}
+        rebuilt = False
         for b in self._ensure_buckets():
             entries = [entry_of[id(p)] for p in b.params]
             if all(e is None for e in entries):
@@ -611,6 +625,7 @@ class DistributedOptimizer(torch.optim.Optimizer):
             steps = {int(e["step"]) for e in entries if e is not None and "step" in e} or {1}
             if (len(steps) > 1 or any(e is None for e in entries)) and not b.masked:
                 self._rebuild(b, masked=True)
+                rebuilt = True
             try:
                 zeros = dict(size=b.shape, dtype=torch.float32, device=b.device)
                 state = {n: b.fill(torch.zeros(**zeros), [e[key] if e is not None else None for e in entries])
@@ -627,6 +642,8 @@ class DistributedOptimizer(torch.optim.Optimizer):
                                      f"match its parameters ({exc})") from None
             b.step = max(steps)
             self._reset_state(b, state, master)
+        if rebuilt:  # (collective, as the rebuild itself) parameters moved into new buckets
+            self._settle()
         self._publish_steps()
 
     def __repr__(self) -> str:
