@@ -61,7 +61,7 @@ PARTIAL = ".partial"
 OLD = ".old"
 FORMAT = 2  # 2: a manifest of sizes and sha256 per file, JSON leaves in the skeleton
 SKELETON = "__skeleton__"  # per rank: the nested structure of what it saved (JSON)
-_STEP_DIR = re.compile(r"^step-(\d+)(\.old)?$")
+_STEP_DIR = re.compile(rf"^step-(\d+)({re.escape(OLD)})?$")
 _CHUNK = 1 << 20
 
 
@@ -313,7 +313,7 @@ def latest(root: str | os.PathLike[str]) -> Path | None:
                 key = (int(m.group(1)), m.group(2) is None, child)  # step-N beats step-N.old
                 if best is None or key[:2] > best[:2]:
                     best = key
-            in_progress |= child.name.endswith((PARTIAL, ".old"))
+            in_progress |= child.name.endswith((PARTIAL, OLD))
         if best is not None or not in_progress:
             return best[2] if best else None
         time.sleep(0.001)

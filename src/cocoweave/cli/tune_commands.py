@@ -84,9 +84,7 @@ def _open(world_size: int, device: str, timeouts: tuple[float, float | None]) ->
     """A LocalWorld for measuring, with the per-wait and wall timeouts of the command line."""
     from ..perf.measure import open_world
 
-    world = open_world(world_size, device, timeouts[0])
-    world.wall_timeout_s = timeouts[1]
-    return world
+    return open_world(world_size, device, *timeouts)
 
 
 @user_errors

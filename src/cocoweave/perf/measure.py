@@ -108,11 +108,14 @@ def record(store: MeasurementStore | None, program: Program, sizes: Mapping[str,
         store.append(records(program, sizes, measurements, **kwargs))
 
 
-def open_world(world_size: int, device: str = "cpu", timeout_s: float = 300.0) -> Any:
-    """A LocalWorld for measuring on `device` ("cpu": Gloo; "cuda": NCCL with a GPU per rank, else Gloo)."""
+def open_world(world_size: int, device: str = "cpu", timeout_s: float = 300.0,
+               wall_timeout_s: float | None = None) -> Any:
+    """A LocalWorld for measuring on `device` ("cpu": Gloo; "cuda": NCCL with a GPU per rank, else Gloo), with a
+    per-wait timeout and an optional limit on each call's wall time."""
     from ..launch import LocalWorld
 
     kind = device.split(":")[0]
     if kind not in ("cpu", "cuda"):
         raise BackendError(f"device must be cpu or cuda, got {device!r}")
-    return LocalWorld(world_size, backend="auto" if kind == "cuda" else "gloo", device=kind, timeout_s=timeout_s)
+    return LocalWorld(world_size, backend="auto" if kind == "cuda" else "gloo", device=kind, timeout_s=timeout_s,
+                      wall_timeout_s=wall_timeout_s)
