@@ -136,16 +136,11 @@ def check_rank_inputs(program: Program, r: int, world_size: int, given: RankInpu
     return devices
 
 
-def _axis_names(v: Value) -> tuple[str | None, ...]:
-    mesh = v.group.mesh if v.group is not None else None
-    return mesh.axes if mesh is not None and len(mesh.axes) > 1 else (None,)
-
-
 def gather_axes(v: Value, parts: Sequence[torch.Tensor | None], world_size: int) -> list[torch.Tensor | None]:
     """Per world rank, the whole of a value's parts along every axis that slices it (the innermost slicing
     first, so each gather concatenates contiguous parts); Local and Replicated axes are left as they are."""
     out = list(parts)
-    axes = _axis_names(v)
+    axes = v.axes
     for axis, p in reversed(list(zip(axes, placements(v.layout, len(axes))))):
         if not p.is_sliced:
             continue

@@ -73,6 +73,11 @@ class Group:
     def size(self, world_size: int) -> int:
         return len(self.ranks(world_size))
 
+    @property
+    def axes(self) -> tuple[str | None, ...]:
+        """The axes a layout places a tensor along: a mesh's named axes when it has several, else one unnamed axis."""
+        return self.mesh.axes if self.mesh is not None and len(self.mesh.axes) > 1 else (None,)
+
     def position(self, rank: int, world_size: int) -> Position:
         """Where world rank `rank` sits in this group: its mesh coordinates, or (group rank,) of (size,)."""
         ranks = self.ranks(world_size)
@@ -129,6 +134,11 @@ class Value:
     @property
     def ndim(self) -> int:
         return len(self.shape)
+
+    @property
+    def axes(self) -> tuple[str | None, ...]:
+        """The axes its layout places it along (Group.axes; one unnamed axis without a group)."""
+        return self.group.axes if self.group is not None else (None,)
 
     @property
     def is_scalar(self) -> bool:
@@ -381,8 +391,7 @@ class Program:
 def shares_of(v: Value) -> dict[str, tuple[str | None, int]]:
     """What in `v` counts ranks along an axis: {'shares' / 'weights': (axis, number of entries)}."""
     out: dict[str, tuple[str | None, int]] = {}
-    mesh = v.group.mesh if v.group is not None else None
-    axes = mesh.axes if mesh is not None and len(mesh.axes) > 1 else (None,)
+    axes = v.axes
     for axis, p in zip(axes, placements(v.layout, len(axes))):
         if p.is_sliced and p.shares is not None:
             out["shares"] = (axis, len(p.shares))

@@ -86,9 +86,8 @@ def _result_dtype(vals: Sequence[Value]) -> str:
 
 
 def _axes(group: Group | None) -> tuple[str | None, ...]:
-    """The mesh axes of `group` (one unnamed axis without a mesh of several)."""
-    mesh = group.mesh if group is not None else None
-    return mesh.axes if mesh is not None and len(mesh.axes) > 1 else (None,)
+    """The mesh axes of `group` (Group.axes; one unnamed axis without a group)."""
+    return group.axes if group is not None else (None,)
 
 
 def _at(v: Value, i: int, n: int) -> Placement:

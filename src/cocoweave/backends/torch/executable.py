@@ -278,8 +278,7 @@ class Executable:
         v = self.program.inputs[name]
         part = self.kept[name]
         full, pos = bind_shape(v.shape, self.sizes), v.position(self.rank, self.world_size)
-        mesh = v.group.mesh
-        axes = mesh.axes if mesh is not None and len(mesh.axes) > 1 else (None,)
+        axes = v.group.axes
         per = list(placements(v.layout, len(axes)))
         for i in reversed(range(len(axes))):
             p = per[i]
