@@ -30,8 +30,9 @@ class DistributedOptions(TypedDict, total=False):
     module: torch.nn.Module | None
 
 
-# torch.optim's implementation switches: one fused program runs every step here, so they change nothing
-_IGNORED = ("fused", "foreach", "capturable", "differentiable")
+# torch.optim's implementation switches: one fused program runs every step here, so they change nothing; and its
+# options accepted when off, refused with what to do when on
+_IGNORED = ("fused", "foreach")
 _UNSUPPORTED = {"amsgrad": "amsgrad=True is not supported yet; use amsgrad=False",
                 "maximize": "maximize=True is not supported yet; minimise the negated loss instead",
                 "capturable": "capturable=True is not supported (the step runs one compiled program per bucket); "

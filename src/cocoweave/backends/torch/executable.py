@@ -233,26 +233,24 @@ class Executable:
         opening = self._shm_group(head) if head is not None and stage.algorithm == "shm" else None
         if opening is not None and head.op in ("all_reduce", "reduce_scatter") and head.args[0].name == name and \
                 head.args[0].op == "input":
-            x = head.args[0]
+            x, g, key, common = head.args[0], opening, head.name, False
             if (x.dtype in ("float16", "bfloat16") and self.ctx.backend == "gloo") or \
                     (head.op == "reduce_scatter" and head.attrs["dim"] != 0):  # a copy is made anyway
                 return None
-            shape = view.local_shape(x)
-            return self.ctx.shm_buffers.get(opening, head.name, math.prod(shape), DTYPES[x.dtype])[opening.me] \
-                [:math.prod(shape)].view(shape)
-        new = self.plan.state.get(name)
-        at = next((s for s in self.plan.stages if new is not None and any(v is new for v in s.values)), None)
-        if new is None or new.op != "all_gather" or getattr(at, "algorithm", "") != "shm" or \
-                new.attrs["dim"] != 0 or view.local_shape(new) != view.local_shape(self.program.inputs[name]):
-            return None
-        x, g = self.program.inputs[name], self._shm_group(new)
+        else:
+            new = self.plan.state.get(name)
+            at = next((s for s in self.plan.stages if new is not None and any(v is new for v in s.values)), None)
+            if new is None or new.op != "all_gather" or getattr(at, "algorithm", "") != "shm" or \
+                    new.attrs["dim"] != 0 or view.local_shape(new) != view.local_shape(self.program.inputs[name]):
+                return None
+            x, g = self.program.inputs[name], self._shm_group(new)
+            key, common = (new.name, "whole"), g is not None and opening is g
         if g is None:
             return None
         shape = view.local_shape(x)
         numel = math.prod(shape)
-        if opening is g:
-            return self.ctx.shm_buffers.common(g, (new.name, "whole"), numel, DTYPES[x.dtype]).view(shape)
-        return self.ctx.shm_buffers.get(g, (new.name, "whole"), numel, DTYPES[x.dtype])[g.me][:numel].view(shape)
+        slots = self.ctx.shm_buffers.get(g, key, numel, DTYPES[x.dtype], common)
+        return slots[0 if common else g.me][:numel].view(shape)
 
     def _shm_group(self, collective: Any) -> shm.ShmGroup | None:
         """The shared-memory group a collective value runs over (on a mesh: the line of its axis through this

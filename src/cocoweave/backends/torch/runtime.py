@@ -493,9 +493,9 @@ class RankContext:
         bounds = parts(total, g.size, shares)
         flat_bounds = [(a * row, (b - a) * row) for a, b in bounds]
         common = self.shm_buffers.commons.get((out, "whole"))
-        if into is not None and dim == 0 and common is not None and into.data_ptr() == common.data_ptr():
+        if into is not None and dim == 0 and common is not None and into.data_ptr() == common[0].data_ptr():
             # the state is stored once for the group (Executable.shared_input): parts in place, one barrier
-            shm.gather_common(g, common, flat_bounds, flat)
+            shm.gather_common(g, common[0], flat_bounds, flat)
             return self._done(None, lambda: res, async_op)
         wholes = self.shm_buffers.slots.get((out, "whole"))
         if into is not None and dim == 0 and wholes is not None and into.data_ptr() == wholes[g.me].data_ptr():

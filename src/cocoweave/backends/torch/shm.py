@@ -153,18 +153,13 @@ class ShmGroup:
 
         _wait_until(lambda: int(self.flags.min()) >= self.epoch, check)
 
-    def common(self, prefix: str, numel: int, dtype: torch.dtype) -> torch.Tensor:
-        """A new segment of `numel` elements that every rank of the group maps: the same memory on all of them."""
-        itemsize = torch.empty((), dtype=dtype).element_size()
-        seg = _map(_unique(f"{self.key}/{prefix}"), max(numel * itemsize, 64), self.ranks)
-        return seg[:numel * itemsize].view(dtype)
-
-    def slots(self, prefix: str, numel: int, dtype: torch.dtype) -> list[torch.Tensor]:
-        """A new segment of one slot of `numel` elements per rank (index i: group rank i's slot)."""
-        itemsize = torch.empty((), dtype=dtype).element_size()
-        per = -(-numel * itemsize // 64) * 64  # each slot starts on a cache line
-        seg = _map(_unique(f"{self.key}/{prefix}"), max(per * self.size, 64), self.ranks)
-        return [seg[i * per:i * per + numel * itemsize].view(dtype) for i in range(self.size)]
+    def slots(self, prefix: str, numel: int, dtype: torch.dtype, count: int | None = None) -> list[torch.Tensor]:
+        """A new segment of one slot of `numel` elements per rank (index i: group rank i's slot), or of `count`
+        slots (count=1: one tensor all ranks of the group share)."""
+        per = -(-numel * dtype.itemsize // 64) * 64  # each slot starts on a cache line
+        count = self.size if count is None else count
+        seg = _map(_unique(f"{self.key}/{prefix}"), max(per * count, 64), self.ranks)
+        return [seg[i * per:i * per + numel * dtype.itemsize].view(dtype) for i in range(count)]
 
 
 def group_for(group: Any) -> ShmGroup | None:
@@ -195,18 +190,15 @@ class ShmBuffers:
 
     def __init__(self) -> None:
         self.slots: dict[Any, list[torch.Tensor]] = {}
-        self.commons: dict[Any, torch.Tensor] = {}
+        self.commons: dict[Any, list[torch.Tensor]] = {}
 
-    def common(self, g: ShmGroup, key: Any, numel: int, dtype: torch.dtype) -> torch.Tensor:
-        c = self.commons.get(key)
-        if c is None or c.numel() != numel or c.dtype != dtype:
-            c = self.commons[key] = g.common(str(key), numel, dtype)
-        return c
-
-    def get(self, g: ShmGroup, key: Any, numel: int, dtype: torch.dtype) -> list[torch.Tensor]:
-        s = self.slots.get(key)
+    def get(self, g: ShmGroup, key: Any, numel: int, dtype: torch.dtype, common: bool = False) -> list[torch.Tensor]:
+        """The slots of `key` (made on first use, or when the size or dtype changed); with `common`, one tensor in
+        a list, which every rank of the group shares."""
+        store = self.commons if common else self.slots
+        s = store.get(key)
         if s is None or s[0].numel() != numel or s[0].dtype != dtype:
-            s = self.slots[key] = g.slots(str(key), numel, dtype)
+            s = store[key] = g.slots(str(key), numel, dtype, 1 if common else None)
         return s
 
 
@@ -301,7 +293,7 @@ class Pair:
 
     def __init__(self, sender: int, receiver: int, key: str, numel: int, dtype: torch.dtype):
         ranks = [sender, receiver]
-        itemsize = torch.empty((), dtype=dtype).element_size()
+        itemsize = dtype.itemsize
         seg = _map(_unique(f"p2p-{sender}-{receiver}/{key}"), 128 + max(numel * itemsize, 1), ranks)
         lines = seg[:128].view(torch.int64).view(2, LINE)
         self.flags, self.pids = lines[:, 0], lines[:, 1]  # [sent, taken] and [sender's pid, receiver's pid]
