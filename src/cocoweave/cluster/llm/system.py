@@ -1,0 +1,64 @@
+"""The hardware one LLM layout runs on: a catalog machine's GPU (peak, HBM), its links inside and across nodes,
+and the efficiency constants that turn spec-sheet peaks into achieved rates (calibrated, see `Efficiency`)."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, replace
+
+from cocoweave.cluster.catalog import Catalog, GPUSpec, MachineType, NetworkSpec
+from cocoweave.errors import PlanningError
+
+
+@dataclass(frozen=True)
+class Efficiency:
+    """Fractions of spec-sheet peaks reached in training (docs/perf.md, "Planning at scale", says where each comes
+    from). GEMM efficiency depends on the GEMM's shape: gemm_max x d / (d + gemm_half), d its smallest dimension."""
+
+    gemm_max: float = 0.84  # large GEMMs: cuBLAS fp16/bf16 on A100 (calibrated; H100: the design's 775/989)
+    gemm_half: float = 40.0  # smallest GEMM dimension at which efficiency halves (calibrated)
+    flash: float = 0.70  # fused attention kernels relative to gemm efficiency (FlashAttention-2 paper, A100)
+    elementwise_passes: float = 2.6  # HBM passes over the stored activations per elementwise sweep (calibrated)
+    memory: float = 0.85  # fraction of HBM bandwidth elementwise kernels reach
+    intra: float = 0.75  # NCCL bus bandwidth / NVLink peak (calibrated)
+    inter: float = 0.85  # NCCL bus bandwidth / NIC peak (calibrated)
+
+
+@dataclass(frozen=True)
+class System:
+    """One machine type's GPU and links as the LLM model prices them."""
+
+    machine: MachineType
+    gpu: GPUSpec
+    intra: NetworkSpec | None
+    inter: NetworkSpec | None
+    eff: Efficiency
+
+    @property
+    def gpus_per_node(self) -> int:
+        return self.machine.gpus_per_node
+
+    def peak_flops(self, dtype: str) -> float:
+        return self.gpu.peak_flops(dtype)
+
+    @property
+    def hbm_bytes_s(self) -> float:
+        return self.gpu.hbm_gb_s * 1e9 * self.eff.memory
+
+    @property
+    def memory_bytes(self) -> float:
+        return self.gpu.memory_gb * 1e9
+
+
+def system_for(machine: MachineType, catalog: Catalog, eff: Efficiency | None = None) -> System:
+    """The System of a catalog machine; the GPU's own `gemm_efficiency`, when the catalog gives one, replaces the
+    calibrated default."""
+    gpu = catalog.gpus.get(machine.gpu)
+    if gpu is None:
+        raise PlanningError(f"the catalog {catalog.source} has no spec-sheet entry for GPU {machine.gpu} "
+                            f"(machine {machine.name}); add it under 'gpus'.")
+    eff = eff or Efficiency()
+    if gpu.gemm_efficiency is not None:
+        eff = replace(eff, gemm_max=gpu.gemm_efficiency)
+    intra = catalog.networks.get(machine.intra_node) if machine.intra_node else None
+    inter = catalog.networks.get(machine.inter_node) if machine.inter_node else None
+    return System(machine, gpu, intra, inter, eff)
