@@ -23,7 +23,7 @@ FREE = (
 
 
 def errors(runs: list[PublishedRun], catalog: Catalog, stacks: dict[str, Efficiency]) -> np.ndarray:
-    """Signed percentage error (predicted / published - 1) of each run under `stacks`."""
+    """Signed percentage error (predicted / published - 1) of each run under the efficiency of its stack."""
     machines = {m.name: m for m in catalog.machines}
     out = []
     for run in runs:
@@ -34,7 +34,7 @@ def errors(runs: list[PublishedRun], catalog: Catalog, stacks: dict[str, Efficie
 
 def calibrate(runs: list[PublishedRun], catalog: Catalog, stacks: dict[str, Efficiency],
               rounds: int = 10, points: int = 81) -> dict[str, Efficiency]:
-    """`stacks` with the FREE constants refitted on the calibration rows of `runs`."""
+    """`stacks` (name -> Efficiency) with the FREE constants refitted on the calibration rows of `runs`."""
     fit = [r for r in runs if r.role == "calibration"]
     best = dict(stacks)
     for _ in range(rounds):

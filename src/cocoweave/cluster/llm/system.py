@@ -26,13 +26,29 @@ class Efficiency:
     inter: float = 0.90  # NCCL bus bandwidth / NIC peak (nccl-tests across HDR rails: ~22.5 of 25 GB/s)
 
 
-# The software stacks the published runs used, each with its calibrated constants (`calibrate.py` refits them);
+@dataclass(frozen=True)
+class Stack:
+    """A training software stack: its efficiency constants and what layouts it offers (ZeRO stages; whether its
+    data-parallel reduction overlaps the backward pass)."""
+
+    name: str
+    eff: Efficiency
+    zero_stages: tuple[int, ...]
+    dp_overlap: bool
+    recompute: tuple[str, ...] = ("none", "selective", "full")
+    sequence_parallel: bool = True
+
+
+# The software stacks the published runs used, with their calibrated constants (`calibrate.py` refits them);
 # `DEFAULT_STACK` is what `cocoweave plan` assumes for a new job.
-STACKS: dict[str, Efficiency] = {
-    "megatron-2021": Efficiency(gemm_max=0.695),  # SC'21's runs (calibrated)
-    "megatron-2022": Efficiency(gemm_max=0.76),  # Korthikanti's runs (calibrated)
-    "torchtitan-2024": Efficiency(gemm_max=0.76, elementwise_passes=9.03),  # eager PyTorch: unfused norms, RoPE
-}
+STACKS: dict[str, Stack] = {s.name: s for s in (
+    # SC'21's runs: "local" DDP all-reduces after the pipeline flush; no distributed optimizer yet
+    Stack("megatron-2021", Efficiency(gemm_max=0.695), (0,), False, ("none", "full"), False),
+    # Korthikanti's runs: sequence parallelism, selective recomputation, distributed optimizer (ZeRO-1)
+    Stack("megatron-2022", Efficiency(gemm_max=0.76), (0, 1), False),
+    # eager PyTorch (unfused norms, RoPE, SwiGLU): FSDP2 overlapping its gathers and reductions
+    Stack("torchtitan-2024", Efficiency(gemm_max=0.76, elementwise_passes=9.03), (0, 1, 3), True),
+)}
 DEFAULT_STACK = "megatron-2022"
 
 
@@ -69,7 +85,7 @@ def system_for(machine: MachineType, catalog: Catalog, eff: Efficiency | None = 
     if gpu is None:
         raise PlanningError(f"the catalog {catalog.source} has no spec-sheet entry for GPU {machine.gpu} "
                             f"(machine {machine.name}); add it under 'gpus'.")
-    eff = eff or STACKS[DEFAULT_STACK]
+    eff = eff or STACKS[DEFAULT_STACK].eff
     if gpu.gemm_efficiency is not None:
         eff = replace(eff, gemm_max=gpu.gemm_efficiency)
     intra = catalog.networks.get(machine.intra_node) if machine.intra_node else None
