@@ -5,9 +5,10 @@ cannot run are skipped with their reason; layouts that do not fit in GPU memory 
 from __future__ import annotations
 
 from collections.abc import Iterator
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
-from cocoweave.cluster.llm.parallelism import ParallelConfig
+from cocoweave.cluster.llm.memory import MemoryBreakdown, memory_per_gpu
+from cocoweave.cluster.llm.parallelism import RECOMPUTE, ParallelConfig
 from cocoweave.cluster.llm.spec import TransformerSpec
 from cocoweave.cluster.llm.step import StepBreakdown, predict_step
 from cocoweave.cluster.llm.system import Stack, System
@@ -19,10 +20,11 @@ MAX_VIRTUAL = 8
 
 @dataclass(frozen=True)
 class Evaluated:
-    """One layout's prediction, or why it was rejected (`rejected` is None when it fits)."""
+    """One layout's prediction, or its memory and why it was rejected (`rejected` is None when it fits)."""
 
     cfg: ParallelConfig
-    step: StepBreakdown
+    memory: MemoryBreakdown
+    step: StepBreakdown | None = None
     rejected: str | None = None
 
 
@@ -60,8 +62,8 @@ def layouts(spec: TransformerSpec, gpus: int, gpus_per_node: int, stack: Stack) 
                 zeros = [z for z in stack.zero_stages if z < 3 or pp == 1]
                 for vp in vps:
                     for zero in zeros if dp > 1 else (0,):
-                        for recompute in stack.recompute:
-                            for sp in (True, False) if tp > 1 and stack.sequence_parallel else (False,):
+                        for sp in (True, False) if tp > 1 and stack.sequence_parallel else (False,):
+                            for recompute in [r for r in RECOMPUTE if r in stack.recompute]:  # fastest first
                                 yield ParallelConfig(tp=tp, pp=pp, dp=dp, micro_batch=mb, vp=vp, zero=zero, sp=sp,
                                                      recompute=recompute, dp_overlap=stack.dp_overlap)
 
@@ -72,24 +74,35 @@ def search(spec: TransformerSpec, system: System, gpus: int, stack: Stack, keep:
         raise PlanningError(f"the number of GPUs must be positive, got {gpus}.")
     capacity = system.memory_bytes
     fits, rejected, smallest = [], 0, None
+    floors: dict[tuple, float] = {}  # least memory of a (tp, pp, dp, zero): recompute everything, micro-batch 1
+    done: set[ParallelConfig] = set()  # layouts already priced with less recomputation (faster): skip the rest
     for cfg in layouts(spec, gpus, system.gpus_per_node, stack):
+        key = replace(cfg, recompute="none")
+        if key in done:
+            continue
+        group = (cfg.tp, cfg.pp, cfg.dp, cfg.zero)
+        if group not in floors:
+            least = replace(cfg, recompute="full", sp=cfg.tp > 1 and stack.sequence_parallel, micro_batch=1, vp=1)
+            floors[group] = memory_per_gpu(spec, least).total
+        if floors[group] > capacity and smallest is not None:
+            rejected += 1
+            continue
         if cfg.problems(spec, system.gpus_per_node):
             continue
-        step = predict_step(spec, cfg, system)
-        need = step.memory.total
-        if need > capacity:
+        memory = memory_per_gpu(spec, cfg)  # cheap: reject before pricing the step
+        if memory.total > capacity:
             rejected += 1
-            if smallest is None or need < smallest.step.memory.total:
-                smallest = Evaluated(cfg, step, memory_reason(step, capacity))
+            if smallest is None or memory.total < smallest.memory.total:
+                smallest = Evaluated(cfg, memory, None, memory_reason(memory, capacity))
             continue
-        fits.append(Evaluated(cfg, step))
-    fits.sort(key=lambda e: (e.step.total_s, e.step.memory.total))
+        done.add(key)
+        fits.append(Evaluated(cfg, memory, predict_step(spec, cfg, system)))
+    fits.sort(key=lambda e: (e.step.total_s, e.memory.total))
     return SearchResult(gpus, fits[0] if fits else None, tuple(fits[:keep]), rejected, smallest)
 
 
-def memory_reason(step: StepBreakdown, capacity: float) -> str:
+def memory_reason(m: MemoryBreakdown, capacity: float) -> str:
     """Why a layout does not fit: its memory by part against the GPU's."""
-    m = step.memory
     return (f"needs {m.total / 1e9:.1f} GB per GPU (weights {m.weights / 1e9:.1f}, gradients {m.gradients / 1e9:.1f}, "
             f"optimizer {m.optimizer / 1e9:.1f}, activations {m.activations / 1e9:.1f}, workspace "
             f"{m.workspace / 1e9:.1f}) of {capacity / 1e9:.0f} GB")
