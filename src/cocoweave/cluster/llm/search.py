@@ -45,7 +45,7 @@ def _divisors(n: int) -> list[int]:
 
 def layouts(spec: TransformerSpec, gpus: int, gpus_per_node: int, stack: Stack) -> Iterator[ParallelConfig]:
     """Every layout of `spec` on `gpus` GPUs that `stack` offers (tp a power of two within a node)."""
-    tps = [t for t in (1, 2, 4, 8, 16, 32, 64) if t <= gpus_per_node and gpus % t == 0]
+    tps = [t for t in (1, 2, 4, 8, 16, 32, 64) if t <= gpus_per_node and gpus % t == 0 and spec.heads % t == 0]
     for tp in tps:
         for pp in _divisors(gpus // tp):
             if spec.layers % pp:
