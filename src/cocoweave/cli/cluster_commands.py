@@ -240,6 +240,8 @@ def plan_command(
     if sum(x is not None for x in (model, profile, llm)) != 1:
         raise CocoweaveError("give exactly one of --model NAME, --profile FILE or --llm SPEC.")
     if llm is not None:
+        if schedule is not None or steps is not None:
+            raise CocoweaveError("--llm plans by --tokens and has no resize schedule: leave out --steps and --resizes.")
         _plan_llm_command(out, llm, tokens, catalog, deadline, budget, stack, max_gpus, png, json_path, data)
         return
     cat = load_catalog(catalog)

@@ -5,6 +5,7 @@ from __future__ import annotations
 import json
 from pathlib import Path
 
+import pytest
 import typer
 import yaml
 from typer.testing import CliRunner
@@ -32,10 +33,12 @@ def _small_catalog(tmp_path: Path, **typo) -> Path:
 def test_plan_llm_recommends_a_layout(tmp_path):
     spec = tmp_path / "m.yaml"
     spec.write_text(SPEC)
-    out = tmp_path / "plan.json"
+    out, png = tmp_path / "plan.json", tmp_path / "plan.png"
     result = runner.invoke(app, ["plan", "--llm", str(spec), "--tokens", "1e10", "--budget", "5000", "--catalog",
-                                 str(_small_catalog(tmp_path)), "--max-gpus", "64", "--json", str(out)])
+                                 str(_small_catalog(tmp_path)), "--max-gpus", "64", "--json", str(out),
+                                 "--png", str(png)])
     assert result.exit_code == 0, result.output
+    assert png.stat().st_size > 0
     doc = json.loads(out.read_text())
     best = doc["recommended"]
     assert best["parameter_servers"] == 0 and best["cost_usd"] <= 5000
@@ -67,3 +70,15 @@ def test_typos_exit_2_with_the_key_and_the_allowed_keys(tmp_path):
     result = runner.invoke(app, ["plan", "--profile", str(profile), "--steps", "10", "--budget", "100"])
     assert result.exit_code == 2
     assert "unknown key 'parameter_server'" in result.output and "parameter_servers" in result.output
+
+
+def test_a_profile_without_parameter_servers_is_billed_none(tmp_path):
+    profile = tmp_path / "p.yaml"
+    profile.write_text("name: w\ncheckpoint_s: 5\nparameter_servers: 0\nstep_time_s: {H100: {8: 0.5, 16: 0.3}}\n")
+    result = runner.invoke(app, ["plan", "--profile", str(profile), "--steps", "1000", "--deadline", "10",
+                                 "--catalog", str(_small_catalog(tmp_path)), "--json", "-"])
+    assert result.exit_code == 0, result.output
+    best = json.loads(result.stdout)["recommended"]
+    assert best["parameter_servers"] == 0
+    assert best["cost_usd"] == pytest.approx(best["hours"] * best["nodes"] * (98.32 if best["pricing"] == "on-demand"
+                                                                              else 34.41))

@@ -74,3 +74,13 @@ def test_unknown_key_and_bad_shape_are_one_sentence():
         parse_spec(doc | {"heads": 5}, "m.yaml")
     with pytest.raises(PlanningError, match=r"'layers' in the LLM spec: input should be greater than 0"):
         parse_spec(doc | {"layers": 0}, "m.yaml")
+
+
+def test_shipped_examples_load():
+    from pathlib import Path
+
+    from cocoweave.cluster.llm.spec import load_spec
+
+    examples = Path(__file__).resolve().parents[3] / "examples" / "llm"
+    assert load_spec(examples / "gpt3-175b.yaml").params() == pytest.approx(175e9, rel=0.01)
+    assert load_spec(examples / "llama3-8b-config.json").gated_mlp
