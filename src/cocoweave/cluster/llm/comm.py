@@ -11,6 +11,7 @@ import math
 from dataclasses import dataclass
 
 from cocoweave.cluster.llm.system import System
+from cocoweave.cluster.step_scaling import TRAFFIC
 from cocoweave.errors import PlanningError
 
 
@@ -49,16 +50,15 @@ def priced(kind: str, nbytes: float, size: int, link: Link | None) -> tuple[floa
     algorithm priced ("ring", "tree", "p2p" or "none")."""
     if link is None or size <= 1 or nbytes <= 0:
         return 0.0, "none"
+    if kind not in TRAFFIC:
+        raise PlanningError(f"unknown collective {kind!r}.")
     g, a, bw = size, link.latency, link.bandwidth
-    if kind == "p2p":
-        return a + nbytes / bw, "p2p"
-    if kind in ("all_gather", "reduce_scatter"):
-        return (g - 1) * a + (g - 1) / g * nbytes / bw, "ring"
-    if kind == "all_reduce":
-        ring = 2 * (g - 1) * a + 2 * (g - 1) / g * nbytes / bw
-        tree = 2 * math.ceil(math.log2(g)) * a + 2 * nbytes / bw
-        return (ring, "ring") if ring <= tree else (tree, "tree")
-    raise PlanningError(f"unknown collective {kind!r}.")
+    moved, hops = TRAFFIC[kind]  # the ring's (or one message's) share of the tensor and its steps
+    ring = hops(g) * a + moved(g) * nbytes / bw
+    if kind != "all_reduce":
+        return ring, "p2p" if kind in ("p2p", "send", "recv") else "ring"
+    tree = 2 * math.ceil(math.log2(g)) * a + 2 * nbytes / bw
+    return (ring, "ring") if ring <= tree else (tree, "tree")
 
 
 def collective_s(kind: str, nbytes: float, size: int, link: Link | None) -> float:
