@@ -4,8 +4,8 @@ cannot run are skipped with their reason; layouts that do not fit in GPU memory 
 
 from __future__ import annotations
 
-from collections.abc import Iterator
-from dataclasses import dataclass, replace
+from collections.abc import Callable, Iterator
+from dataclasses import dataclass
 
 from cocoweave.cluster.llm.memory import MemoryBreakdown, memory_per_gpu
 from cocoweave.cluster.llm.parallelism import RECOMPUTE, ParallelConfig
@@ -43,8 +43,10 @@ def _divisors(n: int) -> list[int]:
     return [d for d in range(1, n + 1) if n % d == 0]
 
 
-def layouts(spec: TransformerSpec, gpus: int, gpus_per_node: int, stack: Stack) -> Iterator[ParallelConfig]:
-    """Every layout of `spec` on `gpus` GPUs that `stack` offers (tp a power of two within a node)."""
+def layouts(spec: TransformerSpec, gpus: int, gpus_per_node: int, stack: Stack,
+            group_ok: Callable[[int, int, int, int], bool] = lambda tp, pp, dp, zero: True) -> Iterator[ParallelConfig]:
+    """Every layout of `spec` on `gpus` GPUs that `stack` offers (tp a power of two within a node); `group_ok(tp, pp,
+    dp, zero)` False skips a whole group (e.g. its model state alone does not fit)."""
     tps = [t for t in (1, 2, 4, 8, 16, 32, 64) if t <= gpus_per_node and gpus % t == 0 and spec.heads % t == 0]
     for tp in tps:
         for pp in _divisors(gpus // tp):
@@ -62,6 +64,8 @@ def layouts(spec: TransformerSpec, gpus: int, gpus_per_node: int, stack: Stack) 
                 zeros = [z for z in stack.zero_stages if z < 3 or pp == 1]
                 for vp in vps:
                     for zero in zeros if dp > 1 else (0,):
+                        if not group_ok(tp, pp, dp, zero):
+                            continue
                         for sp in (True, False) if tp > 1 and stack.sequence_parallel else (False,):
                             for recompute in [r for r in RECOMPUTE if r in stack.recompute]:  # fastest first
                                 yield ParallelConfig(tp=tp, pp=pp, dp=dp, micro_batch=mb, vp=vp, zero=zero, sp=sp,
@@ -75,17 +79,19 @@ def search(spec: TransformerSpec, system: System, gpus: int, stack: Stack, keep:
     capacity = system.memory_bytes
     fits, rejected, smallest = [], 0, None
     floors: dict[tuple, float] = {}  # least memory of a (tp, pp, dp, zero): recompute everything, micro-batch 1
-    done: set[ParallelConfig] = set()  # layouts already priced with less recomputation (faster): skip the rest
-    for cfg in layouts(spec, gpus, system.gpus_per_node, stack):
-        key = replace(cfg, recompute="none")
+
+    def group_ok(tp: int, pp: int, dp: int, zero: int) -> bool:
+        key = (tp, pp, dp, zero)
+        if key not in floors:
+            least = ParallelConfig(tp=tp, pp=pp, dp=dp, zero=zero, recompute="full",
+                                   sp=tp > 1 and stack.sequence_parallel)
+            floors[key] = memory_per_gpu(spec, least).total
+        return floors[key] <= capacity or smallest is None  # keep one to say why nothing fits
+
+    done: set[tuple] = set()  # layouts already priced with less recomputation (faster): skip the rest
+    for cfg in layouts(spec, gpus, system.gpus_per_node, stack, group_ok):
+        key = (cfg.tp, cfg.pp, cfg.dp, cfg.micro_batch, cfg.vp, cfg.zero, cfg.sp)
         if key in done:
-            continue
-        group = (cfg.tp, cfg.pp, cfg.dp, cfg.zero)
-        if group not in floors:
-            least = replace(cfg, recompute="full", sp=cfg.tp > 1 and stack.sequence_parallel, micro_batch=1, vp=1)
-            floors[group] = memory_per_gpu(spec, least).total
-        if floors[group] > capacity and smallest is not None:
-            rejected += 1
             continue
         if cfg.problems(spec, system.gpus_per_node):
             continue

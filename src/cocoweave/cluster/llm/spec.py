@@ -10,6 +10,7 @@ per-layer count against `torch.utils.flop_counter.FlopCounterMode` tracing one s
 from __future__ import annotations
 
 import os
+from functools import lru_cache
 from typing import Any, Literal
 
 from pydantic import Field, model_validator
@@ -78,10 +79,7 @@ class TransformerSpec(Strict):
     # --- parameters -------------------------------------------------------------------------------
     def layer_params(self) -> int:
         """Weights of one layer (biases and norms included; all experts)."""
-        h, f = self.hidden, self.ffn_size
-        attn = h * self.qkv_out + self.qkv_out + h * h + h
-        mlp = self.experts * (self.mlp_matrices * h * f + f + h) + (h * self.experts if self.experts > 1 else 0)
-        return attn + mlp + 4 * h
+        return _layer_params(self)
 
     def embedding_params(self) -> int:
         """Input embedding plus (untied) output projection."""
@@ -115,6 +113,16 @@ class TransformerSpec(Strict):
 
     def tokens_per_step(self) -> int:
         return self.global_batch * self.seq_len
+
+
+@lru_cache(maxsize=64)
+def _layer_params(spec: TransformerSpec) -> int:
+    """Weights of one layer, computed once per spec (the layout search asks for every layout; specs are frozen and
+    hash by their fields, so a copy with other fields is another entry)."""
+    h, f = spec.hidden, spec.ffn_size
+    attn = h * spec.qkv_out + spec.qkv_out + h * h + h
+    mlp = spec.experts * (spec.mlp_matrices * h * f + f + h) + (h * spec.experts if spec.experts > 1 else 0)
+    return attn + mlp + 4 * h
 
 
 def parse_spec(doc: Any, source: str) -> TransformerSpec:
