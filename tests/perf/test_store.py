@@ -62,7 +62,7 @@ def test_json_text_columns_are_accepted_and_canonicalised(tmp_path):
     ({"stage_times_ms": {"ar": "fast"}}, ["'stage_times_ms'", "'ar'"]),
     ({"time": datetime(2025, 1, 1)}, ["'time'", "naive"]),
     ({"program": None}, ["'program'", "required"]),
-    ({"walltime": 3}, ["'walltime'", "extra"]),
+    ({"walltime": 3}, ["'walltime'", "extra", "allowed columns: program, program_fingerprint"]),
 ])
 def test_mistyped_or_unknown_columns_name_the_column_and_record(tmp_path, bad, words):
     store = MeasurementStore(tmp_path)

@@ -211,6 +211,16 @@ def plan_command(
     json_path: JsonOpt = None,
     data: Annotated[Path | None, typer.Option("--data", help="CM-DARE data folder (default: the shipped copy).")]
     = None,
+    llm: Annotated[Path | None, typer.Option(
+        "--llm", help="A transformer spec (YAML: layers, hidden, heads, vocab, seq_len, global_batch...; or a "
+                      "Hugging Face config.json plus seq_len and global_batch): plan its tp x pp x dp layout, "
+                      "machine and GPU count from the catalog.")] = None,
+    tokens: Annotated[float | None, typer.Option(
+        "--tokens", help="Tokens to train (--llm), e.g. 3e11.")] = None,
+    stack: Annotated[str, typer.Option(
+        "--stack", help="Software stack whose layouts and calibrated efficiency --llm assumes: megatron-2022, "
+                        "megatron-2021 or torchtitan-2024.")] = "megatron-2022",
+    max_gpus: Annotated[int, typer.Option("--max-gpus", min=1, help="Most GPUs --llm considers.")] = 4096,
     resizes: Annotated[str | None, typer.Option(
         "--resizes", help="A resize schedule RANKS:HOURS,...,RANKS (e.g. 8:2,4:1.5,8): also predict the job's "
                           "hours and dollars on the recommended machine when its workers change so, under "
@@ -227,8 +237,13 @@ def plan_command(
     check_writable(json_path)
     out = human(json_path)
     schedule = parse_schedule(resizes) if resizes is not None else None
-    if (model is None) == (profile is None):
-        raise CocoweaveError("give exactly one of --model NAME or --profile FILE.")
+    if sum(x is not None for x in (model, profile, llm)) != 1:
+        raise CocoweaveError("give exactly one of --model NAME, --profile FILE or --llm SPEC.")
+    if llm is not None:
+        if schedule is not None or steps is not None:
+            raise CocoweaveError("--llm plans by --tokens and has no resize schedule: leave out --steps and --resizes.")
+        _plan_llm_command(out, llm, tokens, catalog, deadline, budget, stack, max_gpus, png, json_path, data)
+        return
     cat = load_catalog(catalog)
     run = None
     if profile is not None:
@@ -306,3 +321,87 @@ def _write_png(result, path: Path, title: str) -> Path:
         return write_plan_png(result, path, title)
     except OSError as exc:
         raise CocoweaveError(f"cannot write the plot {path}: {exc.strerror or exc}.") from exc
+
+
+def _plan_llm_command(out, spec_path: Path, tokens: float | None, catalog: Path | None, deadline: float | None,
+                      budget: float | None, stack_name: str, max_gpus: int, png: Path | None, json_path, data) -> None:
+    """`plan --llm`: the recommended machine, GPU count and layout, its terms and memory, and the Pareto front."""
+    from cocoweave.cluster.catalog import load_catalog
+    from cocoweave.cluster.checkpoint_model import fit_checkpoint_model
+    from cocoweave.cluster.cmdare_data import find_data_dir
+    from cocoweave.cluster.llm.plan import plan_llm
+    from cocoweave.cluster.llm.spec import load_spec
+    from cocoweave.cluster.llm.system import STACKS
+
+    if tokens is None:
+        raise CocoweaveError("give --tokens N (the tokens to train) with --llm.")
+    if stack_name not in STACKS:
+        raise CocoweaveError(f"unknown --stack {stack_name!r}; known: {', '.join(STACKS)}.")
+    spec = load_spec(spec_path)
+    cat = load_catalog(catalog)
+    result = plan_llm(spec, cat, tokens, STACKS[stack_name], fit_checkpoint_model(find_data_dir(data)),
+                      deadline_h=deadline, budget_usd=budget, max_gpus=max_gpus)
+    for note in result.notes:
+        out.print(f"[dim]{note}[/]", highlight=False)
+    out.print(_llm_front_table(result))
+    best = result.plan.best
+    chosen = result.layout(best)
+    step = chosen.step
+    constraint = " and ".join(part for part in (
+        f"deadline {deadline:g} h" if deadline is not None else "",
+        f"budget ${budget:,.2f}" if budget is not None else "") if part)
+    out.print(f"[bold]Recommended[/] for {spec.name}, {tokens:.3g} tokens, {constraint}: [bold green]"
+              f"{best.workers} x {best.machine.gpu} {best.pricing} ({best.machine.name}), {chosen.cfg.describe()}"
+              f"[/] — step {step.total_s:.2f} s, MFU {step.mfu:.1%}, {step.memory.total / 1e9:.1f} GB per GPU, "
+              f"{best.hours:.1f} h, ${best.cost:,.0f} (modelled).", highlight=False)
+    out.print("Step terms (s): " + ", ".join(f"{k} {v:.2f}" for k, v in _terms(step).items()) + "; memory (GB): "
+              + ", ".join(f"{k} {v / 1e9:.1f}" for k, v in _memory(step).items()) + ".", highlight=False)
+    if png is not None:
+        path = _write_png(result.plan, png, f"{spec.name}: {tokens:.3g} tokens (modelled)")
+        out.print(f"plot written to {path}", highlight=False)
+    else:
+        out.print("[dim]pass --png PATH for the time/cost plot[/]")
+    write_json(json_path, {
+        "llm": spec.model_dump(), "tokens": tokens, "stack": result.stack, "steps": result.plan.steps,
+        "deadline_h": deadline, "budget_usd": budget, "catalog": cat.source, "notes": list(result.notes),
+        "recommended": _llm_option_json(result, best),
+        "pareto_front": [_llm_option_json(result, o) for o in result.plan.front],
+        "options": len(result.plan.options), "unfinishable_spot": result.plan.unfinishable,
+        "unfit": [{"machine": m, "gpus": n, "reason": why} for (m, n), why in result.unfit.items()],
+        "png": None if png is None else str(png)})
+
+
+def _terms(step) -> dict[str, float]:
+    return {"compute": step.compute_s, "tp exposed": step.tp_comm_s, "pp p2p": step.pp_comm_s,
+            "bubble": step.bubble_s, "dp exposed": step.dp_exposed_s, "optimizer": step.optimizer_s}
+
+
+def _memory(step) -> dict[str, float]:
+    m = step.memory
+    return {"weights": m.weights, "gradients": m.gradients, "optimizer": m.optimizer, "activations": m.activations,
+            "workspace": m.workspace}
+
+
+def _llm_option_json(result, opt) -> dict:
+    chosen = result.layout(opt)
+    cfg, step = chosen.cfg, chosen.step
+    return _option_json(opt) | {
+        "layout": {"tp": cfg.tp, "pp": cfg.pp, "vp": cfg.vp, "dp": cfg.dp, "micro_batch": cfg.micro_batch,
+                   "zero": cfg.zero, "sequence_parallel": cfg.sp, "recompute": cfg.recompute},
+        "mfu": step.mfu, "terms_s": _terms(step), "memory_bytes": _memory(step),
+        "memory_per_gpu_bytes": step.memory.total}
+
+
+def _llm_front_table(result) -> Table:
+    plan = result.plan
+    table = Table(title=f"Pareto front (time vs cost), {plan.steps:,} steps; ★ = recommended; MODELLED step times",
+                  title_justify="left")
+    for col in ("", "GPUs", "Machine", "Pricing", "Layout", "Step (s)", "MFU", "GB/GPU", "Hours", "Cost ($)"):
+        table.add_column(col, justify="left" if col in ("", "Machine", "Pricing", "Layout") else "right")
+    for opt in plan.front:
+        chosen = result.layout(opt)
+        mark = opt == plan.best
+        table.add_row("★" if mark else "", str(opt.workers), opt.machine.name, opt.pricing, chosen.cfg.describe(),
+                      f"{chosen.step.total_s:.2f}", f"{chosen.step.mfu:.1%}", f"{chosen.step.memory.total / 1e9:.1f}",
+                      f"{opt.hours:,.1f}", f"{opt.cost:,.0f}", style="bold green" if mark else None)
+    return table

@@ -9,12 +9,14 @@ may leave out `gpus`/`networks` (then only measured or CM-DARE profiles can be p
 
 from __future__ import annotations
 
-import math
 import os
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any
+from typing import Annotated, Any
 
+from pydantic import Field
+
+from cocoweave.cluster.schema import Strict, validate
 from cocoweave.cluster.yamlio import load_yaml
 from cocoweave.errors import PlanningError
 
@@ -51,6 +53,7 @@ class GPUSpec:
     hbm_gb_s: float
     memory_gb: float
     source: str
+    gemm_efficiency: float | None = None  # fraction of peak large GEMMs reach, where measured (LLM planner)
 
     def peak_flops(self, dtype: str) -> float:
         """Peak FLOP/s for `dtype` (float32's when that dtype has no entry)."""
@@ -81,94 +84,89 @@ class Catalog:
     source: str = ""
 
 
-def _number(entry: dict, key: str, where: str, optional: bool = False) -> float | None:
-    value = entry.get(key)
-    if value is None and optional:
-        return None
-    if isinstance(value, bool) or not isinstance(value, int | float) or not math.isfinite(value) or value < 0:
-        raise PlanningError(f"{where}: {key!r} must be a non-negative number, got {value!r}.")
-    return float(value)
+NonNegative = Annotated[float, Field(ge=0, allow_inf_nan=False)]
+Positive = Annotated[float, Field(gt=0, allow_inf_nan=False)]
+Fraction = Annotated[float, Field(gt=0, le=1)]
 
 
-def _text(entry: dict, key: str, where: str) -> str:
-    value = entry.get(key)
-    if not isinstance(value, str) or not value:
-        raise PlanningError(f"{where}: {key!r} must be a non-empty string, got {value!r}.")
-    return value
+class _GPU(Strict):
+    name: str = Field(min_length=1)
+    tflops: dict[str, NonNegative]
+    hbm_gb_s: NonNegative
+    memory_gb: NonNegative
+    source: str = Field(min_length=1)
+    gemm_efficiency: Fraction | None = None
 
 
-def _mapping(doc: dict, key: str, where: str) -> dict:
-    value = doc.get(key, {})
-    if not isinstance(value, dict):
-        raise PlanningError(f"{where}: {key!r} must be a mapping, got {type(value).__name__}.")
-    return value
+class _Network(Strict):
+    bandwidth_gb_s: Positive
+    latency_us: NonNegative
+    source: str = Field(min_length=1)
 
 
-def _machine(entry: Any, where: str, networks: dict[str, NetworkSpec]) -> MachineType:
-    if not isinstance(entry, dict):
-        raise PlanningError(f"{where} must be a mapping with name, gpu, prices, revocation rate and startup.")
-    per_node = entry.get("gpus_per_node", 1)
-    if isinstance(per_node, bool) or not isinstance(per_node, int) or per_node < 1:
-        raise PlanningError(f"{where}: 'gpus_per_node' must be a positive integer, got {per_node!r}.")
-    links = {}
-    for key in ("intra_node", "inter_node"):
-        link = entry.get(key)
-        if link is not None and link not in networks:
-            raise PlanningError(f"{where}: {key} {link!r} is not one of the catalog's networks "
-                                f"({', '.join(sorted(networks)) or 'none'}).")
-        links[key] = link
-    return MachineType(
-        name=_text(entry, "name", where), gpu=_text(entry, "gpu", where).upper(),
-        on_demand_per_hour=_number(entry, "on_demand_per_hour", where),
-        spot_per_hour=_number(entry, "spot_per_hour", where, optional=True),
-        revocations_per_hour=_number(entry, "revocations_per_hour", where, optional=True) or 0.0,
-        startup_s=_number(entry, "startup_s", where), gpus_per_node=per_node, **links)
+class _Machine(Strict):
+    name: str = Field(min_length=1)
+    gpu: str = Field(min_length=1)
+    on_demand_per_hour: NonNegative
+    spot_per_hour: NonNegative | None = None
+    revocations_per_hour: NonNegative = 0.0
+    startup_s: NonNegative
+    gpus_per_node: int = Field(default=1, ge=1)
+    intra_node: str | None = None
+    inter_node: str | None = None
 
 
-def _gpu(key: str, entry: Any, where: str) -> GPUSpec:
-    if not isinstance(entry, dict) or not isinstance(entry.get("tflops"), dict):
-        raise PlanningError(f"{where} must be a mapping with name, tflops {{dtype: TFLOP/s}}, hbm_gb_s, memory_gb "
-                            "and source.")
-    tflops = {str(k): _number(entry["tflops"], k, f"{where}: tflops") for k in entry["tflops"]}
-    if "float32" not in tflops:
-        raise PlanningError(f"{where}: tflops needs a float32 entry.")
-    return GPUSpec(key.upper(), _text(entry, "name", where), tflops, _number(entry, "hbm_gb_s", where),
-                   _number(entry, "memory_gb", where), _text(entry, "source", where))
+class _ParameterServer(Strict):
+    name: str = Field(min_length=1)
+    on_demand_per_hour: NonNegative
 
 
-def _network(key: str, entry: Any, where: str) -> NetworkSpec:
-    if not isinstance(entry, dict):
-        raise PlanningError(f"{where} must be a mapping with bandwidth_gb_s, latency_us and source.")
-    bandwidth = _number(entry, "bandwidth_gb_s", where)
-    if not bandwidth:
-        raise PlanningError(f"{where}: 'bandwidth_gb_s' must be positive.")
-    return NetworkSpec(key, bandwidth, _number(entry, "latency_us", where), _text(entry, "source", where))
+class _Efficiency(Strict):
+    compute: float = 1.0
+    memory: float = 1.0
+    network: float = 1.0
+
+
+class _Catalog(Strict):
+    machines: list[_Machine] = Field(min_length=1)
+    networks: dict[str, _Network] = Field(default_factory=dict)
+    gpus: dict[str, _GPU] = Field(default_factory=dict)
+    parameter_server: _ParameterServer | None = None
+    efficiency: _Efficiency = Field(default_factory=_Efficiency)
+    launch_us: NonNegative = 0.0
 
 
 def parse_catalog(doc: Any, source: str) -> Catalog:
-    """Validate a catalog document (the parsed YAML); errors name the file and the entry."""
-    if not isinstance(doc, dict) or not isinstance(doc.get("machines"), list) or not doc["machines"]:
+    """Validate a catalog document (the parsed YAML); an unknown key or a bad value gets one sentence naming the
+    file, the entry and the key (and the keys allowed)."""
+    if isinstance(doc, dict) and not doc.get("machines"):
         raise PlanningError(f"{source}: a catalog needs a non-empty 'machines' list.")
-    networks = {str(k): _network(str(k), v, f"{source}: networks[{k!r}]")
-                for k, v in _mapping(doc, "networks", source).items()}
-    gpus = {str(k).upper(): _gpu(str(k), v, f"{source}: gpus[{k!r}]") for k, v in _mapping(doc, "gpus", source).items()}
-    machines = tuple(_machine(m, f"{source}: machines[{i}]", networks) for i, m in enumerate(doc["machines"]))
+    cat = validate(_Catalog, doc, source, "catalog")
+    networks = {k: NetworkSpec(k, n.bandwidth_gb_s, n.latency_us, n.source) for k, n in cat.networks.items()}
+    gpus = {}
+    for key, g in cat.gpus.items():
+        if "float32" not in g.tflops:
+            raise PlanningError(f"{source}: gpus[{key!r}]: tflops needs a float32 entry.")
+        gpus[key.upper()] = GPUSpec(key.upper(), g.name, dict(g.tflops), g.hbm_gb_s, g.memory_gb, g.source,
+                                    g.gemm_efficiency)
+    machines = []
+    for i, m in enumerate(cat.machines):
+        for key in ("intra_node", "inter_node"):
+            link = getattr(m, key)
+            if link is not None and link not in networks:
+                raise PlanningError(f"{source}: machines[{i}]: {key} {link!r} is not one of the catalog's networks "
+                                    f"({', '.join(sorted(networks)) or 'none'}).")
+        machines.append(MachineType(m.name, m.gpu.upper(), m.on_demand_per_hour, m.spot_per_hour,
+                                    m.revocations_per_hour, m.startup_s, m.gpus_per_node, m.intra_node, m.inter_node))
     names = [m.name for m in machines]
     if len(set(names)) != len(names):
         raise PlanningError(f"{source}: machine names must be unique.")
-    ps, ps_name, ps_price = doc.get("parameter_server"), None, None
-    if ps is not None:
-        if not isinstance(ps, dict):
-            raise PlanningError(f"{source}: 'parameter_server' must be a mapping with name and on_demand_per_hour.")
-        where = f"{source}: parameter_server"
-        ps_name, ps_price = _text(ps, "name", where), _number(ps, "on_demand_per_hour", where)
-    eff = _mapping(doc, "efficiency", source)
-    efficiency = {k: _number(eff, k, f"{source}: efficiency", optional=True) or 1.0
-                  for k in ("compute", "memory", "network")}
+    ps = cat.parameter_server
+    efficiency = cat.efficiency.model_dump()
     if any(not 0 < v <= 1 for v in efficiency.values()):
         raise PlanningError(f"{source}: efficiency factors must lie in (0, 1], got {efficiency}.")
-    launch = _number(doc, "launch_us", source, optional=True) or 0.0
-    return Catalog(machines, ps_name, ps_price, gpus, networks, efficiency, launch, source)
+    return Catalog(tuple(machines), ps.name if ps else None, ps.on_demand_per_hour if ps else None, gpus, networks,
+                   efficiency, cat.launch_us, source)
 
 
 def load_catalog(path: str | os.PathLike | None = None) -> Catalog:

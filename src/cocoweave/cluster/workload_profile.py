@@ -17,6 +17,7 @@ from typing import Any
 
 import numpy as np
 import pandas as pd
+from pydantic import Field
 from sklearn.model_selection import GroupKFold
 
 from cocoweave.cluster import cmdare_data as data
@@ -24,6 +25,7 @@ from cocoweave.cluster.checkpoint_model import fit_checkpoint_model
 from cocoweave.cluster.features import speed_features
 from cocoweave.cluster.ps_scaling import efficiency_table, fit_scaling_law, model_meta
 from cocoweave.cluster.regression import CV_FOLDS, log_space_candidates, select
+from cocoweave.cluster.schema import Strict, validate
 from cocoweave.cluster.yamlio import load_yaml
 from cocoweave.errors import PlanningError
 
@@ -68,28 +70,26 @@ def _count(value: Any, where: str) -> int:
     return value
 
 
+class _Profile(Strict):
+    name: str = Field(min_length=1)
+    checkpoint_s: float = Field(gt=0, allow_inf_nan=False)
+    parameter_servers: int = Field(default=1, ge=0)
+    step_time_s: dict[str, dict[Any, Any]] = Field(min_length=1)
+
+
 def parse_profile(doc: Any, source: str) -> WorkloadProfile:
-    """Validate a profile document: name, checkpoint_s, parameter_servers (default 1) and
-    step_time_s: {GPU: {workers: seconds per global step}}."""
-    if not isinstance(doc, dict):
-        raise PlanningError(f"{source}: a profile must be a mapping with name, checkpoint_s and step_time_s.")
-    name = doc.get("name")
-    if not isinstance(name, str) or not name:
-        raise PlanningError(f"{source}: 'name' must be a non-empty string.")
-    checkpoint_s = _positive(doc.get("checkpoint_s"), f"{source}: 'checkpoint_s'")
-    ps = _count(doc.get("parameter_servers", 1), f"{source}: 'parameter_servers'")
-    table = doc.get("step_time_s")
-    if not isinstance(table, dict) or not table:
-        raise PlanningError(f"{source}: 'step_time_s' must map GPU types to {{workers: seconds}} tables.")
+    """Validate a profile document: name, checkpoint_s, parameter_servers (default 1; 0 for a job without them)
+    and step_time_s: {GPU: {workers: seconds per global step}}; unknown keys are refused with the keys allowed."""
+    prof = validate(_Profile, doc, source, "workload profile")
     points = []
-    for gpu, per_workers in table.items():
-        if not isinstance(per_workers, dict) or not per_workers:
+    for gpu, per_workers in prof.step_time_s.items():
+        if not per_workers:
             raise PlanningError(f"{source}: step_time_s[{gpu!r}] must map worker counts to seconds.")
         for workers, seconds in per_workers.items():
             where = f"{source}: step_time_s[{gpu!r}][{workers!r}]"
-            points.append(ProfilePoint(str(gpu).upper(), ps, _count(workers, f"{where} worker count"),
-                                       _positive(seconds, where)))
-    return WorkloadProfile(name, checkpoint_s, tuple(points), (f"profile read from {source}",))
+            points.append(ProfilePoint(str(gpu).upper(), prof.parameter_servers,
+                                       _count(workers, f"{where} worker count"), _positive(seconds, where)))
+    return WorkloadProfile(prof.name, prof.checkpoint_s, tuple(points), (f"profile read from {source}",))
 
 
 def load_profile(path: str | os.PathLike) -> WorkloadProfile:

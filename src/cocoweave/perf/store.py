@@ -127,7 +127,8 @@ def validate(records: Iterable[Mapping[str, Any]]) -> list[dict[str, Any]]:
         where = _record_name(index, record)
         unknown = sorted(set(record) - set(COLUMNS))
         if unknown:
-            raise StoreError(f"{where} has unknown column {unknown[0]!r}; put free-form data in 'extra'.")
+            raise StoreError(f"{where} has unknown column {unknown[0]!r} (allowed columns: {', '.join(COLUMNS)}); "
+                             "put free-form data in 'extra'.")
         row = {}
         for column in COLUMNS:
             if column not in record and column not in OPTIONAL_DEFAULTS:
