@@ -186,16 +186,13 @@ def markdown(result: DemoResult, command: str, info: dict[str, Any]) -> str:
 def bar_chart(result: DemoResult, path: Path) -> None:
     """bars.png: one panel per workload, a bar per baseline and per schedule (ms); the headline green, schedules
     that keep the weights sliced hatched."""
-    import matplotlib
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
+    from ..figures import figure
 
     shown = [w for w in result.workloads if not w.skipped]
     heights = [len(w.rows) + len(w.baselines) for w in shown] or [1]
     height = 1.2 + 0.24 * sum(heights) + 0.8 * len(heights)
-    fig, axes = plt.subplots(len(shown) or 1, 1, figsize=(9, height), gridspec_kw={"height_ratios": heights},
-                             squeeze=False)
+    fig = figure(figsize=(9, height))
+    axes = fig.subplots(len(shown) or 1, 1, gridspec_kw={"height_ratios": heights}, squeeze=False)
     for ax, w in zip(axes[:, 0], shown):
         labels = [f"baseline: {b.name}" for b in w.baselines] + [r.schedule for r in w.rows]
         values = [b.ms if math.isfinite(b.ms) else 0.0 for b in w.baselines] + \
@@ -220,7 +217,6 @@ def bar_chart(result: DemoResult, path: Path) -> None:
                  "x: vs the strongest baseline", fontsize=10)
     fig.tight_layout(rect=(0, 0, 1, 1 - 0.35 / height))  # room for the title above the first panel's
     fig.savefig(path, dpi=110)
-    plt.close(fig)
 
 
 def _headline_json(w: WorkloadResult) -> dict[str, Any] | None:

@@ -120,13 +120,11 @@ def accuracy(rows: pd.DataFrame, test_fraction: float = 0.25, seed: int = 0) -> 
 
 def scatter_png(report: AccuracyReport, path: Path, title: str) -> Path:
     """Predicted vs measured (log-log), analytic and corrected, with the y = x line."""
-    import matplotlib
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
+    from ..figures import figure
 
     t = report.test
-    fig, ax = plt.subplots(figsize=(5.5, 5))
+    fig = figure(figsize=(5.5, 5))
+    ax = fig.subplots()
     ax.scatter(t["measured_ms"], t["analytic_ms"], s=18, alpha=0.6,
                label=f"analytic (MAPE {report.analytic_mape:.1f}%)")
     ax.scatter(t["measured_ms"], t["corrected_ms"], s=18, marker="x",
@@ -140,5 +138,4 @@ def scatter_png(report: AccuracyReport, path: Path, title: str) -> Path:
     fig.tight_layout()
     path.parent.mkdir(parents=True, exist_ok=True)
     fig.savefig(path, dpi=120)
-    plt.close(fig)
     return path
