@@ -37,8 +37,13 @@ class CacheWarning(UserWarning):
 
 
 def cache_dir() -> Path:
-    """Where generated modules are kept: $COCOWEAVE_CACHE/plans, else ~/.cache/cocoweave/plans."""
-    return Path(os.environ.get(CACHE_ENV, Path.home() / ".cache" / "cocoweave")) / "plans"
+    """Where generated modules are kept: $COCOWEAVE_CACHE/plans, else the user's cache folder (the XDG rule:
+    $XDG_CACHE_HOME when it is an absolute path, else ~/.cache) /cocoweave/plans."""
+    if os.environ.get(CACHE_ENV):
+        return Path(os.environ[CACHE_ENV]) / "plans"
+    xdg = os.environ.get("XDG_CACHE_HOME", "")
+    base = Path(xdg) if os.path.isabs(xdg) else Path.home() / ".cache"
+    return base / "cocoweave" / "plans"
 
 
 def _limit(env: str, default: float) -> float:
