@@ -5,7 +5,6 @@ and a refusal of sizes this machine cannot hold."""
 
 from __future__ import annotations
 
-import json
 import math
 import os
 import sys
@@ -15,6 +14,7 @@ from typing import Annotated, Any
 
 import typer
 
+from .. import jsonable
 from ..atomic import write_text
 from ..errors import BackendError, LoadError
 from ..ir.graph import Program
@@ -117,7 +117,7 @@ def check_output(path: str | os.PathLike[str] | None, option: str) -> Path | Non
 
 def write_json(doc: Any, path: str | None) -> None:
     """Write `doc` as JSON to `path` ('-': stdout); LoadError with a sentence if the file cannot be written."""
-    text = json.dumps(doc, indent=2, default=str) + "\n"
+    text = jsonable.dumps(doc, indent=2) + "\n"
     if path is None:
         return
     if path == "-":

@@ -3,7 +3,6 @@ bars.png (step time per schedule and baseline) and trace.json (Chrome/Perfetto t
 
 from __future__ import annotations
 
-import json
 import math
 import os
 import platform
@@ -16,6 +15,7 @@ from typing import Any
 import torch
 from rich.table import Table
 
+from .. import jsonable
 from ..trace import merge_and_write
 from ..version import __version__
 from .runner import BaselineRow, DemoResult, Row, WorkloadResult
@@ -244,7 +244,7 @@ def write_report(result: DemoResult, out_root: str | os.PathLike[str], command: 
             "check_inputs": result.check_inputs, "start_s": result.start_s, "total_s": result.total_s,
             "summary": summary(result), "headlines": {w.key: _headline_json(w) for w in result.workloads},
             "workloads": [asdict(w) for w in result.workloads]}
-    (out / "results.json").write_text(json.dumps(data, indent=1, default=str), encoding="utf-8")
+    (out / "results.json").write_text(jsonable.dumps(data, indent=1), encoding="utf-8")
     bar_chart(result, out / "bars.png")
     merge_and_write(result.events, out / "trace.json")
     return out
