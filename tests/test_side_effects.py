@@ -1,6 +1,6 @@
 """Importing cocoweave, drawing its plots and running a compiled stage leave the user's process as it was:
-matplotlib's backend (a notebook keeps its inline plots) and Inductor's compile_threads (the user's own
-torch.compile keeps its worker pool)."""
+matplotlib's backend (a notebook keeps its inline plots), Inductor's compile_threads (the user's own
+torch.compile keeps its worker pool), and stderr (cocoweave's loggers print nothing unless asked)."""
 
 from __future__ import annotations
 
@@ -48,6 +48,8 @@ SCRIPT = textwrap.dedent("""
     assert before == after_import == after_plot == after_compile == ("svg", 3), (after_import, after_plot,
                                                                                 after_compile)
     assert seen and set(seen) == {1}, seen  # the stage itself compiled single-threaded
+    import logging
+    logging.getLogger("cocoweave.launch").warning("a record nobody asked to see")  # quiet by default
 """)
 
 
@@ -57,4 +59,5 @@ def test_importing_plotting_and_compiling_leave_backend_and_compile_threads_alon
     proc = subprocess.run([sys.executable, "-c", SCRIPT, str(tmp_path / "plot.png")], capture_output=True,
                           text=True, env=env, timeout=240)
     assert proc.returncode == 0, proc.stdout + proc.stderr
+    assert "a record nobody asked to see" not in proc.stderr  # cocoweave's loggers are quiet by default
     assert (tmp_path / "plot.png").read_bytes().startswith(b"\x89PNG")

@@ -10,7 +10,7 @@ import os
 import sys
 from collections.abc import Iterable
 from pathlib import Path
-from typing import Annotated, Any
+from typing import Annotated, Any, Literal
 
 import typer
 
@@ -39,8 +39,10 @@ TimeoutOpt = Annotated[float, typer.Option(help="Seconds a rank may wait for the
 WallTimeoutOpt = Annotated[float | None, typer.Option(
     "--wall-timeout", help="Seconds the whole run of one world may take (default: no limit).")]
 JsonOpt = Annotated[str | None, typer.Option(
-    "--json", metavar="PATH", help="Write the results as JSON to PATH ('-': print them instead of the table); "
-                                   "a list of results when several world sizes run.")]
+    "--json", metavar="PATH", help="Write the results as JSON to PATH ('-': to stdout, alone: no tables are "
+                                   "printed).")]
+Device = Literal["cpu", "cuda"]  # an enum: --help lists the choices, typer refuses others
+DeviceOpt = Annotated[Device, typer.Option(help="Device of the ranks: cpu (Gloo) or cuda.")]
 
 
 def parse_world_sizes(text: str) -> list[int]:

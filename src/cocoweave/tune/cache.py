@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import contextlib
 import json
+import logging
 import os
 import warnings
 from collections.abc import Iterator, Mapping
@@ -22,6 +23,8 @@ from ..atomic import write_text
 from ..errors import CocoweaveError, ScheduleError
 from ..ir.graph import Program
 from ..schedule.schedule import Schedule
+
+log = logging.getLogger(__name__)
 
 CACHE_ENV = "COCOWEAVE_TUNE_CACHE"
 VERSION = 1
@@ -92,6 +95,7 @@ class TuneCache:
                 entries[key] = dict(entry) | {"time": datetime.now(UTC).isoformat()}
                 text = json.dumps({"version": VERSION, "entries": entries}, indent=2, sort_keys=True) + "\n"
                 write_text(self.path, text)
+                log.info("tuning cache %s: %s -> %s", self.path, key, entry.get("schedule"))
         except OSError as exc:
             raise CocoweaveError(f"cannot write the tuning cache {self.path}: {exc.strerror or exc}.") from None
 
