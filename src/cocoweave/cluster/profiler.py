@@ -25,6 +25,8 @@ from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any
 
+from torch.distributed.elastic.multiprocessing.errors import ProcessFailure
+
 from cocoweave.cluster import profile_hooks
 from cocoweave.errors import CocoweaveError
 
@@ -178,12 +180,19 @@ def _tail(text: str) -> str:
 
 
 def _rank_failure(logs: Path) -> str | None:
-    """The last lines of the first rank log (torchrun's --log-dir) that reports an error, if any."""
-    for log in sorted(logs.rglob("stderr.log")):
-        text = log.read_text(errors="replace")
-        if "Error" in text or "error" in text or "Traceback" in text:
-            return f"rank {log.parent.name}: {_tail(text)}"
-    return None
+    """The root cause of a failed world: the first rank to fail, from the error files torch elastic's `@record`
+    writes under torchrun's --log-dir (profile_entry.main is recorded); None when no rank wrote one."""
+    failures = []
+    for f in logs.rglob("error.json"):
+        try:
+            failures.append(ProcessFailure(int(f.parent.name) if f.parent.name.isdigit() else -1, 0, 1, str(f)))
+        except (ValueError, KeyError, TypeError):  # a file cut short by a dying rank
+            continue
+    if not failures:
+        return None
+    first = min(failures, key=lambda failure: (failure.timestamp, failure.local_rank))
+    message = first.message.get("message", "") if isinstance(first.message, dict) else str(first.message)
+    return f"rank {first.local_rank}: {_tail(message)}"
 
 
 def torchrun_command(script: Path, script_args: Sequence[str], world_size: int, logs: Path) -> list[str]:
