@@ -38,6 +38,8 @@ def test_help_text_wraps_by_sentence_not_where_the_source_broke_its_lines():
     assert "runs them in its own process, as `python FILE.py` would, so they can read" in out
     assert "2 bad input, 3 a bug of cocoweave, 4 a rank failed or hung" in out
     assert "its schedules with its steps, stages, rewritten program and plan" in out  # `show`, in the list
+    legend = invoke("schedules", "-h").stdout  # an indented legend keeps its lines
+    assert "\n   C              computation fused into one generated kernel" in legend
 
 
 @pytest.mark.parametrize("command", [["run"], ["check"], ["measure"], ["tune"], ["perf", "calibrate"],

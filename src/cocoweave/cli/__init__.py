@@ -33,10 +33,12 @@ app = typer.Typer(help=HELP, no_args_is_help=True, add_completion=False, pretty_
 
 def _flow(text: str | None) -> str | None:
     """A help text's paragraphs each as one line, so that --help wraps them to the terminal instead of keeping
-    the source's line breaks (which cut sentences in two)."""
+    the source's line breaks (which cut sentences in two); paragraphs with indented lines are kept as written."""
     if not text:
         return text
-    return "\n\n".join(" ".join(p.split()) for p in inspect.cleandoc(text).split("\n\n"))
+    paragraphs = inspect.cleandoc(text).split("\n\n")
+    return "\n\n".join(p if any(line[:1].isspace() for line in p.splitlines()) else " ".join(p.split())
+                       for p in paragraphs)  # an indented block (a legend, a table) keeps its lines
 
 
 def _flow_help(typer_app: typer.Typer) -> None:
