@@ -77,7 +77,7 @@ def test_train_gpt_under_the_profiler_json_on_stdout(tmp_path):
     r = invoke("profile", ROOT / "examples/train_gpt.py", "-n", "1,2", "--predict", 3, "--rounds", 1, "--steps", 2,
                "--warmup", 2, "--json", "-", "--store", tmp_path / "store")
     assert r.exit_code == 0, r.output
-    doc = json.loads(r.stdout)  # only JSON on stdout; the tables went to stderr
+    doc = json.loads(r.stdout)  # only JSON on stdout; no tables are printed
     assert doc["script_args"] == ["--tensor-parallel", "1", "--batch", "24"]  # its '# cocoweave profile:' line
     assert doc["runs"][0]["optimizer"] == "cocoweave.optim.optimizers.DistributedAdamW"
     assert doc["predictions"][0]["measured_ms"] > 0
