@@ -180,19 +180,24 @@ def _tail(text: str) -> str:
 
 
 def _rank_failure(logs: Path) -> str | None:
-    """The root cause of a failed world: the first rank to fail, from the error files torch elastic's `@record`
-    writes under torchrun's --log-dir (profile_entry.main is recorded); None when no rank wrote one."""
+    """The root cause of a failed world: the first rank to raise, from the error files torch elastic's `@record`
+    writes under torchrun's --log-dir (profile_entry.main is recorded). A script that exits without raising
+    (`print(...); sys.exit(2)`) writes none: then the last lines of the first rank log that reports an error."""
     failures = []
     for f in logs.rglob("error.json"):
         try:
             failures.append(ProcessFailure(int(f.parent.name) if f.parent.name.isdigit() else -1, 0, 1, str(f)))
         except (ValueError, KeyError, TypeError):  # a file cut short by a dying rank
             continue
-    if not failures:
-        return None
-    first = min(failures, key=lambda failure: (failure.timestamp, failure.local_rank))
-    message = first.message.get("message", "") if isinstance(first.message, dict) else str(first.message)
-    return f"rank {first.local_rank}: {_tail(message)}"
+    if failures:
+        first = min(failures, key=lambda failure: (failure.timestamp, failure.local_rank))
+        message = first.message.get("message", "") if isinstance(first.message, dict) else str(first.message)
+        return f"rank {first.local_rank}: {_tail(message)}"
+    for log in sorted(logs.rglob("stderr.log")):
+        text = log.read_text(errors="replace")
+        if "Error" in text or "error" in text or "Traceback" in text:
+            return f"rank {log.parent.name}: {_tail(text)}"
+    return None
 
 
 def torchrun_command(script: Path, script_args: Sequence[str], world_size: int, logs: Path) -> list[str]:
