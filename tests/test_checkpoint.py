@@ -198,6 +198,31 @@ def test_a_damaged_checkpoint_is_refused_before_anything_is_read(tmp_path, damag
     assert torch.equal(w, torch.full((8,), -1.0))  # untouched
 
 
+def _load_counting_hashes(rank: int, world_size: int, path: str) -> tuple[int, str]:
+    """Load `path` on every rank; (files this rank hashed, the error it got or its loaded w as text)."""
+    hashed = []
+    real = ck._sha256
+    ck._sha256 = lambda f: hashed.append(f) or real(f)
+    try:
+        w = torch.zeros(8)
+        ck.load(path, {"w": w})
+        return len(hashed), str(w.tolist())
+    except CheckpointError as exc:
+        return len(hashed), str(exc)
+    finally:
+        ck._sha256 = real
+
+
+def test_rank_0_alone_hashes_the_files_and_every_rank_gets_its_verdict(local_world, tmp_path):
+    path = _saved(tmp_path)
+    files = len(ck.info(path)["files"])
+    got = local_world(2).run(_load_counting_hashes, str(path))
+    assert got == [(files, str(torch.arange(8.0).tolist())), (0, str(torch.arange(8.0).tolist()))]
+    _flip(_shard_file(path))
+    (h0, e0), (h1, e1) = local_world(2).run(_load_counting_hashes, str(path))
+    assert h1 == 0 and 0 < h0 <= files and e0 == e1 and "does not match its sha256 checksum (damaged)" in e1
+
+
 def test_plain_values_round_trip_as_json_and_state_is_checked(tmp_path):
     values = {"step": 7, "big": 2**70, "lr": float("nan"), "name": "ünï", "none": None, "flag": True,
               "nested": {1: [0.25, "a", (None, False)]}}

@@ -98,3 +98,15 @@ def test_pruning_bounds_the_bytes_too(tmp_path, monkeypatch):
     for i in range(5):
         os.utime(codecache.write_source(f"# {i}" + "x" * 997, f"k{i}"), (1000 + i, 1000 + i))
     assert sorted(p.name for p in (tmp_path / "plans").iterdir()) == ["k3.py", "k4.py"]
+
+
+def test_the_cache_honours_xdg_cache_home(tmp_path, monkeypatch):
+    monkeypatch.delenv(codecache.CACHE_ENV, raising=False)
+    monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path / "xdg"))
+    assert codecache.cache_dir() == tmp_path / "xdg" / "cocoweave" / "plans"
+    assert codecache.write_source("x = 1\n", "k1") == tmp_path / "xdg" / "cocoweave" / "plans" / "k1.py"
+    monkeypatch.setenv("XDG_CACHE_HOME", "relative/path")  # the XDG rule: a relative value is ignored
+    monkeypatch.setenv("HOME", str(tmp_path / "home"))
+    assert codecache.cache_dir() == tmp_path / "home" / ".cache" / "cocoweave" / "plans"
+    monkeypatch.setenv(codecache.CACHE_ENV, str(tmp_path / "mine"))  # the project's own variable wins
+    assert codecache.cache_dir() == tmp_path / "mine" / "plans"

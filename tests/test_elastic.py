@@ -281,3 +281,18 @@ def test_resize_schedules_parse_and_bad_ones_are_one_sentence():
             parse_schedule(text)
     with pytest.raises(ElasticError, match="no positive step time for 4 ranks .*known for 8"):
         predict_resizes(BatchPolicy.keep_global(8), 10, {8: 1.0}, SPOT, 1.0)
+
+
+def test_a_dataloader_with_workers_yields_the_samplers_global_order_from_its_position():
+    from torch.utils.data import DataLoader
+
+    sampler = ElasticSampler(23, seed=5)
+    sampler.next_batch(7)  # resumed mid-epoch
+    dataset = [100 + i for i in range(23)]
+    loader = DataLoader(dataset, sampler=sampler, batch_size=4, num_workers=2)
+    assert len(sampler) == 16
+    got = [int(x) for batch in loader for x in batch]
+    assert got == [100 + i for i in ElasticSampler(23, seed=5).indices(7, 16)]  # the rest of epoch 0
+    assert sampler.position == 23
+    again = [int(x) for batch in loader for x in batch]  # the next epoch, a new permutation
+    assert again == [100 + i for i in sampler.order(1)] and sorted(again) == dataset

@@ -11,7 +11,9 @@ import socket
 import subprocess
 import sys
 import textwrap
+import threading
 import time
+import types
 
 import pytest
 import torch
@@ -173,9 +175,21 @@ def test_rank_that_raises_is_named_and_world_survives(world4):
     assert torch.equal(world4.run(_all_reduce)[0], torch.full((3,), 10.0))
 
 
-def test_functions_must_be_module_level(world4):
-    with pytest.raises(BackendError, match="module-level"):
-        world4.run(lambda rank, world_size: rank)
+def test_lambdas_nested_and_notebook_functions_run_on_the_ranks_with_their_closures(world4, monkeypatch):
+    offset = 10
+
+    def nested(rank: int, world_size: int) -> int:  # as a notebook or a test would write it
+        return rank * world_size + offset
+
+    assert world4.run(lambda rank, world_size: (rank, world_size)) == [(r, 4) for r in range(4)]
+    assert world4.run(nested) == [10, 14, 18, 22]
+    notebook = types.ModuleType("__main__")  # a notebook's __main__: no file the ranks could import
+    exec("def cell(rank, world_size):\n    return rank * 100\n", notebook.__dict__)
+    monkeypatch.setitem(sys.modules, "__main__", notebook)
+    assert world4.run(notebook.cell) == [0, 100, 200, 300]
+    lock = threading.Lock()
+    with pytest.raises(BackendError, match=r"^`.*<lambda>` cannot be sent to ranks: TypeError: .*lock"):
+        world4.run(lambda rank, world_size: lock.locked())  # its closure holds what cannot be pickled
     assert world4.broken is None
 
 

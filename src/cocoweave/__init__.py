@@ -6,6 +6,8 @@
     ...
 """
 
+import logging as _logging
+
 from . import errors
 from .ir import WORLD, Group, Layout, Local, Mesh, Program, Replicated, Sliced, Value
 from .ir.ops import (
@@ -47,6 +49,8 @@ from .ir.ops import (
     where,
 )
 from .version import __version__ as __version__
+
+_logging.getLogger(__name__).addHandler(_logging.NullHandler())  # quiet unless the application configures logging
 
 
 def __getattr__(name: str):

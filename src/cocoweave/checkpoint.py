@@ -37,6 +37,7 @@ from __future__ import annotations
 import ctypes
 import hashlib
 import json
+import logging
 import os
 import re
 import shutil
@@ -62,7 +63,7 @@ OLD = ".old"
 FORMAT = 2  # 2: a manifest of sizes and sha256 per file, JSON leaves in the skeleton
 SKELETON = "__skeleton__"  # per rank: the nested structure of what it saved (JSON)
 _STEP_DIR = re.compile(rf"^step-(\d+)({re.escape(OLD)})?$")
-_CHUNK = 1 << 20
+log = logging.getLogger(__name__)
 
 
 @dataclass
@@ -175,6 +176,8 @@ def save(path: str | os.PathLike[str], state: Mapping[str, Any], *, step: int | 
     error = _from_rank0(error, group)  # no rank returns before the checkpoint is complete
     if error is not None:
         raise CheckpointError(error)
+    if rank == 0:
+        log.info("saved checkpoint %s (step %s)", final, step)
     return final
 
 
@@ -230,11 +233,8 @@ def _exchange(a: Path, b: Path) -> bool:
 
 
 def _sha256(path: Path) -> str:
-    digest = hashlib.sha256()
     with open(path, "rb") as f:
-        while chunk := f.read(_CHUNK):
-            digest.update(chunk)
-    return digest.hexdigest()
+        return hashlib.file_digest(f, "sha256").hexdigest()
 
 
 def _fsync_dir(path: Path) -> None:
@@ -337,8 +337,8 @@ def load(path: str | os.PathLike[str], state: Mapping[str, Any], *, group: Any =
     or sliced state it has that `state` lacks, is refused. `trusted=True` (only for checkpoints you trust:
     code in them can run) also loads pickled objects and checkpoints without a manifest."""
     p = Path(path)
-    if not (trusted and info(p)["format"] < FORMAT):
-        verify(p)
+    _verify_once(p, trusted, group)
+    log.info("loading checkpoint %s (rank %d)", p, _rank(group))
     reader = dcp.FileSystemReader if trusted else SafeReader
     try:
         saved = reader(str(p)).read_metadata().state_dict_metadata
@@ -369,6 +369,23 @@ def load(path: str | os.PathLike[str], state: Mapping[str, Any], *, group: Any =
     for dst, src in copies:
         dst.copy_(src)
     return _resolve(tree, request)
+
+
+def _verify_once(p: Path, trusted: bool, group: Any) -> None:
+    """Rank 0 of `group` checks the checkpoint's files against its manifest (hashing each once, however many ranks
+    load it) and every rank gets its verdict: the same CheckpointError on all, or none."""
+    error = None
+    if _rank(group) == 0:
+        try:
+            if not (trusted and info(p)["format"] < FORMAT):
+                verify(p)
+        except CheckpointError as exc:
+            error = str(exc)
+        except OSError as exc:
+            error = f"checkpoint {p} cannot be read: {exc.strerror or exc}"
+    error = _from_rank0(error, group)
+    if error is not None:
+        raise CheckpointError(error)
 
 
 _MISSING = object()

@@ -13,6 +13,7 @@ touches its file, so what is in use stays newest).
 from __future__ import annotations
 
 import atexit
+import logging
 import os
 import shutil
 import tempfile
@@ -20,6 +21,8 @@ import warnings
 from pathlib import Path
 
 from .atomic import write_text
+
+log = logging.getLogger(__name__)
 
 CACHE_ENV = "COCOWEAVE_CACHE"
 MAX_FILES_ENV = "COCOWEAVE_CACHE_MAX_FILES"
@@ -37,8 +40,13 @@ class CacheWarning(UserWarning):
 
 
 def cache_dir() -> Path:
-    """Where generated modules are kept: $COCOWEAVE_CACHE/plans, else ~/.cache/cocoweave/plans."""
-    return Path(os.environ.get(CACHE_ENV, Path.home() / ".cache" / "cocoweave")) / "plans"
+    """Where generated modules are kept: $COCOWEAVE_CACHE/plans, else the user's cache folder (the XDG rule:
+    $XDG_CACHE_HOME when it is an absolute path, else ~/.cache) /cocoweave/plans."""
+    if os.environ.get(CACHE_ENV):
+        return Path(os.environ[CACHE_ENV]) / "plans"
+    xdg = os.environ.get("XDG_CACHE_HOME", "")
+    base = Path(xdg) if os.path.isabs(xdg) else Path.home() / ".cache"
+    return base / "cocoweave" / "plans"
 
 
 def _limit(env: str, default: float) -> float:
@@ -60,6 +68,7 @@ def max_bytes() -> int:
 
 
 def _warn_once(folder: Path, exc: OSError) -> None:
+    log.debug("the code cache %s cannot be written: %s", folder, exc)
     if str(folder) not in _WARNED:
         _WARNED.add(str(folder))
         warnings.warn(f"the code cache {folder} cannot be written ({exc.strerror or exc}); generated code runs "
@@ -80,6 +89,7 @@ def _write(folder: Path, source: str, key: str) -> Path:
             pass
         return path
     write_text(path, source, durable=False)  # a cache: regenerated if lost
+    log.debug("generated code cached at %s", path)
     prune(folder, keep=path)
     return path
 
@@ -136,4 +146,7 @@ def prune(folder: Path, keep: Path | None = None) -> int:
                 pass
             count -= 1
             total -= size
+    if removed:
+        log.info("pruned %d old files from the code cache %s (keeping %d files, %d bytes at most)", removed, folder,
+                 limit_files, limit_bytes)
     return removed

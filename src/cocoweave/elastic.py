@@ -33,12 +33,13 @@ twice across resizes. `predict_resizes` gives the time and cost of a job under a
 from __future__ import annotations
 
 import math
-from collections.abc import Mapping, Sequence
+from collections.abc import Iterator, Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any, Literal
 
 import torch
 import torch.distributed as dist
+from torch.utils.data import Sampler
 
 from .errors import ElasticError
 from .ir.layout import split_sizes
@@ -182,14 +183,19 @@ class BatchPolicy:
 # ---------------------------------------------------------------------------------------------------------
 
 
-class ElasticSampler:
+class ElasticSampler(Sampler[int]):
     """The global order of a dataset's samples and how far training has consumed it.
 
     Epoch e is a permutation of range(num_samples) drawn from (seed, e) (the identity without `shuffle`); the
     position counts the samples consumed since the start, so a batch that crosses an epoch's end takes the rest
-    of that epoch and the start of the next. The state (`state_dict`) is four integers: save it with the model."""
+    of that epoch and the start of the next. The state (`state_dict`) is four integers: save it with the model.
+
+    A `torch.utils.data.Sampler`: `DataLoader(dataset, sampler=sampler, batch_size=B, num_workers=2)` iterates the
+    rest of the current epoch in the same global order as `next_batch`, each index drawn moving the position (a
+    loader with workers draws up to prefetch_factor x num_workers batches ahead of the batches trained on)."""
 
     def __init__(self, num_samples: int, seed: int = 0, shuffle: bool = True) -> None:
+        super().__init__()
         self.num_samples = _count(num_samples, "the number of samples")
         self.seed = _count(seed, "the sampler's seed", low=0)
         self.shuffle = bool(shuffle)
@@ -226,6 +232,16 @@ class ElasticSampler:
         out = self.indices(self.position, _count(count, "the batch size"))
         self.position += count
         return out
+
+    def __len__(self) -> int:
+        """The samples left in the current epoch: what one iteration yields."""
+        return self.num_samples - self.position % self.num_samples
+
+    def __iter__(self) -> Iterator[int]:
+        """The rest of the current epoch's order, from the position; each index drawn moves the position past it."""
+        for index in self.indices(self.position, len(self)):
+            self.position += 1
+            yield index
 
     def state_dict(self) -> dict[str, int]:
         return {"num_samples": self.num_samples, "seed": self.seed, "shuffle": int(self.shuffle),

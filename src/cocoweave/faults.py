@@ -17,14 +17,17 @@ the fast path costs one attribute check.
 from __future__ import annotations
 
 import ctypes
+import logging
 import os
 import signal
-import sys
 import time
 from dataclasses import dataclass
 from typing import Any
 
 from .errors import CocoweaveError
+from .log import log_to_stderr
+
+log = logging.getLogger(__name__)
 
 ENV_VAR = "COCOWEAVE_FAULT"
 ACTIONS = ("exit", "kill", "sleep", "raise")
@@ -157,7 +160,9 @@ def maybe_fault(rank: int, stage: int, label: str) -> None:
         except FileExistsError:
             return  # fired on an earlier attempt
     at = where(stage, label)
-    print(f"cocoweave: injected fault: rank {rank} {fault.action} at {at}", file=sys.stderr, flush=True)
+    log.warning("injected fault: rank %d %s at %s", rank, fault.action, at)
+    for handler in log.handlers + logging.getLogger("cocoweave").handlers:
+        handler.flush()  # before os._exit or SIGKILL
     if fault.action == "exit":
         os._exit(fault.code)
     if fault.action == "kill":
@@ -168,7 +173,9 @@ def maybe_fault(rank: int, stage: int, label: str) -> None:
     raise InjectedFault(f"injected fault on rank {rank} at {at}")
 
 
+if os.environ.get(ENV_VAR):  # faults asked for in the environment announce themselves on stderr
+    log_to_stderr(logging.WARNING, __name__)
 try:
     configure(os.environ.get(ENV_VAR))
 except CocoweaveError as _exc:  # never fail an import; say why the fault is not armed
-    print(f"cocoweave: fault not armed: {_exc}", file=sys.stderr, flush=True)
+    log.warning("fault not armed: %s", _exc)

@@ -15,6 +15,7 @@ import them by module name, or from their file).
 from __future__ import annotations
 
 import functools
+import logging
 import math
 import multiprocessing as mp
 import multiprocessing.util as mp_util
@@ -32,12 +33,15 @@ from datetime import timedelta
 from multiprocessing.connection import Connection, wait
 from typing import Any, NoReturn
 
+import cloudpickle
 import torch
 import torch.distributed as dist
 
 from . import faults
 from .errors import BackendError
 from .loader import import_module_file
+
+log = logging.getLogger(__name__)
 
 _ENV_VARS = ("RANK", "WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT")
 MAX_TIMEOUT_S = 7 * 24 * 3600.0  # a week: longer waits are a mistake (and overflow some timers)
@@ -175,7 +179,8 @@ def init_from_env(timeout_s: float = 60.0, backend: str | None = None) -> tuple[
     try:
         store = _rank_store(rank, world_size, timeout_s)
         dist.init_process_group(chosen, store=store, rank=rank, world_size=world_size,
-                                timeout=timedelta(seconds=timeout_s))
+                                timeout=timedelta(seconds=timeout_s),
+                                device_id=device if chosen == "nccl" else None)  # NCCL: eager init on this GPU
     except Exception as exc:  # noqa: BLE001 - every init failure becomes one sentence
         _raise(f"rank {rank} could not join the process group at {host}:{os.environ['MASTER_PORT']}: "
                f"{type(exc).__name__}: {_first_line(exc)}", ranks=[rank])
@@ -255,17 +260,22 @@ def _fn_name(fn: Callable[..., Any]) -> str:
 
 
 def _fn_spec(fn: Callable[..., Any]) -> tuple[Any, ...]:
-    """How a rank finds `fn`: by module, qualified name and file (plain functions), else pickled by value."""
+    """How a rank finds `fn`: by module, qualified name and file (plain functions); lambdas, nested functions and
+    functions of a module without a file (a notebook's) by value with cloudpickle; anything else pickled."""
     if not callable(fn):
         raise BackendError(f"world.run needs a callable, got {type(fn).__name__}")
     if isinstance(fn, functools.partial):
         return ("partial", _fn_spec(fn.func), fn.args, fn.keywords)
     qualname = getattr(fn, "__qualname__", "")
     if hasattr(fn, "__code__") and hasattr(fn, "__module__"):
-        if "<" in qualname:  # <lambda>, <locals>
-            raise BackendError(f"`{qualname}` must be a module-level function so that ranks can import it")
-        module = sys.modules.get(fn.__module__)
-        return ("ref", fn.__module__, qualname, getattr(module, "__file__", None))
+        path = getattr(sys.modules.get(fn.__module__), "__file__", None)
+        if "<" in qualname or path is None:  # <lambda>, <locals>, a notebook's function: ranks cannot import it
+            try:
+                return ("cloudpickle", cloudpickle.dumps(fn, protocol=pickle.HIGHEST_PROTOCOL))
+            except Exception as exc:  # noqa: BLE001 - whatever its closure holds
+                raise BackendError(f"`{qualname}` cannot be sent to ranks: {type(exc).__name__}: "
+                                   f"{_first_line(exc)}") from None
+        return ("ref", fn.__module__, qualname, path)
     return ("value", fn)
 
 
@@ -273,6 +283,8 @@ def _resolve(spec: tuple[Any, ...]) -> Callable[..., Any]:
     """The function a `_fn_spec` names, imported in this rank."""
     if spec[0] == "value":
         return spec[1]
+    if spec[0] == "cloudpickle":
+        return pickle.loads(spec[1])
     if spec[0] == "partial":
         return functools.partial(_resolve(spec[1]), *spec[2], **spec[3])
     _, module_name, qualname, path = spec
@@ -344,7 +356,8 @@ def _worker_main(rank: int, world_size: int, port: int, backend: str, device: st
             store.set("all_started", "1")
         store.wait(["all_started"], timedelta(seconds=start_timeout_s))
         dist.init_process_group(backend, store=dist.PrefixStore("pg", store), rank=rank,
-                                world_size=world_size, timeout=timedelta(seconds=timeout_s))
+                                world_size=world_size, timeout=timedelta(seconds=timeout_s),
+                                device_id=dev if backend == "nccl" else None)  # NCCL: eager init on this GPU
         _RANK.update(rank=rank, world_size=world_size, device=dev, backend=backend)
         faults.track(progress)  # the stage this rank is in, for the parent's error messages
     except BaseException as exc:  # noqa: BLE001
@@ -510,10 +523,14 @@ class LocalWorld:
                    f"{'was' if started == 1 else 'were'} stopped", ranks=[rank])
         self.broken = None
         self.pids = self._collect(0, "the start", None, self.start_timeout_s, starting=True)
+        log.info("local world of %d ranks started (%s on %s), pids %s", self.world_size, self.backend, self.device,
+                 self.pids)
 
     def restart(self) -> None:
         """Tear the world down (killing ranks if needed) and start fresh ranks with the same settings."""
         with self._lock:
+            log.info("restarting the local world of %d ranks%s", self.world_size,
+                     f" (it was unusable because {self.broken})" if self.broken else "")
             self._shutdown(graceful=self.broken is None)
             self._start()
 
@@ -546,6 +563,7 @@ class LocalWorld:
     def _break(self, reason: str) -> None:
         """Mark the world broken and kill every rank (survivors may be blocked in collectives)."""
         self.broken = reason
+        log.warning("local world of %d ranks stopped: %s", self.world_size, reason)
         self._shutdown(graceful=False)
 
     def __enter__(self) -> LocalWorld:

@@ -12,12 +12,13 @@ CUDA stream is timed with CUDA events recorded on that stream and placed on the 
 
 from __future__ import annotations
 
-import json
 import os
 import time
 from collections.abc import Iterator, Mapping, Sequence
 from contextlib import contextmanager
 from typing import Any
+
+from . import jsonable
 
 Event = dict[str, Any]  # {"name", "rank", "stream", "start_ns", "dur_ns", "chunk", "args"}
 
@@ -137,5 +138,5 @@ def merge_and_write(per_rank_events: Sequence[Sequence[Event]] | Mapping[int, Se
     """Merge each rank's events (see `merge`), write them to `path` as Chrome trace JSON; return it."""
     trace = merge(per_rank_events)
     with open(path, "w", encoding="utf-8") as f:
-        json.dump(trace, f, default=str)
+        f.write(jsonable.dumps(trace))
     return trace

@@ -1,3 +1,8 @@
-"""The version of cocoweave (one place; the package and every report read it from here)."""
+"""The version of cocoweave, read from the installed package's metadata: pyproject.toml is its one source."""
 
-__version__ = "0.1.0"
+from importlib.metadata import PackageNotFoundError, version
+
+try:
+    __version__ = version("cocoweave")
+except PackageNotFoundError:  # a source tree that was never installed (`pip install -e .` fixes it)
+    __version__ = "0+unknown"

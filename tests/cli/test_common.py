@@ -42,7 +42,7 @@ def test_tables_are_never_cut_when_output_is_not_a_terminal():
 
 
 def test_the_help_says_program_files_are_trusted_code_and_states_the_conventions():
-    out = CliRunner().invoke(app, ["--help"], env={"COLUMNS": "200"}).stdout
+    out = CliRunner().invoke(app, ["--help"], env={"COLUMNS": "1000"}).stdout  # a paragraph per line
     for words in ("are trusted code", "Run only programs you trust", "COCOWEAVE_LOAD_TIMEOUT", "-n/--world-size 4, "
                   "1-8 or 1,2,4", "--json PATH", "--wall-timeout", "4 a rank failed or hung"):
         assert words in out, words

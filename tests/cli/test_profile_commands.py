@@ -28,7 +28,8 @@ def lm_profile(tmp_path_factory):
     folder = tmp_path_factory.mktemp("lm")
     out = folder / "lm.json"
     r = invoke("profile", ROOT / "examples/train_lm.py", "-n", "1,2", "--predict", "3,16", "--rounds", 1, "--steps", 3,
-               "--warmup", 2, "--json", out, "--store", folder / "store", "--", *TINY_LM)
+               "--warmup", 2, "--json", out, "--store", folder / "store", "--png", folder / "scaling.png", "--",
+               *TINY_LM)
     assert r.exit_code == 0, r.output
     return r, out, folder
 
@@ -46,6 +47,7 @@ def test_profile_fits_predicts_checks_and_stores(lm_profile):
     assert "Bottleneck:" in r.output and "Prediction error" in r.output and "MODELLED" in r.output
     rows = MeasurementStore(folder / "store").load()
     assert sorted(rows["world_size"]) == [1, 2, 3] and set(rows["program"]) == {"script:train_lm"}
+    assert (folder / "scaling.png").read_bytes()[:4] == b"\x89PNG" and "plot written to" in r.output
 
 
 def test_plan_recommends_a_gpu_configuration_from_the_profile(lm_profile):
@@ -75,7 +77,7 @@ def test_train_gpt_under_the_profiler_json_on_stdout(tmp_path):
     r = invoke("profile", ROOT / "examples/train_gpt.py", "-n", "1,2", "--predict", 3, "--rounds", 1, "--steps", 2,
                "--warmup", 2, "--json", "-", "--store", tmp_path / "store")
     assert r.exit_code == 0, r.output
-    doc = json.loads(r.stdout)  # only JSON on stdout; the tables went to stderr
+    doc = json.loads(r.stdout)  # only JSON on stdout; no tables are printed
     assert doc["script_args"] == ["--tensor-parallel", "1", "--batch", "24"]  # its '# cocoweave profile:' line
     assert doc["runs"][0]["optimizer"] == "cocoweave.optim.optimizers.DistributedAdamW"
     assert doc["predictions"][0]["measured_ms"] > 0
@@ -99,3 +101,5 @@ def test_bad_input_is_one_sentence_and_exit_2(tmp_path, args, words):
 def test_json_into_a_folder_is_refused_before_any_run(tmp_path):
     r = invoke("profile", ROOT / "examples/train_lm.py", "--json", tmp_path)
     assert r.exit_code == 2 and "is a folder" in r.output
+    r = invoke("profile", ROOT / "examples/train_lm.py", "--png", tmp_path / "missing" / "p.png")
+    assert r.exit_code == 2 and "--png" in r.output and "does not exist" in r.output

@@ -90,6 +90,18 @@ def test_failures_name_the_cause(tmp_path):
         profile_worlds(tmp_path / "missing.py", [], [1, 2])
 
 
+def test_the_root_cause_is_the_rank_that_raised_not_a_rank_that_logged_an_error_word(tmp_path):
+    script = tmp_path / "half.py"
+    script.write_text("import os, sys, time\n"
+                      "if os.environ['RANK'] == '0':\n"
+                      "    print('UserWarning: an Error-looking line', file=sys.stderr, flush=True)\n"
+                      "    time.sleep(60)\n"
+                      "raise ValueError('rank 1 lost its shard')\n")
+    with pytest.raises(ProfileError, match=r"failed on 2 ranks \(exit code 1\): rank 1: ValueError: rank 1 lost its "
+                                           r"shard$"):
+        run_world(script, [], 2, steps=1, warmup=2, threads=1, timeout_s=120)
+
+
 def test_a_script_can_name_its_profiling_arguments(tmp_path):
     script = tmp_path / "s.py"
     script.write_text("# cocoweave profile: --batch 24 --name 'two words'\nprint('hi')\n")

@@ -26,6 +26,20 @@ def test_entries_round_trip_and_writes_leave_no_temporary_files(tmp_path):
     assert sorted(p.name for p in (tmp_path / "sub").iterdir()) == ["cache.json", "cache.json.lock"]
 
 
+def test_a_write_waits_a_bounded_time_for_another_writers_lock(tmp_path, monkeypatch):
+    from filelock import FileLock
+
+    from cocoweave.tune import cache as cache_module
+
+    path = tmp_path / "cache.json"
+    monkeypatch.setattr(cache_module, "LOCK_TIMEOUT_S", 0.2)
+    with FileLock(tmp_path / "cache.json.lock"):  # another tuner is writing
+        with pytest.raises(CocoweaveError, match="stayed locked by another process for 0.2 s"):
+            TuneCache(path).put("a", {"schedule": "AR-C"})
+    TuneCache(path).put("a", {"schedule": "AR-C"})  # released: the write goes through
+    assert TuneCache(path).get("a")["schedule"] == "AR-C"
+
+
 @pytest.mark.parametrize("text", ["{not json", json.dumps([1, 2]), json.dumps({"entries": 3})])
 def test_a_damaged_cache_is_one_sentence(tmp_path, text):
     path = tmp_path / "cache.json"

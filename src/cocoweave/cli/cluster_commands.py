@@ -119,7 +119,7 @@ def cmdare_command(
                        "cocoweave).")] = None,
     json_path: JsonOpt = None,
     seeds: Annotated[int, typer.Option(min=1, help="Random 80/20 splits per protocol (seeds 0..N-1).")] = 5,
-    jobs: Annotated[int, typer.Option(help="Parallel processes for the splits (1: sequential).")] = 1,
+    jobs: Annotated[int, typer.Option(min=1, help="Parallel processes for the splits (1: sequential).")] = 1,
 ) -> None:
     """Reproduce CM-DARE's models with the paper's protocols and analyse the parameter-server bottleneck."""
     from cocoweave.cluster.cmdare import reproduce

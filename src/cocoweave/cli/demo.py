@@ -8,7 +8,7 @@ from __future__ import annotations
 import json
 import time
 from pathlib import Path
-from typing import TYPE_CHECKING, Annotated
+from typing import TYPE_CHECKING, Annotated, Literal
 
 import torch
 import typer
@@ -43,7 +43,8 @@ def demo(
     warmup: Annotated[int, typer.Option(min=0, help="Untimed steps before them.")] = 3,
     out: Annotated[Path, typer.Option(help="Where runs/demo-<time>/ goes.")] = Path("runs"),
     quick: Annotated[bool, typer.Option(help="Tiny sizes (a smoke test of the whole pipeline).")] = False,
-    device: Annotated[str, typer.Option(help="auto (cuda when present), cpu or cuda.")] = "auto",
+    device: Annotated[Literal["auto", "cpu", "cuda"], typer.Option(
+        help="auto (cuda when present), cpu or cuda.")] = "auto",
     workloads: Annotated[str, typer.Option(help="Comma-separated workloads to run.")] = DEFAULT_WORKLOADS,
     timeout: TimeoutOpt = 300.0,
     wall_timeout: WallTimeoutOpt = None,
@@ -58,8 +59,6 @@ def demo(
     if unknown or not keys:
         raise LoadError(f"unknown workload {unknown[0] if unknown else '(none given)'!r}; choose from "
                         f"{', '.join(WORKLOADS)}")
-    if device not in ("auto", "cpu", "cuda"):
-        raise LoadError(f"device must be auto, cpu or cuda, got {device!r}")
     dev = ("cuda" if torch.cuda.is_available() else "cpu") if device == "auto" else device
     timeout_s, wall_s = parse_timeouts(timeout, wall_timeout)
     worlds = parse_world_sizes(world_size)

@@ -1,31 +1,28 @@
-"""`--json PATH` for the perf, plan and profile commands: PATH gets the JSON, `-` means stdout (and the
-human-readable output then goes to stderr, so that stdout is only JSON)."""
+"""`--json PATH` for the perf, plan and profile commands, as every command has it: PATH gets the JSON, `-` means
+stdout, and then the tables are not printed at all, so that stdout is only JSON."""
 
 from __future__ import annotations
 
-from pathlib import Path
-from typing import Annotated, Any
+from typing import Any
 
-import typer
 from rich.console import Console
 
-from ..errors import CocoweaveError
 from .common import console, err_console
+from .options import JsonOpt as JsonOpt
+from .options import check_output
 from .options import write_json as write_json_file
 
-JsonOpt = Annotated[str | None, typer.Option(
-    "--json", help="Write the results as JSON to this file ('-': stdout, the tables then go to stderr).")]
+_QUIET = Console(quiet=True)
 
 
 def human(json_path: str | None) -> Console:
-    """Where tables and sentences go: stderr when the JSON takes stdout."""
-    return err_console if json_path == "-" else console
+    """Where tables and sentences go: nowhere when the JSON takes stdout (as `run`, `show`... do)."""
+    return _QUIET if json_path == "-" else console
 
 
 def check_writable(json_path: str | None) -> None:
-    """Refuse, before any work, a --json path that is a folder."""
-    if json_path not in (None, "-") and Path(json_path).is_dir():
-        raise CocoweaveError(f"--json {json_path} is a folder; give a file name.")
+    """Refuse, before any work, a --json path that cannot be written (a folder, a missing folder...)."""
+    check_output(json_path, "--json")
 
 
 def write_json(json_path: str | None, doc: Any) -> None:

@@ -5,16 +5,16 @@ and a refusal of sizes this machine cannot hold."""
 
 from __future__ import annotations
 
-import json
 import math
 import os
 import sys
 from collections.abc import Iterable
 from pathlib import Path
-from typing import Annotated, Any
+from typing import Annotated, Any, Literal
 
 import typer
 
+from .. import jsonable
 from ..atomic import write_text
 from ..errors import BackendError, LoadError
 from ..ir.graph import Program
@@ -39,8 +39,10 @@ TimeoutOpt = Annotated[float, typer.Option(help="Seconds a rank may wait for the
 WallTimeoutOpt = Annotated[float | None, typer.Option(
     "--wall-timeout", help="Seconds the whole run of one world may take (default: no limit).")]
 JsonOpt = Annotated[str | None, typer.Option(
-    "--json", metavar="PATH", help="Write the results as JSON to PATH ('-': print them instead of the table); "
-                                   "a list of results when several world sizes run.")]
+    "--json", metavar="PATH", help="Write the results as JSON to PATH ('-': to stdout, alone: no tables are "
+                                   "printed).")]
+Device = Literal["cpu", "cuda"]  # an enum: --help lists the choices, typer refuses others
+DeviceOpt = Annotated[Device, typer.Option(help="Device of the ranks: cpu (Gloo) or cuda.")]
 
 
 def parse_world_sizes(text: str) -> list[int]:
@@ -117,7 +119,7 @@ def check_output(path: str | os.PathLike[str] | None, option: str) -> Path | Non
 
 def write_json(doc: Any, path: str | None) -> None:
     """Write `doc` as JSON to `path` ('-': stdout); LoadError with a sentence if the file cannot be written."""
-    text = json.dumps(doc, indent=2, default=str) + "\n"
+    text = jsonable.dumps(doc, indent=2) + "\n"
     if path is None:
         return
     if path == "-":

@@ -15,7 +15,7 @@ from cocoweave.errors import CocoweaveError
 from .cluster_commands import cmdare_command
 from .common import err_console, user_errors
 from .json_output import JsonOpt, check_writable, human, write_json
-from .options import load, parse_world_sizes
+from .options import Device, DeviceOpt, load, parse_world_sizes
 
 perf_app = typer.Typer(help="Performance models: calibrate, predict, accuracy; the CM-DARE reproduction.",
                        no_args_is_help=True, add_completion=False)
@@ -75,7 +75,7 @@ def _calibrate_one(world_size: int, kind: str, iters: int, st, out) -> dict:
 def calibrate_command(
     world_size: Annotated[str, typer.Option(
         "--world-size", "-n", help="Ranks of the local world: 4, 1-8 or 1,2,4 (one calibration each).")] = "4",
-    device: Annotated[str, typer.Option(help="Device of the ranks: cpu (Gloo) or cuda.")] = "cpu",
+    device: DeviceOpt = "cpu",
     iters: Annotated[int, typer.Option(min=2, help="Timed iterations per microbenchmark.")] = 7,
     store: Annotated[Path | None, typer.Option("--store", help="Measurement store folder.")] = None,
     json_path: JsonOpt = None,
@@ -110,7 +110,7 @@ def predict_command(
     size: Annotated[list[str] | None, typer.Option("--size", "-s", help="A size as NAME=INT (repeatable).")] = None,
     world_size: Annotated[str, typer.Option(
         "--world-size", "-n", help="Ranks: 4, 1-8 or 1,2,4 (a table each).")] = "4",
-    device: Annotated[str, typer.Option(help="Device: cpu or cuda.")] = "cpu",
+    device: DeviceOpt = "cpu",
     correct: Annotated[bool, typer.Option(help="Apply the learned correction trained on the store.")] = True,
     store: Annotated[Path | None, typer.Option("--store", help="Measurement store folder.")] = None,
     json_path: JsonOpt = None,
@@ -158,7 +158,7 @@ def accuracy_command(
     test_fraction: Annotated[float, typer.Option(min=0.05, max=0.9, help="Share of configurations held out.")]
     = 0.25,
     seed: Annotated[int, typer.Option(help="Seed of the split.")] = 0,
-    device: Annotated[str | None, typer.Option(help="Only rows of this device (default: all).")] = None,
+    device: Annotated[Device | None, typer.Option(help="Only rows of this device (default: all).")] = None,
     store: Annotated[Path | None, typer.Option("--store", help="Measurement store folder.")] = None,
     json_path: JsonOpt = None,
 ) -> None:

@@ -8,16 +8,19 @@ import hashlib
 import shlex
 import sys
 import time
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
 from pathlib import Path
 from typing import Annotated
 
 import typer
+from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
 from rich.table import Table
 
 from ..errors import CocoweaveError
 from .common import err_console, user_errors
 from .json_output import JsonOpt, check_writable, human, write_json
-from .options import parse_world_sizes
+from .options import check_output, parse_world_sizes
 
 VALIDATE_UP_TO_CORES = 4  # predicted sizes up to 4 x cores are also measured (to check the prediction)
 
@@ -78,6 +81,24 @@ def _modelled_table(steps) -> Table:
     return table
 
 
+@contextmanager
+def _progress_bar(name: str, worlds: int) -> Iterator[Callable[[int], None]]:
+    """A rich progress bar on stderr over the `worlds` world runs; yields profile_worlds' `progress` callback
+    (called as each world starts, so that the one before has finished)."""
+    columns = (TextColumn("{task.description}"), BarColumn(), MofNCompleteColumn(), TimeElapsedColumn())
+    with Progress(*columns, console=err_console, transient=True) as bar:
+        task = bar.add_task(f"profiling {name}", total=worlds)
+        started = 0
+
+        def progress(p: int) -> None:
+            nonlocal started
+            bar.update(task, completed=started, description=f"profiling {name}: {p} rank{'s' * (p > 1)}")
+            started += 1
+
+        yield progress
+        bar.update(task, completed=worlds)
+
+
 @user_errors
 def profile(
     script: Annotated[Path, typer.Argument(help="A training script written for torchrun (SCRIPT.py).")],
@@ -103,14 +124,19 @@ def profile(
     json_path: JsonOpt = None,
     store: Annotated[Path | None, typer.Option(
         "--store", help="Measurement store folder (default: $COCOWEAVE_STORE or .cocoweave/store).")] = None,
+    png: Annotated[Path | None, typer.Option(
+        "--png", help="Write the measured-vs-predicted scaling plot (ms per step against ranks) to this PNG "
+                      "file.")] = None,
 ) -> None:
     """Profile a training script on local worlds, fit its scaling, name the bottleneck, predict other sizes."""
     from ..cluster.catalog import load_catalog
+    from ..cluster.profile_plot import write_profile_png
     from ..cluster.profiler import cores, default_script_args, profile_worlds
     from ..cluster.run_profile import RunProfile, host_info
     from ..perf.store import MeasurementStore
 
     check_writable(json_path)
+    check_output(png, "--png")
     out = human(json_path)
     fit_sizes = sorted(set(parse_world_sizes(world_sizes)))
     predict_sizes = sorted(set(parse_world_sizes(predict))) if predict else []
@@ -122,10 +148,9 @@ def profile(
         err_console.print(f"[dim]script arguments from its '# cocoweave profile:' line: {shlex.join(script_args)}[/]",
                           highlight=False)
     start = time.perf_counter()
-    runs = profile_worlds(script, script_args or [], fit_sizes + extra, steps=steps, warmup=warmup, threads=threads,
-                          timeout_s=timeout, rounds=rounds,
-                          progress=lambda p: err_console.print(f"[dim]measuring {script.name} on {p} rank"
-                                                               f"{'s' * (p > 1)}...[/]", highlight=False))
+    with _progress_bar(script.name, rounds * len(set(fit_sizes + extra))) as progress:
+        runs = profile_worlds(script, script_args or [], fit_sizes + extra, steps=steps, warmup=warmup,
+                              threads=threads, timeout_s=timeout, rounds=rounds, progress=progress)
     command = shlex.join(["cocoweave", "profile", *sys.argv[2:]])
     prof = RunProfile(str(script), list(script_args or []), fit_sizes, runs, host_info(n_cores, threads),
                       train_steps, command)
@@ -134,8 +159,8 @@ def profile(
     catalog = load_catalog()
     doc = prof.to_json(predict_sizes, catalog)
     out.print(_measured_table(prof))
-    if (warning := prof.busy_warning()) is not None:
-        out.print(f"[yellow]warning:[/] {warning}", highlight=False)
+    if (warning := prof.busy_warning()) is not None:  # a warning is no table: shown with --json - too
+        (err_console if json_path == "-" else out).print(f"[yellow]warning:[/] {warning}", highlight=False)
     m = prof.model
     out.print(f"[dim]model: compute {m.a_ms:.2f} + {m.b_ms:.2f} x work share ms; communication CPU "
               f"{m.gamma_ms_per_mb:.2f} ms/MB + {m.delta_ms_per_hop:.3f} ms/hop; waiting {m.omega_ms_per_hop:.3f} "
@@ -152,6 +177,12 @@ def profile(
             out.print(_modelled_table(doc["modelled"]["steps"]))
         else:
             out.print(f"[dim]no MODELLED steps: {doc['modelled']['note']}[/]", highlight=False)
+    if png is not None:
+        try:
+            path = write_profile_png(prof, predict_sizes, png, f"{prof.name}: measured and predicted step")
+        except OSError as exc:
+            raise CocoweaveError(f"cannot write the plot {png}: {exc.strerror or exc}.") from None
+        out.print(f"plot written to {path}", highlight=False)
     out.print(f"[dim]{len(runs)} worlds measured in {time.perf_counter() - start:.1f} s; {len(runs)} rows appended "
               f"to the measurement store[/]", highlight=False)
     write_json(json_path, doc)

@@ -26,6 +26,7 @@ from .common import EXIT_RANK_FAILED, console, table, user_errors
 from .options import (
     DEFAULT_TIMEOUT_S,
     DEFAULT_WORLD,
+    Device,
     JsonOpt,
     SizeOpt,
     SpecArg,
@@ -139,7 +140,7 @@ def run(
                                    "torchrun, torchrun's world size).")] = None,
     backend: Annotated[str, typer.Option(help="Backend: reference (simulated ranks) or torch (one process per "
                                               "rank over torch.distributed).")] = "reference",
-    device: Annotated[str | None, typer.Option(help="torch backend: cpu or cuda (default cpu; under torchrun "
+    device: Annotated[Device | None, typer.Option(help="torch backend: cpu or cuda (default cpu; under torchrun "
                                                     "the rank's GPU if it has one).")] = None,
     schedule: Annotated[str | None, typer.Option(help="Run this schedule (see `cocoweave schedules`).")] = None,
     iters: Annotated[int, typer.Option(min=0, help="torch backend: time this many steps after a warm-up and "
@@ -158,8 +159,6 @@ def run(
         raise LoadError(f"backend {backend!r} is not available; use --backend reference or --backend torch")
     if backend == "reference" and (iters or trace is not None or device is not None):
         raise LoadError("--iters, --trace and --device need --backend torch")
-    if device not in (None, "cpu", "cuda"):
-        raise LoadError(f"--device must be cpu or cuda, got {device!r}")
     timeouts = parse_timeouts(timeout, wall_timeout)
     worlds = parse_world_sizes(world_size or DEFAULT_WORLD)
     if trace is not None and len(worlds) > 1:

@@ -18,6 +18,7 @@ from .common import EXIT_MISMATCH, console, fail, table, user_errors
 from .options import (
     DEFAULT_TIMEOUT_S,
     DEFAULT_WORLD,
+    Device,
     JsonOpt,
     SizeOpt,
     SpecArg,
@@ -84,7 +85,7 @@ def check(
     world_size: WorldOpt = DEFAULT_WORLD,
     backend: Annotated[str, typer.Option(help="Backend to check: reference (simulated ranks) or torch (spawned "
                                               "ranks over torch.distributed).")] = "reference",
-    device: Annotated[str, typer.Option(help="torch backend: cpu or cuda.")] = "cpu",
+    device: Annotated[Device, typer.Option(help="torch backend: cpu or cuda.")] = "cpu",
     timeout: TimeoutOpt = DEFAULT_TIMEOUT_S,
     wall_timeout: WallTimeoutOpt = None,
     schedule: Annotated[str | None, typer.Option(help="Check only this schedule.")] = None,
@@ -96,8 +97,6 @@ def check(
     printed with the results)."""
     if backend not in BACKENDS:
         raise LoadError(f"backend {backend!r} is not available; use one of: {', '.join(BACKENDS)}")
-    if device not in ("cpu", "cuda"):
-        raise LoadError(f"--device must be cpu or cuda, got {device!r}")
     timeouts = parse_timeouts(timeout, wall_timeout)
     worlds = parse_world_sizes(world_size)
     check_output(as_json, "--json")

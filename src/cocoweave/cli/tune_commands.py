@@ -18,6 +18,7 @@ from .common import console, err_console, fail, table, user_errors
 from .options import (
     DEFAULT_TIMEOUT_S,
     DEFAULT_WORLD,
+    DeviceOpt,
     JsonOpt,
     SizeOpt,
     SpecArg,
@@ -35,7 +36,6 @@ from .options import (
 )
 
 BACKEND = "torch"
-DeviceOpt = Annotated[str, typer.Option(help="Device of the ranks: cpu (Gloo) or cuda.")]
 ItersOpt = Annotated[int, typer.Option(min=1, help="Timed iterations per schedule.")]
 WarmupOpt = Annotated[int, typer.Option(min=0, help="Untimed iterations first.")]
 StoreOpt = Annotated[Path | None, typer.Option(

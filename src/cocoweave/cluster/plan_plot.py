@@ -7,12 +7,10 @@ import os
 from pathlib import Path
 
 import matplotlib
+from matplotlib.ticker import FuncFormatter, LogLocator, NullFormatter
 
-matplotlib.use("Agg")
-import matplotlib.pyplot as plt  # noqa: E402 (the backend must be chosen first)
-from matplotlib.ticker import FuncFormatter, LogLocator, NullFormatter  # noqa: E402
-
-from cocoweave.cluster.planner import ClusterPlan  # noqa: E402
+from cocoweave.cluster.planner import ClusterPlan
+from cocoweave.figures import figure
 
 MARKERS = {"on-demand": "o", "spot": "^"}
 
@@ -20,11 +18,12 @@ MARKERS = {"on-demand": "o", "spot": "^"}
 def write_plan_png(plan: ClusterPlan, path: str | os.PathLike, title: str) -> Path:
     """Write the time/cost scatter of `plan` to `path` and return the path."""
     path = Path(path)
-    fig, ax = plt.subplots(figsize=(8, 5.5))
+    fig = figure(figsize=(8, 5.5))
+    ax = fig.subplots()
     ax.set_xscale("log")
     ax.set_yscale("log")
     gpus = sorted({o.machine.gpu for o in plan.options})
-    colors = dict(zip(gpus, plt.rcParams["axes.prop_cycle"].by_key()["color"]))
+    colors = dict(zip(gpus, matplotlib.rcParams["axes.prop_cycle"].by_key()["color"]))
     for gpu in gpus:
         for pricing, marker in MARKERS.items():
             pts = [o for o in plan.options if o.machine.gpu == gpu and o.pricing == pricing]
@@ -51,5 +50,4 @@ def write_plan_png(plan: ClusterPlan, path: str | os.PathLike, title: str) -> Pa
     fig.tight_layout()
     path.parent.mkdir(parents=True, exist_ok=True)
     fig.savefig(path, dpi=120)
-    plt.close(fig)
     return path

@@ -10,9 +10,12 @@ import runpy
 import sys
 from pathlib import Path
 
+from torch.distributed.elastic.multiprocessing.errors import record
+
 from cocoweave.cluster.profile_hooks import install_from_env
 
 
+@record  # an uncaught exception goes to torchrun's error file for this rank: the parent names the root cause
 def main(argv: list[str]) -> None:
     """Run `argv[0]` (a Python file) with arguments `argv[1:]` as its `__main__`, hooks installed."""
     if not argv:

@@ -25,6 +25,8 @@ from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any
 
+from torch.distributed.elastic.multiprocessing.errors import ProcessFailure
+
 from cocoweave.cluster import profile_hooks
 from cocoweave.errors import CocoweaveError
 
@@ -178,7 +180,19 @@ def _tail(text: str) -> str:
 
 
 def _rank_failure(logs: Path) -> str | None:
-    """The last lines of the first rank log (torchrun's --log-dir) that reports an error, if any."""
+    """The root cause of a failed world: the first rank to raise, from the error files torch elastic's `@record`
+    writes under torchrun's --log-dir (profile_entry.main is recorded). A script that exits without raising
+    (`print(...); sys.exit(2)`) writes none: then the last lines of the first rank log that reports an error."""
+    failures = []
+    for f in logs.rglob("error.json"):
+        try:
+            failures.append(ProcessFailure(int(f.parent.name) if f.parent.name.isdigit() else -1, 0, 1, str(f)))
+        except (ValueError, KeyError, TypeError):  # a file cut short by a dying rank
+            continue
+    if failures:
+        first = min(failures, key=lambda failure: (failure.timestamp, failure.local_rank))
+        message = first.message.get("message", "") if isinstance(first.message, dict) else str(first.message)
+        return f"rank {first.local_rank}: {_tail(message)}"
     for log in sorted(logs.rglob("stderr.log")):
         text = log.read_text(errors="replace")
         if "Error" in text or "error" in text or "Traceback" in text:

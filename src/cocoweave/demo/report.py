@@ -3,7 +3,6 @@ bars.png (step time per schedule and baseline) and trace.json (Chrome/Perfetto t
 
 from __future__ import annotations
 
-import json
 import math
 import os
 import platform
@@ -16,6 +15,7 @@ from typing import Any
 import torch
 from rich.table import Table
 
+from .. import jsonable
 from ..trace import merge_and_write
 from ..version import __version__
 from .runner import BaselineRow, DemoResult, Row, WorkloadResult
@@ -186,16 +186,13 @@ def markdown(result: DemoResult, command: str, info: dict[str, Any]) -> str:
 def bar_chart(result: DemoResult, path: Path) -> None:
     """bars.png: one panel per workload, a bar per baseline and per schedule (ms); the headline green, schedules
     that keep the weights sliced hatched."""
-    import matplotlib
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
+    from ..figures import figure
 
     shown = [w for w in result.workloads if not w.skipped]
     heights = [len(w.rows) + len(w.baselines) for w in shown] or [1]
     height = 1.2 + 0.24 * sum(heights) + 0.8 * len(heights)
-    fig, axes = plt.subplots(len(shown) or 1, 1, figsize=(9, height), gridspec_kw={"height_ratios": heights},
-                             squeeze=False)
+    fig = figure(figsize=(9, height))
+    axes = fig.subplots(len(shown) or 1, 1, gridspec_kw={"height_ratios": heights}, squeeze=False)
     for ax, w in zip(axes[:, 0], shown):
         labels = [f"baseline: {b.name}" for b in w.baselines] + [r.schedule for r in w.rows]
         values = [b.ms if math.isfinite(b.ms) else 0.0 for b in w.baselines] + \
@@ -220,7 +217,6 @@ def bar_chart(result: DemoResult, path: Path) -> None:
                  "x: vs the strongest baseline", fontsize=10)
     fig.tight_layout(rect=(0, 0, 1, 1 - 0.35 / height))  # room for the title above the first panel's
     fig.savefig(path, dpi=110)
-    plt.close(fig)
 
 
 def _headline_json(w: WorkloadResult) -> dict[str, Any] | None:
@@ -248,7 +244,7 @@ def write_report(result: DemoResult, out_root: str | os.PathLike[str], command: 
             "check_inputs": result.check_inputs, "start_s": result.start_s, "total_s": result.total_s,
             "summary": summary(result), "headlines": {w.key: _headline_json(w) for w in result.workloads},
             "workloads": [asdict(w) for w in result.workloads]}
-    (out / "results.json").write_text(json.dumps(data, indent=1, default=str), encoding="utf-8")
+    (out / "results.json").write_text(jsonable.dumps(data, indent=1), encoding="utf-8")
     bar_chart(result, out / "bars.png")
     merge_and_write(result.events, out / "trace.json")
     return out

@@ -82,12 +82,6 @@ class Correction:
         return float(features["analytic_ms"] * self.factor([features])[0])
 
 
-def mape(predicted: Sequence[float], measured: Sequence[float]) -> float:
-    """Mean absolute percentage error, %."""
-    p, m = np.asarray(predicted, dtype=float), np.asarray(measured, dtype=float)
-    return float(100 * np.mean(np.abs(p - m) / m))
-
-
 @dataclass
 class AccuracyReport:
     """MAPE of the analytic model and of the corrected one on held-out store rows."""
@@ -104,6 +98,8 @@ def accuracy(rows: pd.DataFrame, test_fraction: float = 0.25, seed: int = 0) -> 
     """Hold out `test_fraction` of the measured configurations, fit the correction on the rest, report MAPE."""
     from sklearn.model_selection import GroupShuffleSplit
 
+    from ..cluster.regression import mape
+
     groups = rows["group"].nunique() if len(rows) else 0
     if groups < 4 or len(rows) < MIN_ROWS + 2:
         raise CocoweaveError(f"an accuracy report needs at least {MIN_ROWS + 2} measured rows over 4 "
@@ -113,20 +109,18 @@ def accuracy(rows: pd.DataFrame, test_fraction: float = 0.25, seed: int = 0) -> 
     train, test = rows.iloc[train_idx], rows.iloc[test_idx].copy()
     corr = Correction.fit(train, seed)
     test["corrected_ms"] = test["analytic_ms"].to_numpy() * corr.factor(test[list(FEATURES)].to_dict("records"))
-    return AccuracyReport(len(train), len(test), mape(test["analytic_ms"], test["measured_ms"]),
-                          mape(test["corrected_ms"], test["measured_ms"]), corr.kind,
+    return AccuracyReport(len(train), len(test), mape(test["measured_ms"], test["analytic_ms"]),
+                          mape(test["measured_ms"], test["corrected_ms"]), corr.kind,
                           test[["label", "measured_ms", "analytic_ms", "corrected_ms"]])
 
 
 def scatter_png(report: AccuracyReport, path: Path, title: str) -> Path:
     """Predicted vs measured (log-log), analytic and corrected, with the y = x line."""
-    import matplotlib
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
+    from ..figures import figure
 
     t = report.test
-    fig, ax = plt.subplots(figsize=(5.5, 5))
+    fig = figure(figsize=(5.5, 5))
+    ax = fig.subplots()
     ax.scatter(t["measured_ms"], t["analytic_ms"], s=18, alpha=0.6,
                label=f"analytic (MAPE {report.analytic_mape:.1f}%)")
     ax.scatter(t["measured_ms"], t["corrected_ms"], s=18, marker="x",
@@ -140,5 +134,4 @@ def scatter_png(report: AccuracyReport, path: Path, title: str) -> Path:
     fig.tight_layout()
     path.parent.mkdir(parents=True, exist_ok=True)
     fig.savefig(path, dpi=120)
-    plt.close(fig)
     return path

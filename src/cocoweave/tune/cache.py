@@ -8,8 +8,8 @@ place, so readers never see half-written state and concurrent tuners never lose 
 from __future__ import annotations
 
 import contextlib
-import fcntl
 import json
+import logging
 import os
 import warnings
 from collections.abc import Iterator, Mapping
@@ -17,13 +17,18 @@ from datetime import UTC, datetime
 from pathlib import Path
 from typing import Any
 
+from filelock import FileLock, Timeout
+
 from ..atomic import write_text
 from ..errors import CocoweaveError, ScheduleError
 from ..ir.graph import Program
 from ..schedule.schedule import Schedule
 
+log = logging.getLogger(__name__)
+
 CACHE_ENV = "COCOWEAVE_TUNE_CACHE"
 VERSION = 1
+LOCK_TIMEOUT_S = 60.0  # how long a write waits for another process's write to the same cache
 
 
 def default_cache_path() -> Path:
@@ -74,12 +79,13 @@ class TuneCache:
     @contextlib.contextmanager
     def _locked(self) -> Iterator[None]:
         self.path.parent.mkdir(parents=True, exist_ok=True)
-        with open(self.path.with_name(self.path.name + ".lock"), "w") as lock:
-            fcntl.flock(lock, fcntl.LOCK_EX)
-            try:
+        lock = self.path.with_name(self.path.name + ".lock")
+        try:
+            with FileLock(lock, timeout=LOCK_TIMEOUT_S):
                 yield
-            finally:
-                fcntl.flock(lock, fcntl.LOCK_UN)
+        except Timeout:
+            raise CocoweaveError(f"the tuning cache {self.path} stayed locked by another process for "
+                                 f"{LOCK_TIMEOUT_S:g} s ({lock}); try again when it has finished.") from None
 
     def put(self, key: str, entry: Mapping[str, Any]) -> None:
         """Store `entry` under `key` (replacing an older one) atomically."""
@@ -89,6 +95,7 @@ class TuneCache:
                 entries[key] = dict(entry) | {"time": datetime.now(UTC).isoformat()}
                 text = json.dumps({"version": VERSION, "entries": entries}, indent=2, sort_keys=True) + "\n"
                 write_text(self.path, text)
+                log.info("tuning cache %s: %s -> %s", self.path, key, entry.get("schedule"))
         except OSError as exc:
             raise CocoweaveError(f"cannot write the tuning cache {self.path}: {exc.strerror or exc}.") from None
 

@@ -196,12 +196,27 @@ class Executable:
         self.wait()
         given = self._prepare(inputs)
         self.ctx.defer = defer_gathers
+        step = self._step(self.ctx, given)
         try:
-            outputs = yield from self._step(self.ctx, given)
+            outputs = yield from (self._ranges(step) if torch.autograd._profiler_enabled() else step)
         finally:
             self.ctx.defer = False
         state = {n: given[n] for n in self.plan.state if n in given}
         return RankResult(outputs=outputs, state=state)
+
+    def _ranges(self, step: Generator[tuple[int, dict], Any, Any]) -> Generator[tuple[int, dict], Any, Any]:
+        """`step` with each stage in a `record_function` range named `cocoweave I:LABEL`, while a profiler runs: the
+        stages show up in torch.profiler's trace, and in Nsight Systems under torch.autograd.profiler.emit_nvtx."""
+        try:
+            item = next(step)
+            while True:
+                sent = yield item
+                with torch.profiler.record_function(f"cocoweave {item[0]}:{self.plan.stages[item[0]].label}"):
+                    item = step.send(sent)  # runs stage item[0], up to the next stage's yield
+        except StopIteration as done:
+            return done.value
+        finally:
+            step.close()
 
     def launch(self, inputs: RankInputs) -> bool:
         """Issue the step's first collective now, asynchronously (a gradient reduction from a backward hook, while

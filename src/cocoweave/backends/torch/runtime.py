@@ -130,10 +130,12 @@ class CompiledStage:
             return shared(*call)
         import torch._inductor.config as inductor
 
-        inductor.compile_threads = 1  # ranks share the machine's cores: no pool of compile workers per rank
         fn = torch.compile(self.eager, fullgraph=True, dynamic=False)
         try:  # the first call compiles; a machine without a working C++ compiler runs the ops one by one
-            out = fn(*call)
+            # ranks share the machine's cores: no pool of compile workers per rank, for this compilation only (the
+            # user's own torch.compile keeps its setting)
+            with inductor.patch(compile_threads=1):
+                out = fn(*call)
         except Exception as exc:  # noqa: BLE001 - torch.compile raises many types; the stage still runs
             warnings.warn(f"fused stage {self.name} could not be compiled ({type(exc).__name__}: "
                           f"{str(exc).strip().splitlines()[0][:200] if str(exc).strip() else ''}); it runs op by op. "
