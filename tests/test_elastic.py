@@ -8,9 +8,11 @@ import math
 
 import pytest
 import torch
+import torch.distributed as dist
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
+from cocoweave import elastic
 from cocoweave.elastic import (
     AdaScale,
     BatchPolicy,
@@ -281,3 +283,23 @@ def test_resize_schedules_parse_and_bad_ones_are_one_sentence():
             parse_schedule(text)
     with pytest.raises(ElasticError, match="no positive step time for 4 ranks .*known for 8"):
         predict_resizes(BatchPolicy.keep_global(8), 10, {8: 1.0}, SPOT, 1.0)
+
+
+def test_gradient_statistics_of_a_rank_without_gradients_reduce_on_a_device_nccl_takes(monkeypatch):
+    """NCCL alone refuses CPU tensors: the zero a rank without gradients contributes is on its GPU (faked: meta)."""
+    from cocoweave.backends.torch import placement
+
+    seen = []
+    monkeypatch.setattr(dist, "is_initialized", lambda: True)
+    monkeypatch.setattr(dist, "get_world_size", lambda group=None: 2)
+    monkeypatch.setattr(dist, "get_backend_config", lambda group=None: "cuda:nccl")
+    monkeypatch.setattr(placement, "compute_device", lambda: torch.device("meta"))
+
+    def all_reduce(t, group=None):
+        seen.append(t.device.type)
+        raise RuntimeError("stop")
+
+    monkeypatch.setattr(dist, "all_reduce", all_reduce)
+    with pytest.raises(RuntimeError, match="stop"):
+        elastic.gradient_moments([])
+    assert seen == ["meta"]

@@ -35,6 +35,11 @@ def metadata_device(group: Any, device: torch.device | str) -> torch.device:
     return CPU if "cpu" in backend_devices(str(dist.get_backend_config(group))) else torch.device(device)
 
 
+def compute_device() -> torch.device:
+    """This process's current GPU, or the CPU without one (where a tensor with no data to follow goes)."""
+    return torch.device("cuda", torch.cuda.current_device()) if torch.cuda.is_available() else CPU
+
+
 def group_backend(backend: str) -> str:
     """The backend string to initialise a world with: NCCL with Gloo beside it for CPU tensors (metadata, and
     user code that all-reduces a CPU scalar), any other backend as it is."""
