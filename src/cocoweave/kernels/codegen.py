@@ -12,8 +12,9 @@ so that accesses can be 16 bytes wide. A module is specialised to one plan, rank
 so shapes and strides are constants of the source: an operand's offset is an affine function of the
 element's multi-index, with stride 0 on broadcast dimensions and a base offset that narrows a whole
 Replicated operand of a sliced stage to this rank's part. Half types compute in float32 and round once
-per operation to the value's dtype, like the torch path and the reference backend; division and square
-root are correctly rounded (div_rn, sqrt_rn) and launches disable FMA contraction, as torch computes.
+per operation to the value's dtype, like the torch path and the reference backend; division, square root and
+rsqrt (1 / sqrt) are correctly rounded (div_rn, sqrt_rn), exp and pow are libdevice's (kernels/precise.py), and
+launches disable FMA contraction, as torch computes.
 Dropout hashes each element's logical index with `cocoweave.kernels.rng`, so masks are bit-identical to
 `cocoweave.rng`. New state is stored over the state tensor it replaces where that is safe (see
 `_Gen.in_place`), so an Adam step moves 28 bytes per parameter like kernels/adam.py.
@@ -35,7 +36,6 @@ from typing import Any
 
 import torch
 import triton
-import triton.language as tl
 
 from .. import rng
 from ..codecache import source_file
@@ -53,24 +53,14 @@ HALF = ("float16", "bfloat16")
 TL = {"float16": "tl.float16", "bfloat16": "tl.bfloat16", "float32": "tl.float32", "int32": "tl.int32",
       "int64": "tl.int64", "bool": "tl.int1"}
 INFIX = {"add": "+", "sub": "-", "mul": "*", "lt": "<", "le": "<=", "gt": ">", "ge": ">=", "eq": "==", "ne": "!="}
-UNARY = {"abs": "tl.abs", "sqrt": "tl.sqrt_rn", "rsqrt": "tl.rsqrt", "exp": "tl.exp"}
+# correctly rounded or libdevice's (kernels/precise.py): tl.rsqrt, tl.exp and an exp2-based pow are approximate
+UNARY = {"abs": "tl.abs", "sqrt": "tl.sqrt_rn", "rsqrt": "tl.div_rn(1.0, tl.sqrt_rn({x}))", "exp": "precise_exp"}
 # torch.pow's special cases for constant exponents (pow_tensor_scalar_optimized_kernel)
-POW = {1: "{x}", 2: "{x} * {x}", 3: "{x} * {x} * {x}", 0.5: "tl.sqrt_rn({x})", -0.5: "tl.rsqrt({x})",
-       -1: "tl.div_rn(1.0, {x})", -2: "tl.div_rn(1.0, {x} * {x})"}
+POW = {1: "{x}", 2: "{x} * {x}", 3: "{x} * {x} * {x}", 0.5: "tl.sqrt_rn({x})",
+       -0.5: "tl.div_rn(1.0, tl.sqrt_rn({x}))", -1: "tl.div_rn(1.0, {x})", -2: "tl.div_rn(1.0, {x} * {x})"}
 MAX_BLOCK = 4096
-RESERVED = {"i", "mask", "tl", "triton", "BLOCK", "keep_mask", "fpow", "math", "float"}
+RESERVED = {"i", "mask", "tl", "triton", "BLOCK", "keep_mask", "precise_exp", "precise_pow", "math", "float"}
 INT32_LIMIT = 2**31 - 1
-
-
-@triton.jit
-def fpow(x, y):
-    """x ** y in float32 like torch.pow: exp2(y * log2|x|), negated for a negative x and an odd integer y,
-    NaN for a negative x and a non-integer y, 1 where y == 0 or x == 1."""
-    r = tl.exp2(y * tl.log2(tl.abs(x)))
-    whole = tl.floor(y) == y
-    odd = whole & (tl.abs(y) % 2.0 == 1.0)
-    r = tl.where(x < 0, tl.where(whole, tl.where(odd, -r, r), float("nan")), r)
-    return tl.where((y == 0) | (x == 1), 1.0, r)
 
 
 class NoKernel(Exception):  # noqa: N818 - a reason, not a failure: the stage stays torch ops
@@ -162,7 +152,7 @@ class _Gen:
                     seen.setdefault(id(a), a)
         self.inputs = list(seen.values())
         sizes = [self.numel] + [math.prod(bind_shape(t.shape, self.view.sizes)) for t in tensors.values()]
-        self.wide = max(sizes) > INT32_LIMIT
+        self.wide = max(sizes) + MAX_BLOCK > INT32_LIMIT  # start + BLOCK must not overflow int32 either
 
     def aligned(self, t: Value) -> tuple[int, ...]:
         """This rank's local shape of t, right-aligned to the iteration dims."""
@@ -306,7 +296,7 @@ class _Gen:
             elif op == "neg":
                 e = f"-{a[0]}"
             elif op in UNARY:
-                e = f"{UNARY[op]}({a[0]})"
+                e = UNARY[op].format(x=a[0]) if "{x}" in UNARY[op] else f"{UNARY[op]}({a[0]})"
             else:  # pragma: no cover - OPS lists exactly the cases above
                 raise NoKernel(f"no Triton code for {op}")
         return f"({e}).to({TL[v.dtype]})" if v.dtype != c else e
@@ -320,7 +310,7 @@ class _Gen:
             return POW[exp.attrs["value"]].format(x=x if " " not in x and "(" not in x else f"({x})")
         if c != "float32":
             raise NoKernel(f"`{v.name}` is an integer power with a non-constant exponent")
-        return f"fpow({x}, {self.operand(exp, c)})"
+        return f"precise_pow({x}, {self.operand(exp, c)})"
 
     def dropout(self, v: Value, x: str) -> str:
         p = v.attrs["p"]
@@ -425,10 +415,11 @@ class _Gen:
             "import triton",
             "import triton.language as tl",
         ]
-        if "fpow(" in "\n".join(self.lines) or self.dropouts:
+        precise = sorted(f for f in ("precise_exp", "precise_pow") if f + "(" in "\n".join(self.lines))
+        if precise or self.dropouts:
             head.append("")
-        if "fpow(" in "\n".join(self.lines):
-            head.append("from cocoweave.kernels.codegen import fpow")
+        if precise:
+            head.append(f"from cocoweave.kernels.precise import {', '.join(precise)}")
         if self.dropouts:
             head.append("from cocoweave.kernels.rng import keep_mask")
         body = name.replace("_kernel", "_body")

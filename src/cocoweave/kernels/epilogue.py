@@ -86,5 +86,6 @@ def bias_dropout_residual(
     _bias_dropout_residual_kernel[grid](
         x, x if bias is None else bias, residual, out, R, L, G, (full_size * after) % 2**32,
         (offset * after) % 2**32, rng.dropout_key(seed, rank), rng.keep_threshold(p), 1.0 / (1.0 - p),
-        HAS_BIAS=bias is not None, DROPOUT=p > 0, BLOCK_R=block_r, BLOCK_C=block_c, num_warps=num_warps)
+        HAS_BIAS=bias is not None, DROPOUT=p > 0, BLOCK_R=block_r, BLOCK_C=block_c, num_warps=num_warps,
+        enable_fp_fusion=False)
     return out
