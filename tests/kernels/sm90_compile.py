@@ -145,7 +145,8 @@ def generated_programs() -> list[tuple[str, Any, dict[str, int]]]:
 
     math = cw.Program("math")  # the operations whose precise forms codegen picks (exp, pow, rsqrt)
     a = math.tensor("a", (1000,), "float32")
-    math.output(cw.exp(-cw.abs(a)) + (cw.abs(a) + 0.5) ** math.scalar("s") + (cw.abs(a) + 1) ** -0.5 + cw.rsqrt(cw.abs(a) + 2), "y")
+    math.output(cw.exp(-cw.abs(a)) + (cw.abs(a) + 0.5) ** math.scalar("s") + (cw.abs(a) + 1) ** -0.5
+                + cw.rsqrt(cw.abs(a) + 2), "y")
     out.append(("math", math, {}))
     for spec, sizes in [("model_parallel.py:layer", {"B": 4, "S": 8, "H": 64}),
                         ("pipeline_parallel.py:boundary", {"B": 4, "S": 8, "H": 64}), ("tp2d.py:mlp", {}),
