@@ -479,7 +479,7 @@ class FusedKernel:
     def __init__(self, spec: KernelSpec, device: torch.device, key: str):
         self.spec = spec
         self.inputs, self.outputs, self.source = spec.inputs, spec.outputs, spec.source
-        self.stage, self.name = spec.stage, spec.name
+        self.stage, self.name, self.device = spec.stage, spec.name, torch.device(device)
         self.path = source_file(spec.source, key)
         self._fn = getattr(_load_module(self.path, spec.source), spec.name)
         self._grid = (triton.cdiv(spec.numel, spec.block),)
@@ -498,6 +498,9 @@ class FusedKernel:
                 if a.numel() != n:
                     raise BackendError(f"fused stage {spec.stage}: input `{v.name}` has {a.numel()} elements, "
                                        f"expected {n}")
+                if a.device != self.device:
+                    raise BackendError(f"fused stage {spec.stage}: input `{v.name}` is on {a.device}, and the "
+                                       f"stage's kernel runs on {self.device}")
                 given.append(a if a.is_contiguous() else a.contiguous())
             else:
                 given.append(float(a) if kind == "float" else int(a) if kind == "int" else None)
