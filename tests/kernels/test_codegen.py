@@ -168,6 +168,28 @@ def test_generated_math_is_correctly_rounded_or_libdevices() -> None:
     assert "precise_exp(" in source and "precise_pow(" in source and "tl.div_rn(1.0, tl.sqrt_rn(" in source
 
 
+def test_precompile_compiles_the_launch_the_step_will_make(monkeypatch: pytest.MonkeyPatch) -> None:
+    """On CUDA, kernels compile when the executable is built, not at their first launch inside a step (where the
+    first step compiled every bucket serially inside the collectives' timeout): Triton's warmup gets dtypes where
+    the launch passes tensors, the same scalars' kinds, grid, BLOCK and FMA setting."""
+    from cocoweave.kernels import codegen
+    from cocoweave.kernels.codegen import FusedKernel
+
+    spec, sizes = EXAMPLES["adam"]
+    plan = lower(next(s for s in enumerate_schedules(load_example(spec, **sizes)) if s.name == "AR-C"))
+    kernel = FusedKernel(kernel_spec(plan, 1, 0, 1, sizes), torch.device("cpu"), "precompile-test")
+    seen = []
+    monkeypatch.setattr(kernel, "_fn", type("Jit", (), {"warmup": lambda self, *a, **kw: seen.append((a, kw))})())
+    kernel.precompile()
+    assert seen == []  # interpreted: nothing to compile
+    monkeypatch.setattr(codegen, "interpreted", lambda: False)
+    kernel.precompile()
+    (args, kwargs), = seen
+    tensors = [v for v, kind in zip(kernel.spec.inputs, kernel.spec.kinds) if kind == "tensor"]
+    assert [a for a in args if isinstance(a, torch.dtype)] == [torch.float32] * (len(tensors) + len(kernel.outputs))
+    assert kwargs == {"grid": (1,), "BLOCK": 128, "num_warps": 1, "enable_fp_fusion": False}
+
+
 def test_kernels_on_cpu_need_the_interpreter(monkeypatch: pytest.MonkeyPatch) -> None:
     spec, sizes = EXAMPLES["adam"]
     plan = lower(next(s for s in enumerate_schedules(load_example(spec, **sizes)) if s.name == "AR-C"))

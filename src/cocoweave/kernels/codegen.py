@@ -28,6 +28,7 @@ from __future__ import annotations
 
 import hashlib
 import keyword
+import logging
 import math
 import re
 from collections.abc import Mapping
@@ -47,7 +48,9 @@ from ..ir.printer import operand
 from ..ir.types import DTYPES, bind_shape, promote
 from ..loader import import_module_file
 from ..plan import Compute, Plan, RankView
+from .precise import interpreted
 
+log = logging.getLogger("cocoweave.kernels")
 OPS = frozenset(R.names(*R.ELEMENTWISE_GROUPS, R.LAYOUT))
 HALF = ("float16", "bfloat16")
 TL = {"float16": "tl.float16", "bfloat16": "tl.bfloat16", "float32": "tl.float32", "int32": "tl.int32",
@@ -514,6 +517,24 @@ class FusedKernel:
             self._fn[self._grid](*call, *outs, BLOCK=spec.block, num_warps=spec.num_warps, enable_fp_fusion=False)
         return tuple(outs)
 
+    def precompile(self) -> None:
+        """Compile the kernel now for the launch `__call__` makes (dtypes stand in for tensors: Triton's
+        JITFunction.warmup), so that a step's first launch does not compile inside a collective's timeout. A
+        launch that specialises differently (an unaligned input) compiles then, as without this."""
+        spec = self.spec
+        warmup = getattr(self._fn, "warmup", None)
+        if warmup is None or interpreted() or not self._grid[0]:  # interpreted: nothing to compile
+            return
+        args: list[Any] = [DTYPES[v.dtype] if kind == "tensor" else 0.5 if kind == "float" else 3
+                           for v, kind in zip(spec.inputs, spec.kinds) if kind != "host"]
+        for keys in self._keys:
+            args += keys if keys is not None else [2**31, 2**31]  # a seed given at run time: a 64-bit key
+        args += [DTYPES[v.dtype] for v in spec.outputs]
+        try:
+            warmup(*args, grid=self._grid, BLOCK=spec.block, num_warps=spec.num_warps, enable_fp_fusion=False)
+        except Exception as exc:  # noqa: BLE001 - the first launch compiles instead, and reports any real error
+            log.debug("precompiling %s failed (%s); it compiles at its first launch", self.name, exc)
+
     def __repr__(self) -> str:
         return f"<FusedKernel {self.name} ({self.path})>"
 
@@ -527,7 +548,8 @@ def build_fused_kernels(plan: Plan, rank: int, world_size: int, sizes: Mapping[s
                         device: str | torch.device) -> dict[int, FusedKernel]:
     """Generated Triton kernels of the top-level fused elementwise stages rank `rank` runs, by stage
     index; other stages (see the module docstring) are left to torch ops. Generating needs no GPU;
-    launching on a CPU needs TRITON_INTERPRET=1 (the Executable checks)."""
+    launching on a CPU needs TRITON_INTERPRET=1 (the Executable checks). On CUDA each kernel is compiled here
+    (`FusedKernel.precompile`), not at its first launch inside a step."""
     device = torch.device(device)
     out: dict[int, FusedKernel] = {}
     for i, stage in enumerate(plan.stages):
@@ -539,4 +561,6 @@ def build_fused_kernels(plan: Plan, rank: int, world_size: int, sizes: Mapping[s
             continue
         digest = hashlib.sha256(spec.source.encode()).hexdigest()[:12]
         out[i] = FusedKernel(spec, device, f"{plan.fingerprint}-r{rank}-w{world_size}-s{i}-triton-{digest}")
+        if device.type == "cuda":  # compile at build time, before the step's first collective
+            out[i].precompile()
     return out
