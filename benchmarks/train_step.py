@@ -4,6 +4,7 @@ plain-torch peers, in the same run, interleaved and repeated, on a LocalWorld of
     .venv/bin/python benchmarks/train_step.py                       # both models, worlds 2 and 4, AdamW and SGD
     .venv/bin/python benchmarks/train_step.py --models small --worlds 2 --rounds 3 --steps 8
     .venv/bin/python benchmarks/train_step.py --memory              # peak memory, 8 x Linear(2048, 2048)
+    .venv/bin/python benchmarks/train_step.py --device cuda --worlds 1 --backend nccl   # on a GPU (gpu_check.sh)
 
 --memory runs each variant in fresh ranks and reports, above the bare model, rank 0's peak RSS (VmHWM) and its
 peak PSS (sampled after construction and after every backward and step). RSS counts a page shared by several
@@ -93,9 +94,10 @@ def build(variant: str, model_name: str) -> tuple[Any, Any]:
     from torch.distributed.optim import ZeroRedundancyOptimizer
     from torch.nn.parallel import DistributedDataParallel as DDP
 
+    from cocoweave.launch import rank_device
     from cocoweave.optim import DistributedAdamW, DistributedSGD
 
-    model = make_model(model_name)
+    model = make_model(model_name).to(rank_device())  # the LocalWorld's device (--device)
     kind, _, how = variant.partition(":")
     if kind == "cocoweave-adamw":
         return model, DistributedAdamW(model.parameters(), **ADAMW, schedule=how or "auto")
@@ -136,6 +138,8 @@ def timings(rank: int, world_size: int, model_name: str, names: list[str], round
     x = torch.randint(0, MODELS[model_name][0], (BATCH, SEQ), generator=gen)
     y = torch.randint(0, MODELS[model_name][0], (BATCH, SEQ), generator=gen)
     vocab = MODELS[model_name][0]
+    device = next(built[names[0]][0].parameters()).device
+    x, y = x.to(device), y.to(device)
     times: dict[str, list[float]] = {v: [] for v in names}
     for r in range(rounds):
         order = names[r % len(names):] + names[:r % len(names)]
@@ -147,7 +151,7 @@ def timings(rank: int, world_size: int, model_name: str, names: list[str], round
                 torch.nn.functional.cross_entropy(run(x).reshape(-1, vocab), y.reshape(-1)).backward()
                 opt.step()
 
-            times[v] += timed_steps(step, world_size, torch.device("cpu"), steps, 3 if r == 0 else 1)
+            times[v] += timed_steps(step, world_size, device, steps, 3 if r == 0 else 1)
     return {"times": times, "state_bytes": {v: state_bytes(built[v][1]) for v in names},
             "schedules": {v: [b.schedule.name for b in built[v][1]._buckets] for v in names
                           if v.startswith("cocoweave")}}
@@ -239,6 +243,9 @@ def main() -> None:
     ap.add_argument("--repeats", type=int, default=3, help="--memory: fresh runs of each variant (median reported)")
     ap.add_argument("--eager", action="store_true", help="also time DistributedAdamW with its update as eager ops")
     ap.add_argument("--out", type=Path, default=Path(__file__).parent / "results")
+    ap.add_argument("--device", choices=("cpu", "cuda"), default="cpu", help="where the ranks' models live")
+    ap.add_argument("--backend", choices=("auto", "gloo", "nccl"), default="auto",
+                    help="the ranks' process group (auto: NCCL with a GPU per rank, else Gloo)")
     args = ap.parse_args()
     from cocoweave.backends.torch.worker import step_time_ms, step_times
     from cocoweave.launch import LocalWorld
@@ -269,7 +276,7 @@ def main() -> None:
                       f"optimizer state {row['state_bytes'] / 2**20:6.1f}")
     else:
         for ws in worlds:
-            with LocalWorld(ws, timeout_s=1800) as world:
+            with LocalWorld(ws, backend=args.backend, device=args.device, timeout_s=1800) as world:
                 for model_name in args.models.split(","):
                     for optimizer in args.optimizers.split(","):
                         names = variants(optimizer, args.eager)
@@ -283,8 +290,9 @@ def main() -> None:
                                          "schedules": per_rank[0]["schedules"].get(v)})
                         fastest = min(r["median_ms"] for r in rows if not r["variant"].startswith("cocoweave"))
                         params = sum(p.numel() for p in make_model(model_name).parameters())
-                        print(f"\n{optimizer}, {model_name} model ({params / 1e6:.1f}M parameters), {ws} Gloo CPU "
-                              f"ranks, {os.cpu_count()} cores, {args.rounds} rounds x {args.steps} steps")
+                        print(f"\n{optimizer}, {model_name} model ({params / 1e6:.1f}M parameters), {ws} "
+                              f"{world.backend} {args.device} ranks, {os.cpu_count()} cores, {args.rounds} rounds x "
+                              f"{args.steps} steps")
                         print(f"{'variant':<40} {'median ms':>10} {'vs fastest peer':>16} {'state MiB/rank':>15}")
                         for r in rows:
                             r["ratio_to_fastest_peer"] = r["median_ms"] / fastest
@@ -294,9 +302,11 @@ def main() -> None:
     doc["machine"]["load_average_end"] = os.getloadavg()
     args.out.mkdir(parents=True, exist_ok=True)
     kind = "memory" if args.memory else "train_step"
-    options = {"models": args.models, "worlds": args.worlds, "optimizers": args.optimizers, "eager": args.eager}
+    options = {"models": args.models, "worlds": args.worlds, "optimizers": args.optimizers, "eager": args.eager,
+               "backend": args.backend}
     tag = "".join(f"-{k}-{v}".replace(",", "+") for k, v in options.items() if v != ap.get_default(k))
-    path = args.out / f"{kind}{'' if args.memory else tag}-cpu{os.cpu_count()}-{datetime.date.today().isoformat()}.json"
+    where = f"cpu{os.cpu_count()}" if args.device == "cpu" else args.device
+    path = args.out / f"{kind}{'' if args.memory else tag}-{where}-{datetime.date.today().isoformat()}.json"
     path.write_text(json.dumps(doc, indent=1))
     print(f"\nJSON: {path}")
 

@@ -242,11 +242,11 @@ class TrainState:
 
 
 def train_parallel(rank: int, world_size: int, cfg_dict: dict[str, Any], ckpt_dir: str | None = None,
-                   ckpt_every: int = 0, log_file: str | None = None, samples_log: str | None = None
-                   ) -> dict[str, Any]:
+                   ckpt_every: int = 0, log_file: str | None = None, samples_log: str | None = None,
+                   device: str = "cpu") -> dict[str, Any]:
     """Run on every rank of an initialised world: train the data x tensor parallel model for cfg.steps steps.
     Returns the global loss per step (the mean over the global batch), the data-parallel size and learning rate
-    of every step, and what was used.
+    of every step, and what was used. The model and batches go on `device` (init_from_env's: NCCL needs the GPU).
 
     With `ckpt_dir`, resumes from its newest complete checkpoint (saved at any world size) and saves one every
     `ckpt_every` steps (cocoweave.checkpoint); rank 0 appends "step loss" lines to `log_file`, and "step
@@ -258,7 +258,7 @@ def train_parallel(rank: int, world_size: int, cfg_dict: dict[str, Any], ckpt_di
     data = CharData(cfg)
     tp_group, dp_group = parallel_groups(cfg.tensor_parallel)
     tp_rank, dp_rank, dp_size = group_rank(tp_group), group_rank(dp_group), group_size(dp_group)
-    model = parallel_model(len(data.vocab), cfg, tp_group)
+    model = parallel_model(len(data.vocab), cfg, tp_group).to(device)  # init_from_env's device (NCCL: the GPU)
     optimizer, opt_name = make_optimizer(model, cfg, dp_group)
     state = TrainState(0, model, optimizer, [], data.sampler(),
                        adascale=AdaScale(cfg.batch) if cfg.lr_rule == "adascale" else None)
@@ -309,7 +309,8 @@ def train_step(state: TrainState, data: CharData, cfg: Config, plan: StepPlan, d
     indices = state.sampler.next_batch(plan.global_batch)
     parts = plan.micro_batches(dp_rank)
     state.optimizer.zero_grad()
-    total = torch.zeros((), dtype=torch.float64)
+    device = next(state.model.parameters()).device
+    total = torch.zeros((), dtype=torch.float64, device=device)
     used: list[int] = []
     # One micro-batch on every rank: its backward launches the reduction (overlap). More on some rank: all ranks
     # accumulate under no_sync and step() reduces (after no_sync backwards, DistributedAdamW's hooks launch at the
@@ -318,7 +319,7 @@ def train_step(state: TrainState, data: CharData, cfg: Config, plan: StepPlan, d
     sync = plan.accumulation == 1 and state.adascale is None
     for part in parts:
         mine = [indices[i] for i in part]
-        x, y = data.samples(mine)
+        x, y = (t.to(device) for t in data.samples(mine))
         loss = loss_of(state.model, x, y, state.step, part.start * cfg.block * cfg.d_model)
         with contextlib.nullcontext() if sync else state.optimizer.no_sync():
             (loss * plan.weight(len(part))).backward()
@@ -520,10 +521,10 @@ def main(argv: list[str] | None = None) -> int:
 
     try:
         if in_torchrun():
-            rank, world_size, _ = init_from_env()
+            rank, world_size, device = init_from_env()
             cfg = config_from(args, world_size)
             parallel = train_parallel(rank, world_size, asdict(cfg), args.ckpt_dir, args.ckpt_every, args.log_file,
-                                      args.samples_log)
+                                      args.samples_log, str(device))
             shutdown()  # every rank leaves the group together (a live Gloo group can abort the exit)
             if rank != 0:
                 return 0

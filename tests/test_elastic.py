@@ -8,9 +8,11 @@ import math
 
 import pytest
 import torch
+import torch.distributed as dist
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
+from cocoweave import elastic
 from cocoweave.elastic import (
     AdaScale,
     BatchPolicy,
@@ -296,3 +298,23 @@ def test_a_dataloader_with_workers_yields_the_samplers_global_order_from_its_pos
     assert sampler.position == 23
     again = [int(x) for batch in loader for x in batch]  # the next epoch, a new permutation
     assert again == [100 + i for i in sampler.order(1)] and sorted(again) == dataset
+
+
+def test_gradient_statistics_of_a_rank_without_gradients_reduce_on_a_device_nccl_takes(monkeypatch):
+    """NCCL alone refuses CPU tensors: the zero a rank without gradients contributes is on its GPU (faked: meta)."""
+    from cocoweave.backends.torch import placement
+
+    seen = []
+    monkeypatch.setattr(dist, "is_initialized", lambda: True)
+    monkeypatch.setattr(dist, "get_world_size", lambda group=None: 2)
+    monkeypatch.setattr(dist, "get_backend_config", lambda group=None: "cuda:nccl")
+    monkeypatch.setattr(placement, "compute_device", lambda: torch.device("meta"))
+
+    def all_reduce(t, group=None):
+        seen.append(t.device.type)
+        raise RuntimeError("stop")
+
+    monkeypatch.setattr(dist, "all_reduce", all_reduce)
+    with pytest.raises(RuntimeError, match="stop"):
+        elastic.gradient_moments([])
+    assert seen == ["meta"]

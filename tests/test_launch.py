@@ -442,6 +442,35 @@ def test_init_from_env_names_missing_variables(monkeypatch):
         init_from_env()
 
 
+def test_torchrun_rank_on_a_gpu_host_gets_its_gpu_and_nccl_with_gloo_beside(monkeypatch):
+    """One GPU per local rank: NCCL, made with Gloo beside it so that a CPU metadata tensor still reduces; ranks
+    sharing a GPU: Gloo with CUDA tensors. The device comes back so that examples build their model on it."""
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    monkeypatch.setattr(torch.cuda, "device_count", lambda: 2)
+    assert launch.torchrun_device(1, 2) == (torch.device("cuda", 1), "nccl")
+    assert launch.torchrun_device(2, 3) == (torch.device("cuda", 0), "gloo")
+    monkeypatch.setattr(torch.cuda, "set_device", lambda device: None)
+    monkeypatch.setattr(dist, "is_initialized", lambda: False)
+    monkeypatch.setattr(launch, "_rank_store", lambda *args: None)
+    monkeypatch.setattr(launch, "_RANK", {})
+    monkeypatch.setattr(launch.faults, "track", lambda progress: None)
+    made = []
+    monkeypatch.setattr(dist, "init_process_group", lambda backend, **kwargs: made.append(backend))
+    for key, value in {"RANK": "1", "LOCAL_RANK": "1", "WORLD_SIZE": "2", "LOCAL_WORLD_SIZE": "2",
+                       "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": "29500"}.items():
+        monkeypatch.setenv(key, value)
+    monkeypatch.delenv("COCOWEAVE_BACKEND", raising=False)
+    assert init_from_env() == (1, 2, torch.device("cuda", 1))
+    assert made == ["cpu:gloo,cuda:nccl"]
+
+
+def test_torchrun_rank_without_a_gpu_is_told_nccl_needs_one(monkeypatch):
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
+    assert launch.torchrun_device(0, 4) == (torch.device("cpu"), "gloo")
+    with pytest.raises(BackendError, match="nccl needs CUDA"):
+        launch.torchrun_device(0, 1, "nccl")
+
+
 # -- the trace recorder on its own -------------------------------------------------------------------------
 
 

@@ -41,6 +41,7 @@ import torch
 import torch.distributed as dist
 from torch.utils.data import Sampler
 
+from .backends.torch import placement
 from .errors import ElasticError
 from .ir.layout import split_sizes
 
@@ -270,7 +271,9 @@ def gradient_moments(grads: Sequence[torch.Tensor], group: Any = None) -> tuple[
     """(sum over the ranks of |g_i|^2, |mean of the g_i|^2) of this rank's local gradients `grads` (before any
     reduction) and the other ranks' of `group`: every rank calls it. Costs one all-reduce of the gradients (and one
     of a scalar), on top of the optimizer's own reduction."""
-    flat = torch.cat([g.detach().reshape(-1).float() for g in grads]) if grads else torch.zeros(1)
+    # none here: a zero where the group takes tensors (NCCL alone: this process's GPU)
+    flat = torch.cat([g.detach().reshape(-1).float() for g in grads]) if grads else torch.zeros(
+        1, device=placement.metadata_device(group, placement.compute_device()))
     local = flat.double().pow(2).sum().reshape(1)
     size = dist.get_world_size(group) if dist.is_available() and dist.is_initialized() else 1
     if size > 1:  # flat is a new tensor (torch.cat): reduced in place

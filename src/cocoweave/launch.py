@@ -38,6 +38,7 @@ import torch
 import torch.distributed as dist
 
 from . import faults
+from .backends.torch.placement import group_backend
 from .errors import BackendError
 from .loader import import_module_file
 
@@ -144,6 +145,18 @@ def in_torchrun() -> bool:
     return "TORCHELASTIC_RUN_ID" in os.environ or all(k in os.environ for k in _ENV_VARS)
 
 
+def torchrun_device(local_rank: int, local_size: int, backend: str | None = None) -> tuple[torch.device, str]:
+    """(device, backend) of a torchrun rank: the CPU and Gloo without a GPU; with GPUs, GPU local_rank % count and
+    NCCL when every local rank has its own GPU, Gloo with CUDA tensors when ranks share one. Examples must build
+    their model on this device: NCCL refuses CPU tensors."""
+    if torch.cuda.is_available():
+        n_gpus = torch.cuda.device_count()
+        return torch.device("cuda", local_rank % n_gpus), backend or ("nccl" if local_size <= n_gpus else "gloo")
+    if backend == "nccl":
+        raise BackendError("backend nccl needs CUDA, and no GPU is visible to this rank")
+    return torch.device("cpu"), backend or "gloo"
+
+
 def init_from_env(timeout_s: float = 60.0, backend: str | None = None) -> tuple[int, int, torch.device]:
     """Initialise the default process group from torchrun's env vars; returns (rank, world_size, device).
 
@@ -158,17 +171,9 @@ def init_from_env(timeout_s: float = 60.0, backend: str | None = None) -> tuple[
         local_size = int(os.environ.get("LOCAL_WORLD_SIZE", world_size))
     except ValueError as exc:
         raise BackendError(f"torchrun environment variables must be integers: {exc}") from None
-    if torch.cuda.is_available():
-        n_gpus = torch.cuda.device_count()
-        device = torch.device("cuda", local_rank % n_gpus)
+    device, chosen = torchrun_device(local_rank, local_size, backend or os.environ.get("COCOWEAVE_BACKEND"))
+    if device.type == "cuda":
         torch.cuda.set_device(device)
-        default = "nccl" if local_size <= n_gpus else "gloo"
-        chosen = backend or os.environ.get("COCOWEAVE_BACKEND") or default
-    else:
-        device = torch.device("cpu")
-        chosen = backend or os.environ.get("COCOWEAVE_BACKEND") or "gloo"
-        if chosen == "nccl":
-            raise BackendError("backend nccl needs CUDA, and no GPU is visible to this rank")
     timeout_s = check_seconds(timeout_s, "timeout_s")
     if dist.is_initialized():
         return dist.get_rank(), dist.get_world_size(), device
@@ -178,7 +183,7 @@ def init_from_env(timeout_s: float = 60.0, backend: str | None = None) -> tuple[
         _use_loopback_for_gloo()  # the whole world on this host, met at a loopback address: Gloo stays there too
     try:
         store = _rank_store(rank, world_size, timeout_s)
-        dist.init_process_group(chosen, store=store, rank=rank, world_size=world_size,
+        dist.init_process_group(group_backend(chosen), store=store, rank=rank, world_size=world_size,
                                 timeout=timedelta(seconds=timeout_s),
                                 device_id=device if chosen == "nccl" else None)  # NCCL: eager init on this GPU
     except Exception as exc:  # noqa: BLE001 - every init failure becomes one sentence
@@ -355,7 +360,7 @@ def _worker_main(rank: int, world_size: int, port: int, backend: str, device: st
         if store.add("started", 1) == world_size:
             store.set("all_started", "1")
         store.wait(["all_started"], timedelta(seconds=start_timeout_s))
-        dist.init_process_group(backend, store=dist.PrefixStore("pg", store), rank=rank,
+        dist.init_process_group(group_backend(backend), store=dist.PrefixStore("pg", store), rank=rank,
                                 world_size=world_size, timeout=timedelta(seconds=timeout_s),
                                 device_id=dev if backend == "nccl" else None)  # NCCL: eager init on this GPU
         _RANK.update(rank=rank, world_size=world_size, device=dev, backend=backend)

@@ -191,3 +191,16 @@ def test_torch_backend_matches_reference(local_world, world_size):
 
 def test_torch_backend_matches_reference_on_eight_ranks_and_subgroups_of_five_to_seven(local_world):
     check_world(local_world(8).run(_rank_adasum, SUBGROUPS), 8, SUBGROUPS)
+
+
+def test_combining_reads_nothing_back_to_the_host() -> None:
+    """The coefficients of each level stay on the data's device: on a GPU a read-back would sync every level
+    (meta tensors have no values to read: the combination must still go through)."""
+    from cocoweave.backends.torch.adasum import _combine, _triple
+
+    a, b = torch.empty(10, device="meta"), torch.empty(10, device="meta")
+    _combine(a, b, _triple(a, b), a)
+    x, y = torch.randn(100), torch.randn(100)
+    out = torch.empty(100)
+    _combine(x, y, _triple(x, y), out)
+    assert torch.equal(out, adasum.adasum_pair(x, y))

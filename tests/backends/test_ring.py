@@ -163,3 +163,25 @@ def test_bad_arguments_are_refused_before_any_message() -> None:
         ring_reduce_scatter(x, 0, "prod", None, x)
     with pytest.raises(BackendError, match="subchunks >= 1"):
         fused_ring(x, 0, "sum", None, _affine, [x], subchunks=0)
+
+
+def test_under_nccl_every_rank_joins_the_communicator_before_its_first_messages(monkeypatch) -> None:
+    """A rank of a 3-rank NCCL ring reducing 2 elements has an empty chunk and would post no message in the
+    group's first batch_isend_irecv, which torch requires of every rank: it joins with one all-reduce first, once
+    per group (faked NCCL; the device faked as meta)."""
+    from cocoweave.backends.torch import placement, ring
+
+    joined, posted = [], []
+    monkeypatch.setattr(ring, "_JOINED", set())
+    monkeypatch.setattr(dist, "get_backend", lambda group=None: "nccl")
+    monkeypatch.setattr(dist, "get_process_group_ranks", lambda group: [0, 1, 2])
+    monkeypatch.setattr(dist, "get_rank", lambda group=None: 2)
+    monkeypatch.setattr(placement, "compute_device", lambda: torch.device("meta"))
+    monkeypatch.setattr(dist, "all_reduce", lambda t, group=None: joined.append(t.device.type))
+    monkeypatch.setattr(dist, "P2POp", lambda *args: args)
+    monkeypatch.setattr(dist, "batch_isend_irecv", lambda ops: posted.append(len(ops)) or [])
+    group = object()
+    for _ in range(2):
+        ring_all_gather(torch.ones(0), 0, group, torch.zeros(2))
+    assert joined == ["meta"]
+    assert posted and posted[0] >= 1

@@ -76,3 +76,23 @@ def test_a_checkpoint_resumes_only_with_the_batch_policy_it_was_trained_with(tra
         world.run(train_gpt.train_parallel,
                   asdict(train_gpt.Config(batch_policy="scale", lr_rule="adascale", **fields | {"steps": 3})),
                   str(tmp_path), 2)
+
+
+def test_under_torchrun_the_model_goes_on_the_device_init_from_env_returns(train_gpt, monkeypatch):
+    """On a GPU host init_from_env picks NCCL, which refuses CPU tensors: the rank's device must reach the model."""
+    import torch
+
+    from cocoweave import launch
+
+    class Started(Exception):
+        pass
+
+    def train_parallel(*args):
+        assert args[-1] == "meta"
+        raise Started
+
+    monkeypatch.setattr(launch, "in_torchrun", lambda: True)
+    monkeypatch.setattr(launch, "init_from_env", lambda: (0, 4, torch.device("meta")))
+    monkeypatch.setattr(train_gpt, "train_parallel", train_parallel)
+    with pytest.raises(Started):
+        train_gpt.main(["--steps", "1"])

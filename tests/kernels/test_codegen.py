@@ -142,6 +142,54 @@ def test_index_arithmetic_is_64_bit_past_2_31_elements() -> None:
     assert "tl.program_id(0).to(tl.int64)" in source and f"i < {3 * 2**30})" in source
 
 
+def test_index_arithmetic_is_64_bit_when_the_last_block_would_pass_2_31() -> None:
+    """start + BLOCK of the last block overflows int32 for sizes within one block of 2^31 (it would take the
+    unmasked path and write past the end): such sizes get int64 indices too."""
+    for n in (2**31 - 1, 2**31 - 100, 2**31 - 4096):
+        program = load_example("adam.py:adam", N=n)
+        plan = lower(next(s for s in enumerate_schedules(program) if s.name == "AR-C"))
+        assert "tl.program_id(0).to(tl.int64)" in kernel_spec(plan, 1, 0, 1, {"N": n}).source, n
+    program = load_example("adam.py:adam", N=2**31 - 4097 - 4096)
+    plan = lower(next(s for s in enumerate_schedules(program) if s.name == "AR-C"))
+    assert "start = tl.program_id(0) * BLOCK" in kernel_spec(plan, 1, 0, 1, {"N": 2**31 - 8193}).source
+
+
+def test_generated_math_is_correctly_rounded_or_libdevices() -> None:
+    """No approximate exp, exp2/log2 pow or rsqrt in generated kernels: torch computes these exactly enough that
+    ex2.approx.ftz (error growing with |x|, subnormals flushed) would show."""
+    p = cw.Program("math")
+    a = p.tensor("a", (100,), "float32")
+    p.output(cw.exp(-cw.abs(a)) + (cw.abs(a) + 0.5) ** p.scalar("s") + (cw.abs(a) + 1) ** -0.5 + cw.rsqrt(a), "y")
+    s = Schedule(p)
+    s.fuse(s.stages[0])
+    source = kernel_spec(lower(s), 0, 0, 1, {}).source
+    for approximate in ("tl.exp(", "tl.exp2(", "tl.log2(", "tl.rsqrt("):
+        assert approximate not in source
+    assert "precise_exp(" in source and "precise_pow(" in source and "tl.div_rn(1.0, tl.sqrt_rn(" in source
+
+
+def test_precompile_compiles_the_launch_the_step_will_make(monkeypatch: pytest.MonkeyPatch) -> None:
+    """On CUDA, kernels compile when the executable is built, not at their first launch inside a step (where the
+    first step compiled every bucket serially inside the collectives' timeout): Triton's warmup gets dtypes where
+    the launch passes tensors, the same scalars' kinds, grid, BLOCK and FMA setting."""
+    from cocoweave.kernels import codegen
+    from cocoweave.kernels.codegen import FusedKernel
+
+    spec, sizes = EXAMPLES["adam"]
+    plan = lower(next(s for s in enumerate_schedules(load_example(spec, **sizes)) if s.name == "AR-C"))
+    kernel = FusedKernel(kernel_spec(plan, 1, 0, 1, sizes), torch.device("cpu"), "precompile-test")
+    seen = []
+    monkeypatch.setattr(kernel, "_fn", type("Jit", (), {"warmup": lambda self, *a, **kw: seen.append((a, kw))})())
+    kernel.precompile()
+    assert seen == []  # interpreted: nothing to compile
+    monkeypatch.setattr(codegen, "interpreted", lambda: False)
+    kernel.precompile()
+    (args, kwargs), = seen
+    tensors = [v for v, kind in zip(kernel.spec.inputs, kernel.spec.kinds) if kind == "tensor"]
+    assert [a for a in args if isinstance(a, torch.dtype)] == [torch.float32] * (len(tensors) + len(kernel.outputs))
+    assert kwargs == {"grid": (1,), "BLOCK": 128, "num_warps": 1, "enable_fp_fusion": False}
+
+
 def test_kernels_on_cpu_need_the_interpreter(monkeypatch: pytest.MonkeyPatch) -> None:
     spec, sizes = EXAMPLES["adam"]
     plan = lower(next(s for s in enumerate_schedules(load_example(spec, **sizes)) if s.name == "AR-C"))

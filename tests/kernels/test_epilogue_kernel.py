@@ -78,3 +78,26 @@ def test_rejects_bad_arguments() -> None:
         bias_dropout_residual(x, None, x, 0.1, 0, dim=0, offset=2, full_size=5)
     with pytest.raises(ValueError, match="probability"):
         bias_dropout_residual(x, None, x, 1.0, 0)
+
+
+def test_result_dtype_promotes_like_the_torch_path() -> None:
+    """bf16 x with an fp32 residual gives fp32, as `dropout(x + bias) + residual` in torch does."""
+    x, bias = torch.randn(4, 8, dtype=torch.bfloat16), torch.randn(8, dtype=torch.bfloat16)
+    residual = torch.randn(4, 8)
+    out = bias_dropout_residual(x, bias, residual, 0.0, seed=0)
+    expected = x + bias + residual
+    assert out.dtype == expected.dtype == torch.float32
+    torch.testing.assert_close(out, reference(x, bias, residual, 0.0, 0, rng.NO_RANK, None))
+
+
+def test_tensors_on_the_wrong_device_are_refused_with_a_sentence(monkeypatch: pytest.MonkeyPatch) -> None:
+    from cocoweave.kernels import adam_step, multi_tensor
+
+    x = torch.randn(4, 8)
+    with pytest.raises(ValueError, match="one device; got .* on meta beside"):
+        bias_dropout_residual(x, torch.randn(8, device="meta"), x, 0.1, seed=0)
+    monkeypatch.setattr(multi_tensor, "interpreted", lambda: False)  # a real launch: CPU pointers are refused
+    with pytest.raises(ValueError, match="runs on GPU tensors"):
+        bias_dropout_residual(x, None, x, 0.1, seed=0)
+    with pytest.raises(ValueError, match="runs on GPU tensors"):
+        adam_step(*(torch.zeros(8) for _ in range(4)), lr=1e-3, step=1)

@@ -72,3 +72,21 @@ def test_lamb_phases_on_slices_match_the_whole() -> None:
         lamb_apply(ws, ms, vs, norms, lr=0.01, step=4, **OPTS)
     torch.testing.assert_close(w, whole[0], rtol=1e-6, atol=1e-7)
     torch.testing.assert_close(m, whole[1], rtol=0, atol=0)
+
+
+def test_eps_zero_keeps_the_masked_tail_out_of_the_norms() -> None:
+    """With eps=0 the masked lanes of a tensor's last block compute 0 / 0; they must not reach ||u|| (it was NaN,
+    and the trust ratio silently fell back to 1)."""
+    opts = dict(OPTS, eps=0.0)
+    w, g = torch.randn(4096 + 100), torch.randn(4096 + 100)
+    m, v = torch.zeros_like(w), torch.zeros_like(w)
+    expected = lamb_reference(w, g, m, v, lr=1e-3, step=1, **opts)
+    norms = lamb_step(w, g, m, v, lr=1e-3, step=1, block=4096, **opts)
+    assert torch.isfinite(norms).all(), norms
+    close(norms, torch.stack(expected[3:]))
+    close(w, expected[0])
+    ws = [torch.randn(n) for n in (100, 4097)]
+    gs = [torch.randn_like(t) for t in ws]
+    norms = lamb_step_multi(ws, gs, [torch.zeros_like(t) for t in ws], [torch.zeros_like(t) for t in ws], lr=1e-3,
+                            step=1, **opts)
+    assert torch.isfinite(norms).all(), norms

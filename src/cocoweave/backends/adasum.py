@@ -15,11 +15,12 @@ import torch
 ADASUM_EPS = 2.0 ** -511
 
 
-def adasum_coefficients(dot: float, na: float, nb: float) -> tuple[float, float]:
-    """Adasum's scalars (ca, cb) for a·b = `dot`, |a|^2 = `na`, |b|^2 = `nb` (float64): a coefficient
-    is 1 - a·b / (2|x|^2), or 1 where |x|^2 < ADASUM_EPS."""
-    ca = 1.0 - dot / (2.0 * na) if na >= ADASUM_EPS else 1.0
-    cb = 1.0 - dot / (2.0 * nb) if nb >= ADASUM_EPS else 1.0
+def adasum_coefficients(triple: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """Adasum's scalars (ca, cb) from the float64 tensor [a·b, |a|^2, |b|^2]: a coefficient is
+    1 - a·b / (2|x|^2), or 1 where |x|^2 < ADASUM_EPS. Computed where `triple` is (on a GPU: no host sync)."""
+    dot, na, nb = triple.unbind()
+    ca = torch.where(na >= ADASUM_EPS, 1.0 - dot / (2.0 * na), 1.0)
+    cb = torch.where(nb >= ADASUM_EPS, 1.0 - dot / (2.0 * nb), 1.0)
     return ca, cb
 
 
@@ -27,8 +28,7 @@ def adasum_pair(a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
     """Adasum of two tensors: (1 - a·b / 2|a|^2) a + (1 - a·b / 2|b|^2) b, with per-tensor coefficients
     from a dot product and norms accumulated in float64; the sum is formed in float64, rounded once."""
     a64, b64 = a.double(), b.double()
-    dot, na, nb = (float(torch.sum(x * y)) for x, y in ((a64, b64), (a64, a64), (b64, b64)))
-    ca, cb = adasum_coefficients(dot, na, nb)
+    ca, cb = adasum_coefficients(torch.stack([torch.sum(x * y) for x, y in ((a64, b64), (a64, a64), (b64, b64))]))
     return (ca * a64 + cb * b64).to(a.dtype)
 
 

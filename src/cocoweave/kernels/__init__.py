@@ -4,7 +4,8 @@ dropout epilogue), and `codegen`, which generates one kernel per fused elementwi
 The torch backend runs the generated kernels on CUDA; the hand-written ones are the yardstick the generated
 ones are measured against (benchmarks/kernels.py, benchmarks/codegen.py) and back `cocoweave.nn`'s CUDA epilogue.
 Each wrapper takes torch tensors and launches one kernel (LAMB: two phases). On CPU the kernels run under
-TRITON_INTERPRET=1 (the tests do this).
+TRITON_INTERPRET=1 (the tests do this). Every launch disables FMA contraction (enable_fp_fusion=False): each
+operation rounds once, as torch's CPU kernels and the reference backend compute, whatever Triton's default.
 """
 
 from cocoweave.kernels.adam import adam_step, adam_step_multi

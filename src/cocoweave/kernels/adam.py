@@ -94,7 +94,8 @@ def adam_step(
     scalars, mode = _scalars(lr, beta1, beta2, eps, weight_decay, decoupled, step)
     if n:
         _adam_kernel[(triton.cdiv(n, block),)](param, grad, exp_avg, exp_avg_sq, n, *scalars,
-                                               DECAY=mode, BLOCK=block, num_warps=num_warps)
+                                               DECAY=mode, BLOCK=block, num_warps=num_warps,
+                                               enable_fp_fusion=False)
 
 
 def adam_step_multi(
@@ -109,4 +110,5 @@ def adam_step_multi(
     if table.num_blocks:
         _adam_multi_kernel[(table.num_blocks,)](table.addresses, table.numels, table.block_tensor,
                                                 table.block_index, *scalars, DECAY=mode, BLOCK=block,
-                                                ALIGNED=table.aligned, num_warps=num_warps)
+                                                ALIGNED=table.aligned, num_warps=num_warps,
+                                                enable_fp_fusion=False)

@@ -12,8 +12,9 @@ so that accesses can be 16 bytes wide. A module is specialised to one plan, rank
 so shapes and strides are constants of the source: an operand's offset is an affine function of the
 element's multi-index, with stride 0 on broadcast dimensions and a base offset that narrows a whole
 Replicated operand of a sliced stage to this rank's part. Half types compute in float32 and round once
-per operation to the value's dtype, like the torch path and the reference backend; division and square
-root are correctly rounded (div_rn, sqrt_rn) and launches disable FMA contraction, as torch computes.
+per operation to the value's dtype, like the torch path and the reference backend; division, square root and
+rsqrt (1 / sqrt) are correctly rounded (div_rn, sqrt_rn), exp and pow are libdevice's (kernels/precise.py), and
+launches disable FMA contraction, as torch computes.
 Dropout hashes each element's logical index with `cocoweave.kernels.rng`, so masks are bit-identical to
 `cocoweave.rng`. New state is stored over the state tensor it replaces where that is safe (see
 `_Gen.in_place`), so an Adam step moves 28 bytes per parameter like kernels/adam.py.
@@ -27,6 +28,7 @@ from __future__ import annotations
 
 import hashlib
 import keyword
+import logging
 import math
 import re
 from collections.abc import Mapping
@@ -35,7 +37,6 @@ from typing import Any
 
 import torch
 import triton
-import triton.language as tl
 
 from .. import rng
 from ..codecache import source_file
@@ -47,30 +48,22 @@ from ..ir.printer import operand
 from ..ir.types import DTYPES, bind_shape, promote
 from ..loader import import_module_file
 from ..plan import Compute, Plan, RankView
+from .precise import interpreted
 
+log = logging.getLogger("cocoweave.kernels")
 OPS = frozenset(R.names(*R.ELEMENTWISE_GROUPS, R.LAYOUT))
 HALF = ("float16", "bfloat16")
 TL = {"float16": "tl.float16", "bfloat16": "tl.bfloat16", "float32": "tl.float32", "int32": "tl.int32",
       "int64": "tl.int64", "bool": "tl.int1"}
 INFIX = {"add": "+", "sub": "-", "mul": "*", "lt": "<", "le": "<=", "gt": ">", "ge": ">=", "eq": "==", "ne": "!="}
-UNARY = {"abs": "tl.abs", "sqrt": "tl.sqrt_rn", "rsqrt": "tl.rsqrt", "exp": "tl.exp"}
+# correctly rounded or libdevice's (kernels/precise.py): tl.rsqrt, tl.exp and an exp2-based pow are approximate
+UNARY = {"abs": "tl.abs", "sqrt": "tl.sqrt_rn", "rsqrt": "tl.div_rn(1.0, tl.sqrt_rn({x}))", "exp": "precise_exp"}
 # torch.pow's special cases for constant exponents (pow_tensor_scalar_optimized_kernel)
-POW = {1: "{x}", 2: "{x} * {x}", 3: "{x} * {x} * {x}", 0.5: "tl.sqrt_rn({x})", -0.5: "tl.rsqrt({x})",
-       -1: "tl.div_rn(1.0, {x})", -2: "tl.div_rn(1.0, {x} * {x})"}
+POW = {1: "{x}", 2: "{x} * {x}", 3: "{x} * {x} * {x}", 0.5: "tl.sqrt_rn({x})",
+       -0.5: "tl.div_rn(1.0, tl.sqrt_rn({x}))", -1: "tl.div_rn(1.0, {x})", -2: "tl.div_rn(1.0, {x} * {x})"}
 MAX_BLOCK = 4096
-RESERVED = {"i", "mask", "tl", "triton", "BLOCK", "keep_mask", "fpow", "math", "float"}
+RESERVED = {"i", "mask", "tl", "triton", "BLOCK", "keep_mask", "precise_exp", "precise_pow", "math", "float"}
 INT32_LIMIT = 2**31 - 1
-
-
-@triton.jit
-def fpow(x, y):
-    """x ** y in float32 like torch.pow: exp2(y * log2|x|), negated for a negative x and an odd integer y,
-    NaN for a negative x and a non-integer y, 1 where y == 0 or x == 1."""
-    r = tl.exp2(y * tl.log2(tl.abs(x)))
-    whole = tl.floor(y) == y
-    odd = whole & (tl.abs(y) % 2.0 == 1.0)
-    r = tl.where(x < 0, tl.where(whole, tl.where(odd, -r, r), float("nan")), r)
-    return tl.where((y == 0) | (x == 1), 1.0, r)
 
 
 class NoKernel(Exception):  # noqa: N818 - a reason, not a failure: the stage stays torch ops
@@ -162,7 +155,7 @@ class _Gen:
                     seen.setdefault(id(a), a)
         self.inputs = list(seen.values())
         sizes = [self.numel] + [math.prod(bind_shape(t.shape, self.view.sizes)) for t in tensors.values()]
-        self.wide = max(sizes) > INT32_LIMIT
+        self.wide = max(sizes) + MAX_BLOCK > INT32_LIMIT  # start + BLOCK must not overflow int32 either
 
     def aligned(self, t: Value) -> tuple[int, ...]:
         """This rank's local shape of t, right-aligned to the iteration dims."""
@@ -306,7 +299,7 @@ class _Gen:
             elif op == "neg":
                 e = f"-{a[0]}"
             elif op in UNARY:
-                e = f"{UNARY[op]}({a[0]})"
+                e = UNARY[op].format(x=a[0]) if "{x}" in UNARY[op] else f"{UNARY[op]}({a[0]})"
             else:  # pragma: no cover - OPS lists exactly the cases above
                 raise NoKernel(f"no Triton code for {op}")
         return f"({e}).to({TL[v.dtype]})" if v.dtype != c else e
@@ -320,7 +313,7 @@ class _Gen:
             return POW[exp.attrs["value"]].format(x=x if " " not in x and "(" not in x else f"({x})")
         if c != "float32":
             raise NoKernel(f"`{v.name}` is an integer power with a non-constant exponent")
-        return f"fpow({x}, {self.operand(exp, c)})"
+        return f"precise_pow({x}, {self.operand(exp, c)})"
 
     def dropout(self, v: Value, x: str) -> str:
         p = v.attrs["p"]
@@ -425,10 +418,11 @@ class _Gen:
             "import triton",
             "import triton.language as tl",
         ]
-        if "fpow(" in "\n".join(self.lines) or self.dropouts:
+        precise = sorted(f for f in ("precise_exp", "precise_pow") if f + "(" in "\n".join(self.lines))
+        if precise or self.dropouts:
             head.append("")
-        if "fpow(" in "\n".join(self.lines):
-            head.append("from cocoweave.kernels.codegen import fpow")
+        if precise:
+            head.append(f"from cocoweave.kernels.precise import {', '.join(precise)}")
         if self.dropouts:
             head.append("from cocoweave.kernels.rng import keep_mask")
         body = name.replace("_kernel", "_body")
@@ -488,7 +482,7 @@ class FusedKernel:
     def __init__(self, spec: KernelSpec, device: torch.device, key: str):
         self.spec = spec
         self.inputs, self.outputs, self.source = spec.inputs, spec.outputs, spec.source
-        self.stage, self.name = spec.stage, spec.name
+        self.stage, self.name, self.device = spec.stage, spec.name, torch.device(device)
         self.path = source_file(spec.source, key)
         self._fn = getattr(_load_module(self.path, spec.source), spec.name)
         self._grid = (triton.cdiv(spec.numel, spec.block),)
@@ -507,6 +501,9 @@ class FusedKernel:
                 if a.numel() != n:
                     raise BackendError(f"fused stage {spec.stage}: input `{v.name}` has {a.numel()} elements, "
                                        f"expected {n}")
+                if a.device != self.device:
+                    raise BackendError(f"fused stage {spec.stage}: input `{v.name}` is on {a.device}, and the "
+                                       f"stage's kernel runs on {self.device}")
                 given.append(a if a.is_contiguous() else a.contiguous())
             else:
                 given.append(float(a) if kind == "float" else int(a) if kind == "int" else None)
@@ -519,6 +516,24 @@ class FusedKernel:
         if self._grid[0]:
             self._fn[self._grid](*call, *outs, BLOCK=spec.block, num_warps=spec.num_warps, enable_fp_fusion=False)
         return tuple(outs)
+
+    def precompile(self) -> None:
+        """Compile the kernel now for the launch `__call__` makes (dtypes stand in for tensors: Triton's
+        JITFunction.warmup), so that a step's first launch does not compile inside a collective's timeout. A
+        launch that specialises differently (an unaligned input) compiles then, as without this."""
+        spec = self.spec
+        warmup = getattr(self._fn, "warmup", None)
+        if warmup is None or interpreted() or not self._grid[0]:  # interpreted: nothing to compile
+            return
+        args: list[Any] = [DTYPES[v.dtype] if kind == "tensor" else 0.5 if kind == "float" else 3
+                           for v, kind in zip(spec.inputs, spec.kinds) if kind != "host"]
+        for keys in self._keys:
+            args += keys if keys is not None else [2**31, 2**31]  # a seed given at run time: a 64-bit key
+        args += [DTYPES[v.dtype] for v in spec.outputs]
+        try:
+            warmup(*args, grid=self._grid, BLOCK=spec.block, num_warps=spec.num_warps, enable_fp_fusion=False)
+        except Exception as exc:  # noqa: BLE001 - the first launch compiles instead, and reports any real error
+            log.debug("precompiling %s failed (%s); it compiles at its first launch", self.name, exc)
 
     def __repr__(self) -> str:
         return f"<FusedKernel {self.name} ({self.path})>"
@@ -533,7 +548,8 @@ def build_fused_kernels(plan: Plan, rank: int, world_size: int, sizes: Mapping[s
                         device: str | torch.device) -> dict[int, FusedKernel]:
     """Generated Triton kernels of the top-level fused elementwise stages rank `rank` runs, by stage
     index; other stages (see the module docstring) are left to torch ops. Generating needs no GPU;
-    launching on a CPU needs TRITON_INTERPRET=1 (the Executable checks)."""
+    launching on a CPU needs TRITON_INTERPRET=1 (the Executable checks). On CUDA each kernel is compiled here
+    (`FusedKernel.precompile`), not at its first launch inside a step."""
     device = torch.device(device)
     out: dict[int, FusedKernel] = {}
     for i, stage in enumerate(plan.stages):
@@ -545,4 +561,6 @@ def build_fused_kernels(plan: Plan, rank: int, world_size: int, sizes: Mapping[s
             continue
         digest = hashlib.sha256(spec.source.encode()).hexdigest()[:12]
         out[i] = FusedKernel(spec, device, f"{plan.fingerprint}-r{rank}-w{world_size}-s{i}-triton-{digest}")
+        if device.type == "cuda":  # compile at build time, before the step's first collective
+            out[i].precompile()
     return out

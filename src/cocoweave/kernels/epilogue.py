@@ -18,6 +18,7 @@ import triton
 import triton.language as tl
 
 from cocoweave import rng
+from cocoweave.kernels.multi_tensor import check_device
 from cocoweave.kernels.rng import keep_mask
 
 BLOCK = 4096
@@ -59,8 +60,10 @@ def bias_dropout_residual(
     [offset, offset + x.shape[dim]) along `dim` of a logical tensor of size `full_size` there (default: all).
 
     `bias` (or None) has x's last-dim size, already sliced if `dim` is the last dim; `rank` is only for
-    Local tensors. Arithmetic is fp32, the result has x's dtype (written into `out` if given).
+    Local tensors. Arithmetic is fp32; the result has the dtype torch's `dropout(x + bias) + residual` promotes
+    to (written into `out` if given). Every tensor must be on x's device: CUDA (CPU under TRITON_INTERPRET=1).
     """
+    check_device("bias_dropout_residual", *(t for t in (x, bias, residual, out) if t is not None))
     if x.dim() == 0 or not x.is_contiguous() or residual.shape != x.shape or not residual.is_contiguous():
         raise ValueError(f"expected contiguous x and residual of one shape, got {tuple(x.shape)}, "
                          f"{tuple(residual.shape)}")
@@ -72,9 +75,11 @@ def bias_dropout_residual(
     if offset < 0 or offset + x.shape[dim] > full_size:
         raise ValueError(f"slice [{offset}, {offset + x.shape[dim]}) of dim {dim} exceeds its size "
                          f"{full_size}")
-    out = torch.empty_like(x) if out is None else out
-    if out.shape != x.shape or out.dtype != x.dtype or not out.is_contiguous():
-        raise ValueError("out must be a contiguous tensor of x's shape and dtype")
+    dtype = torch.promote_types(x.dtype if bias is None else torch.promote_types(x.dtype, bias.dtype), residual.dtype)
+    out = torch.empty(x.shape, dtype=dtype, device=x.device) if out is None else out
+    if out.shape != x.shape or out.dtype != dtype or not out.is_contiguous():
+        raise ValueError(f"out must be a contiguous {dtype} tensor of x's shape (torch's promotion of x, bias and "
+                         f"residual), got {out.dtype} {tuple(out.shape)}")
     if x.numel() == 0:
         return out
     after = math.prod(x.shape[dim + 1:])  # logical elements per index of `dim`
@@ -86,5 +91,6 @@ def bias_dropout_residual(
     _bias_dropout_residual_kernel[grid](
         x, x if bias is None else bias, residual, out, R, L, G, (full_size * after) % 2**32,
         (offset * after) % 2**32, rng.dropout_key(seed, rank), rng.keep_threshold(p), 1.0 / (1.0 - p),
-        HAS_BIAS=bias is not None, DROPOUT=p > 0, BLOCK_R=block_r, BLOCK_C=block_c, num_warps=num_warps)
+        HAS_BIAS=bias is not None, DROPOUT=p > 0, BLOCK_R=block_r, BLOCK_C=block_c, num_warps=num_warps,
+        enable_fp_fusion=False)
     return out

@@ -38,7 +38,9 @@ def _norms_update(w_ptr, g_ptr, m_ptr, v_ptr, partial_ptr, offs, mask, other,
     v = beta2 * tl.load(v_ptr + offs, mask=mask, other=other) + (1.0 - beta2) * g * g
     tl.store(m_ptr + offs, m, mask=mask)
     tl.store(v_ptr + offs, v, mask=mask)
-    u = _direction(w, m, v, inv_bc1, inv_bc2, eps, weight_decay)  # 0 where masked: m = v = w = 0
+    u = _direction(w, m, v, inv_bc1, inv_bc2, eps, weight_decay)
+    if mask is not None:  # masked lanes hold m = v = w = 0: u is 0 / (0 + eps), NaN when eps = 0
+        u = tl.where(mask, u, 0.0)
     tl.store(partial_ptr, tl.sum(w * w, axis=0))
     tl.store(partial_ptr + 1, tl.sum(u * u, axis=0))
 
@@ -153,7 +155,7 @@ def lamb_norms(
     if n:
         _norms_kernel[grid](param, grad, exp_avg, exp_avg_sq, partials, n, beta1, beta2, eps,
                             *_bias_corrections(beta1, beta2, step, bias_correction), weight_decay,
-                            BLOCK=block, num_warps=num_warps)
+                            BLOCK=block, num_warps=num_warps, enable_fp_fusion=False)
     return partials.sum(dim=0)
 
 
@@ -167,7 +169,8 @@ def lamb_apply(
     if n:
         _apply_kernel[(triton.cdiv(n, block),)](param, exp_avg, exp_avg_sq, norms_sq, n, lr, eps,
                                                 *_bias_corrections(beta1, beta2, step, bias_correction),
-                                                weight_decay, BLOCK=block, num_warps=num_warps)
+                                                weight_decay, BLOCK=block, num_warps=num_warps,
+                                                enable_fp_fusion=False)
 
 
 def lamb_step(
@@ -197,8 +200,9 @@ def lamb_norms_multi(
         _norms_multi_kernel[(table.num_blocks,)](
             table.addresses, table.numels, table.block_tensor, table.block_index, partials, beta1, beta2, eps,
             *_bias_corrections(beta1, beta2, step, bias_correction), weight_decay,
-            BLOCK=block, ALIGNED=table.aligned, num_warps=num_warps)
-    _reduce_kernel[(len(params),)](partials, table.first_block, norms_sq, BLOCK=REDUCE_BLOCK)
+            BLOCK=block, ALIGNED=table.aligned, num_warps=num_warps, enable_fp_fusion=False)
+    _reduce_kernel[(len(params),)](partials, table.first_block, norms_sq, BLOCK=REDUCE_BLOCK,
+                                   enable_fp_fusion=False)
     return norms_sq
 
 
@@ -214,7 +218,7 @@ def lamb_apply_multi(
         _apply_multi_kernel[(table.num_blocks,)](
             table.addresses, table.numels, table.block_tensor, table.block_index, norms_sq, lr, eps,
             *_bias_corrections(beta1, beta2, step, bias_correction), weight_decay,
-            BLOCK=block, ALIGNED=table.aligned, num_warps=num_warps)
+            BLOCK=block, ALIGNED=table.aligned, num_warps=num_warps, enable_fp_fusion=False)
 
 
 def lamb_step_multi(

@@ -16,6 +16,8 @@ import torch
 import triton
 import triton.language as tl
 
+from cocoweave.kernels.precise import interpreted
+
 _CACHE_SIZE = 64
 
 
@@ -35,8 +37,22 @@ class TensorTable:
 _tables: OrderedDict[tuple, TensorTable] = OrderedDict()
 
 
+def check_device(kernel: str, *tensors: torch.Tensor) -> None:
+    """Raise ValueError (one sentence) unless every tensor is on the first one's device, and that is a GPU (or the
+    CPU under TRITON_INTERPRET=1): Triton's own error for a CPU pointer comes from deep inside the launcher."""
+    device = tensors[0].device
+    for t in tensors:
+        if t.device != device:
+            raise ValueError(f"{kernel}: every tensor must be on one device; got {tuple(t.shape)} on {t.device} "
+                             f"beside {tuple(tensors[0].shape)} on {device}")
+    if device.type == "cpu" and not interpreted():
+        raise ValueError(f"{kernel} runs on GPU tensors (on the CPU only under TRITON_INTERPRET=1), got tensors on "
+                         "the CPU")
+
+
 def check_flat(*tensors: torch.Tensor) -> int:
     """Check that fp32 optimizer operands are contiguous, one size and on one device; return the size."""
+    check_device("the optimizer kernel", *tensors)
     first = tensors[0]
     for t in tensors:
         if t.dtype != torch.float32 or not t.is_contiguous():
@@ -72,8 +88,7 @@ def tensor_table(lists: Sequence[Sequence[torch.Tensor]], block: int) -> TensorT
 
 def _build(lists: Sequence[Sequence[torch.Tensor]], block: int) -> TensorTable:
     device = lists[0][0].device
-    if any(t.device != device for ts in lists for t in ts):
-        raise ValueError(f"expected every tensor on {device}")
+    check_device("the multi-tensor optimizer kernel", *(t for ts in lists for t in ts))
     addresses = torch.tensor([[t.data_ptr() for t in group] for group in zip(*lists)], dtype=torch.int64)
     numels = torch.tensor([t.numel() for t in lists[0]], dtype=torch.int64)
     blocks = (numels + block - 1) // block

@@ -94,7 +94,8 @@ def sgd_step(
     buf = param if momentum_buffer is None else momentum_buffer  # never touched without momentum
     if n:
         _sgd_kernel[(triton.cdiv(n, block),)](param, grad, buf, n, lr, momentum, 1.0 - dampening,
-                                              weight_decay, **flags, BLOCK=block, num_warps=num_warps)
+                                              weight_decay, **flags, BLOCK=block, num_warps=num_warps,
+                                              enable_fp_fusion=False)
 
 
 def sgd_step_multi(
@@ -110,4 +111,4 @@ def sgd_step_multi(
         _sgd_multi_kernel[(table.num_blocks,)](table.addresses, table.numels, table.block_tensor,
                                                table.block_index, lr, momentum, 1.0 - dampening, weight_decay,
                                                **flags, BLOCK=block, ALIGNED=table.aligned,
-                                               num_warps=num_warps)
+                                               num_warps=num_warps, enable_fp_fusion=False)

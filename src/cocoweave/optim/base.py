@@ -30,6 +30,7 @@ import torch
 import torch.distributed as dist
 
 from ..backends.torch import shm
+from ..backends.torch.placement import metadata_device
 from ..compiler import compile as compile_schedule
 from ..errors import OptimizerError
 from ..ir.graph import Program
@@ -138,7 +139,7 @@ class DistributedOptimizer(torch.optim.Optimizer):
         self.bucket_cap_mb, self.overlap, self.master_weights, self.kernels = bucket_cap_mb, overlap, \
             master_weights, kernels
         self.gather = gather
-        self.last_grad_norm: float | None = None
+        self._norm_sq: torch.Tensor | None = None  # the last clipped step's squared norm, on the device
         self.last_step_ms: dict[str, float] = {}  # wall time of the last step's phases (reduce+update+gather)
         self._buckets: list[Bucket] = []
         self._owner: dict[int, Bucket] = {}
@@ -197,7 +198,7 @@ class DistributedOptimizer(torch.optim.Optimizer):
         built = False
         for gi, group in enumerate(self.param_groups):
             if gi not in done:
-                for b in make_buckets(gi, group["params"], cap, self.rows):
+                for b in make_buckets(gi, group["params"], cap, self.rows, world(self.process_group)[1]):
                     self._build(b)
                     self._buckets.append(b)
                     built = True
@@ -384,10 +385,12 @@ class DistributedOptimizer(torch.optim.Optimizer):
         self.max_grad_norm = float(max_norm)
         self._paused = self._start(self._ensure_buckets())
         self._clip(self._paused)
-        return torch.tensor(self.last_grad_norm)
+        return self._norm_sq.sqrt().to(torch.float32)
 
     def _defer(self, b: Bucket) -> bool:
-        return self.gather == "forward" or (self.gather == "auto" and b.device.type == "cuda")
+        """Leave b's all-gather in flight after step() only when asked (gather="forward"): until it completes, a read
+        of the parameters other than a module's forward (a state_dict, an EMA, a norm) sees half-written weights."""
+        return self.gather == "forward"
 
     def _inputs(self, b: Bucket, active: torch.Tensor | None) -> dict[str, Any]:
         """The bucket program's inputs for this step (switching it to its masked program the first time a parameter
@@ -442,7 +445,8 @@ class DistributedOptimizer(torch.optim.Optimizer):
             return flags
         t = torch.tensor(flags, dtype=torch.int32)
         g = shm.group_for(self.process_group)
-        if g is None:
+        if g is None:  # NCCL alone takes no CPU tensor: the flags go where the group takes them
+            t = t.to(metadata_device(self.process_group, self._buckets[0].device))
             dist.all_reduce(t, op=dist.ReduceOp.MAX, group=self.process_group)
             return t.tolist()
         if self._flag_slots is None or self._flag_slots[0].numel() != t.numel():
@@ -465,12 +469,18 @@ class DistributedOptimizer(torch.optim.Optimizer):
                     break
             partials.append(next(iter(reads.values())).double())
             names.append(name)
-        total = torch.stack(partials).sum() if partials else torch.zeros((), dtype=torch.float64)
+        total = torch.stack(partials).sum() if partials else torch.zeros(
+            (), dtype=torch.float64, device=self._buckets[0].device if self._buckets else None)  # as partials
         if world(self.process_group)[1] > 1:
             dist.all_reduce(total, group=self.process_group)
         for (_, exe, _), name in zip(runs, names, strict=True):
             exe.provide(name, total.to(torch.float32))
-        self.last_grad_norm = math.sqrt(float(total))
+        self._norm_sq = total  # read on demand (last_grad_norm): no device sync in the step
+
+    @property
+    def last_grad_norm(self) -> float | None:
+        """The global gradient norm of the last clipped step (None before one); read from the device when asked."""
+        return None if self._norm_sq is None else math.sqrt(float(self._norm_sq))
 
     # -- gradients, and the all-gathers left in flight ------------------------------------------
     def zero_grad(self, set_to_none: bool = True) -> None:

@@ -24,6 +24,7 @@ class Bucket:
     group: int
     params: list[torch.nn.Parameter]
     rows: bool = False  # LAMB: parameter i is row i of a [T, N] buffer
+    pad_to: int = 1  # a flat bucket's size is a multiple of this (the world size), its tail zeros
     offsets: list[int] = field(default_factory=list)
     data: torch.Tensor | None = None  # the parameters, flat ([N], or [T, N] for rows)
     grad: torch.Tensor | None = None  # their gradients, the same shape
@@ -48,7 +49,8 @@ class Bucket:
     def shape(self) -> tuple[int, ...]:
         if self.rows:
             return (len(self.params), self.params[0].numel())
-        return (sum(p.numel() for p in self.params),)
+        used = sum(p.numel() for p in self.params)
+        return (-(-used // self.pad_to) * self.pad_to,)
 
     @property
     def numel(self) -> int:
@@ -90,6 +92,8 @@ class Bucket:
         with torch.no_grad():
             for i, p in enumerate(self.params):
                 self.part(data, i).copy_(p.data)
+            if not self.rows:  # the padding: zeros, which every update leaves zero
+                data[sum(p.numel() for p in self.params):].zero_()
         old = self.grad if keep_grad else None
         self.data = data
         self.grad = grad if grad is not None else torch.empty(self.shape, dtype=self.dtype, device=self.device)
@@ -124,10 +128,11 @@ class Bucket:
 
 
 def make_buckets(group_index: int, params: Iterable[torch.nn.Parameter], cap_bytes: int,
-                 rows: bool = False) -> list[Bucket]:
+                 rows: bool = False, pad_to: int = 1) -> list[Bucket]:
     """Buckets of one parameter group: parameters that need gradients, by dtype and device (and size for rows), in
     reverse order of registration (the order backward produces gradients), each at most `cap_bytes` unless one
-    parameter alone is larger."""
+    parameter alone is larger. Flat buckets are padded to a multiple of `pad_to` (the world size), so that their
+    reduce-scatter and all-gather split evenly and take no padding copy."""
     out: list[Bucket] = []
     open_: dict[tuple, list[torch.nn.Parameter]] = {}
     sizes: dict[tuple, int] = {}
@@ -135,9 +140,9 @@ def make_buckets(group_index: int, params: Iterable[torch.nn.Parameter], cap_byt
         key = (p.dtype, p.device) + ((p.numel(),) if rows else ())
         nbytes = p.numel() * p.element_size()
         if key in open_ and sizes[key] + nbytes > cap_bytes:
-            out.append(Bucket(group_index, open_.pop(key), rows))
+            out.append(Bucket(group_index, open_.pop(key), rows, pad_to))
             sizes[key] = 0
         open_.setdefault(key, []).append(p)
         sizes[key] = sizes.get(key, 0) + nbytes
-    out += [Bucket(group_index, ps, rows) for ps in open_.values()]
+    out += [Bucket(group_index, ps, rows, pad_to) for ps in open_.values()]
     return out

@@ -85,7 +85,8 @@ class DistributedAdamW(_AdamLike):
     reduced gradient, like torch.nn.utils.clip_grad_norm_ after DDP; process_group: the data-parallel group to
     reduce over (as DDP's); bucket_cap_mb: bucket size (DDP's 25); overlap: launch each bucket's reduction from
     backward; gather: "step" (the new parameters are in place when step() returns), "forward" (finished just
-    before a module that uses them runs) or "auto" (forward on CUDA, step on CPU); master_weights: fp32 master
+    before a module that uses them runs: opt in only when nothing else reads the parameters between step() and the
+    next forward, or call opt.wait() first) or "auto" (step); master_weights: fp32 master
     weights and state for bf16/fp16 parameters (default False: torch's own semantics, state in their dtype);
     kernels: how the fused update runs ("auto", "compiled", "triton", "torch"); module: the model, to broadcast its
     buffers (BatchNorm statistics) from rank 0 before each forward, as DDP does.

@@ -145,7 +145,7 @@ def _triple(a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
 def _combine(a: torch.Tensor, b: torch.Tensor, triple: torch.Tensor, out: torch.Tensor) -> None:
     """out = ca * a + cb * b with adasum's coefficients from `triple`: the reference's arithmetic
     (float64 products and sum, rounded once to out's dtype), block by block; `out` may be a or b."""
-    ca, cb = adasum_coefficients(*triple.tolist())
+    ca, cb = adasum_coefficients(triple)  # 0-dim tensors where the data is: no host sync per level
     bounds, a64, b64 = _blocks(a)
     for lo, hi in bounds:
         x, y = a64[:hi - lo].copy_(a[lo:hi]), b64[:hi - lo].copy_(b[lo:hi])

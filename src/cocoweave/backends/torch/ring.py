@@ -10,7 +10,8 @@ of one step and is resumed once they completed, so several rings can advance ste
 (`fused_ring` interleaves the all-gathers of one piece with the reduce-scatter of the next).
 
 Gloo sends from host memory only, so with Gloo the messages travel through CPU buffers even for CUDA
-tensors; only NCCL sends device memory directly.
+tensors; only NCCL sends device memory directly. Under NCCL every rank first joins the group's communicator
+with one small all-reduce (a rank with empty chunks would otherwise skip the first batch_isend_irecv).
 """
 
 from __future__ import annotations
@@ -23,6 +24,7 @@ import torch.distributed as dist
 
 from ...errors import BackendError
 from ...ir.layout import share_bounds, slice_bounds
+from . import placement
 
 OPS = ("sum", "avg", "max", "min")
 _HALF = (torch.float16, torch.bfloat16)
@@ -74,6 +76,8 @@ class _Peers:
         self.group, self.size, self.me = group, len(ranks), dist.get_rank(group)
         self.next, self.prev = ranks[(self.me + 1) % self.size], ranks[(self.me - 1) % self.size]
         self._nccl = "nccl" in str(dist.get_backend(group))
+        if self._nccl:
+            _join_communicator(group)
 
     def wire_device(self, t: torch.Tensor) -> torch.device:
         """Where messages of `t`'s data live: the tensor's device under NCCL, else host memory (Gloo)."""
@@ -88,6 +92,18 @@ class _Peers:
         if recv.numel():
             ops.append(dist.P2POp(dist.irecv, recv, self.prev, self.group, tag))
         return ops
+
+
+_JOINED: set[int] = set()  # ids of the groups whose NCCL communicator this process has joined
+
+
+def _join_communicator(group: dist.ProcessGroup | None) -> None:
+    """Join the group's NCCL communicator with every rank once, by a one-element all-reduce: torch requires all
+    ranks in a group's first batch_isend_irecv, and a rank whose chunks are empty posts no message at all."""
+    key = id(group if group is not None else dist.group.WORLD)
+    if key not in _JOINED:
+        dist.all_reduce(torch.zeros(1, device=placement.compute_device()), group=group)
+        _JOINED.add(key)
 
 
 def _check_op(op: str) -> None:

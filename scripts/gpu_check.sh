@@ -1,0 +1,96 @@
+#!/usr/bin/env bash
+# The first run on a GPU machine, in one command (issue #29): every CUDA path cocoweave has, each step under its
+# own timeout so that the whole finishes inside 10 minutes, every result as JSON in one folder.
+#
+#     scripts/gpu_check.sh                # results in $OUT when set (the device tool), else runs/gpu_check-<time>/
+#
+# Steps (seconds allowed):
+#   tests        75  the GPU tests (tests/kernels/test_cuda.py, the sm_90 compile test) with compiled Triton, and
+#                    the device-routing tests under the interpreter
+#   demo        150  cocoweave demo --device cuda (every schedule of the paper's workloads, checked and timed)
+#   kernels     120  benchmarks/kernels.py: each kernel checked on random inputs and timed against torch and its floor
+#   step-nccl    60  benchmarks/train_step.py --device cuda at 1 rank over NCCL
+#   step-gloo    75  benchmarks/train_step.py --device cuda at 2 ranks sharing the GPU over Gloo
+#   train-gpt    60  examples/train_gpt.py under torchrun, 1 rank (NCCL with Gloo beside it)
+# Files (at most 8, the device tool's limit): summary.json (per step: command, exit code, seconds, timed out, the
+# end of its output), tests.json, demo.json, kernels.json, train_step-nccl.json, train_step-gloo.json,
+# train_gpt.json. Exits 0 when every step did.
+set -u
+cd "$(dirname "$0")/.."
+ROOT=$PWD
+RESULTS=${OUT:-$ROOT/runs/gpu_check-$(date -u +%Y%m%dT%H%M%SZ)}
+mkdir -p "$RESULTS"
+PY=${PY:-$( [ -x .venv/bin/python ] && echo .venv/bin/python || echo python3 )}
+export PYTHONPATH=$ROOT/src${PYTHONPATH:+:$PYTHONPATH} PYTHONUNBUFFERED=1
+WORK=$(mktemp -d)
+trap 'rm -rf "$WORK"' EXIT
+TOTAL=${GPU_CHECK_SECONDS:-570}  # seconds for every step together, under the device tool's 600
+START=$(date +%s)
+STEPS=()
+
+step() {  # step NAME SECONDS COMMAND...: run it with what is left of both budgets, keep its log in $WORK
+    local name=$1 budget=$2
+    shift 2
+    local left=$(( TOTAL - ($(date +%s) - START) ))
+    (( budget > left )) && budget=$left
+    local t0 rc=124
+    t0=$(date +%s%N)
+    if (( budget > 0 )); then
+        echo "== $name (up to ${budget}s): $*"
+        timeout --kill-after=5 "$budget" "$@" >"$WORK/$name.log" 2>&1
+        rc=$?
+        tail -n 5 "$WORK/$name.log"
+    else
+        echo "(no time left for this step)" >"$WORK/$name.log"
+    fi
+    STEPS+=("$name|$rc|$(( ($(date +%s%N) - t0) / 1000000 ))|$*")
+}
+
+nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv,noheader >"$WORK/gpu.txt" 2>&1 || true
+
+step tests 75 bash -c "TRITON_INTERPRET=0 $PY -m pytest -q -p no:cacheprovider tests/kernels/test_cuda.py \
+    tests/kernels/test_sm90_compile.py -rs && TRITON_INTERPRET=1 $PY -m pytest -q -p no:cacheprovider \
+    tests/backends/test_placement.py tests/optim/test_device_routes.py tests/test_launch.py -k 'torchrun or nccl'"
+step demo 150 "$PY" -m cocoweave demo --device cuda --out "$WORK/demo" --json "$RESULTS/demo.json"
+step kernels 120 env OUT="$RESULTS" "$PY" benchmarks/kernels.py
+step step-nccl 60 "$PY" benchmarks/train_step.py --device cuda --backend nccl --worlds 1 --models small \
+    --rounds 2 --steps 4 --out "$WORK/nccl"
+step step-gloo 75 "$PY" benchmarks/train_step.py --device cuda --backend gloo --worlds 2 --models small \
+    --optimizers adamw --rounds 2 --steps 4 --out "$WORK/gloo"
+step train-gpt 60 "$PY" -m torch.distributed.run --standalone --nproc-per-node 1 examples/train_gpt.py \
+    --steps 20 --tensor-parallel 1 --batch 8 --out "$WORK/gpt"
+
+for kind in nccl gloo; do  # train_step names its file by its options and date: one name here
+    f=$(ls "$WORK/$kind"/train_step-*.json 2>/dev/null | head -n 1)
+    [ -n "$f" ] && cp "$f" "$RESULTS/train_step-$kind.json"
+done
+[ -f "$WORK/gpt/losses.json" ] && cp "$WORK/gpt/losses.json" "$RESULTS/train_gpt.json"
+
+"$PY" - "$WORK" "$RESULTS" "${STEPS[@]}" <<'EOF'
+import json, pathlib, subprocess, sys, datetime
+work, results, steps = pathlib.Path(sys.argv[1]), pathlib.Path(sys.argv[2]), sys.argv[3:]
+rows = []
+for s in steps:
+    name, rc, seconds, command = s.split("|", 3)
+    log = (work / f"{name}.log").read_text(errors="replace") if (work / f"{name}.log").exists() else ""
+    rows.append({"step": name, "command": command, "rc": int(rc), "seconds": round(int(seconds) / 1e3, 1),
+                 "timed_out": int(rc) in (124, 137), "output_tail": log[-4000:]})
+tests = next((r for r in rows if r["step"] == "tests"), None)
+if tests is not None:
+    (results / "tests.json").write_text(json.dumps(tests, indent=1))
+try:
+    import torch, triton
+    versions = {"torch": torch.__version__, "triton": triton.__version__, "cuda": torch.version.cuda}
+except Exception as exc:  # noqa: BLE001
+    versions = {"error": repr(exc)}
+commit = subprocess.run(["git", "rev-parse", "HEAD"], capture_output=True, text=True).stdout.strip()
+doc = {"date": datetime.datetime.now(datetime.UTC).isoformat(timespec="seconds"), "commit": commit,
+       "gpu": (work / "gpu.txt").read_text().strip() if (work / "gpu.txt").exists() else None, **versions,
+       "ok": all(r["rc"] == 0 for r in rows), "steps": rows}
+(results / "summary.json").write_text(json.dumps(doc, indent=1))
+print(f"{'step':<12} {'rc':>4} {'seconds':>8}")
+for r in rows:
+    print(f"{r['step']:<12} {r['rc']:>4} {r['seconds']:>8.1f}{'  (timed out)' if r['timed_out'] else ''}")
+print(f"results in {results}")
+sys.exit(0 if doc["ok"] else 1)
+EOF
