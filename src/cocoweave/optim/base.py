@@ -116,6 +116,7 @@ class DistributedOptimizer(torch.optim.Optimizer):
     state_keys: dict[str, str]  # program state name -> torch state-dict key
     rows = False  # LAMB's [T, N] buckets (one parameter per row)
     has_step = True  # torch's state dict has a per-parameter 'step'
+    sparse_grads = False  # torch's optimizer takes sparse gradients (they are densified into the bucket)
 
     def __init__(self, params: Any, defaults: dict[str, Any], schedule: str = "auto", reduction: str = "avg",
                  max_grad_norm: float | None = None, process_group: Any = None, *, bucket_cap_mb: float = 25.0,
@@ -143,7 +144,6 @@ class DistributedOptimizer(torch.optim.Optimizer):
         self._buckets: list[Bucket] = []
         self._owner: dict[int, Bucket] = {}
         self._sync = True  # no_sync() turns the launches from backward hooks off
-        self._set_to_none = True  # zero_grad's last mode: a parameter backward did not reach has no gradient
         self._deferred: list[Bucket] = []
         self._forward_hook: Any = None
         self._sd_calls = 0
@@ -191,13 +191,15 @@ class DistributedOptimizer(torch.optim.Optimizer):
                 raise OptimizerError(f"{type(self).__name__}: the parameters of one group are on several devices")
 
     def _ensure_buckets(self) -> list[Bucket]:
-        """Buckets (compiled, with views and hooks) for every parameter group not yet bucketed."""
-        done = {b.group for b in self._buckets}
+        """Buckets (compiled, with views and hooks) for every trainable parameter not yet bucketed: a new group's,
+        or one frozen (requires_grad=False) when the optimizer was made and unfrozen since, which torch trains from a
+        fresh state. (A collective when there are some: every rank unfreezes alike.)"""
         cap = 0 if self.reduction == "adasum" else int(self.bucket_cap_mb * 2**20)  # Adasum combines each tensor
         built = False
         for gi, group in enumerate(self.param_groups):
-            if gi not in done:
-                for b in make_buckets(gi, group["params"], cap, self.rows):
+            new = [p for p in group["params"] if p.requires_grad and id(p) not in self._owner]
+            if new:
+                for b in make_buckets(gi, new, cap, self.rows):
                     self._build(b)
                     self._buckets.append(b)
                     built = True
@@ -244,6 +246,7 @@ class DistributedOptimizer(torch.optim.Optimizer):
         self._reset_state(b, {})
         for i, p in enumerate(b.params):
             self._owner[id(p)] = b
+            p.register_hook(self._arriving(b, i))
             p.register_post_accumulate_grad_hook(self._arrived(b, i))
         log.info("%s: bucket of %d parameters (%d elements, %s) runs %s", type(self).__name__, len(b.params), b.numel,
                  b.dtype, b.schedule.name)
@@ -269,14 +272,23 @@ class DistributedOptimizer(torch.optim.Optimizer):
         self._place(b, keep_grad=True)
         self._reset_state(b, whole)
 
+    @staticmethod
+    def _arriving(b: Bucket, i: int) -> Callable[[torch.Tensor], None]:
+        """A hook run before backward accumulates parameter i's gradient: a parameter without `.grad` (after
+        zero_grad(set_to_none=True), as torch leaves it) gets its (zeroed) view, so autograd adds into the bucket in
+        place instead of making a tensor of its own."""
+        p = b.params[i]
+
+        def hook(grad: torch.Tensor) -> None:
+            if p.grad is None and grad.layout == torch.strided:
+                p.grad = b.grad_view(i)
+        return hook
+
     def _arrived(self, b: Bucket, i: int) -> Callable[[torch.Tensor], None]:
         def hook(p: torch.Tensor) -> None:
             view = b.part(b.grad, i)
-            if p.grad.data_ptr() != view.data_ptr():  # the user set .grad to None (or another tensor) before backward
-                view.copy_(p.grad)
-                p.grad = view
-                b.stale.discard(i)
-            b.has_grad.add(i)
+            if p.grad.layout != view.layout or p.grad.data_ptr() != view.data_ptr():  # not the view: copied in
+                b.take(i)
             b.version = b.grad._version  # any later in-place change of the gradients shows in this counter
             if not self._sync:  # accumulating under no_sync: the reduction waits for the backward outside it
                 return
@@ -338,6 +350,7 @@ class DistributedOptimizer(torch.optim.Optimizer):
             self._forward_hook = torch.nn.modules.module.register_module_forward_pre_hook(self._before_forward)
         for b in buckets:
             b.arrived.clear()
+            b.zeroed.clear()  # the reduction may have worked inside the gradient buffer
             b.version = None
         self._publish_steps()
         self.last_step_ms = {**phases, "step": (time.perf_counter() - start) * 1e3}
@@ -410,6 +423,7 @@ class DistributedOptimizer(torch.optim.Optimizer):
         or the user gave it one; torch skips the others."""
         flags = []
         for b in buckets:
+            self._check_grads(b)
             none = set(b.restore_views())
             if b.stale:
                 raise OptimizerError(
@@ -417,8 +431,6 @@ class DistributedOptimizer(torch.optim.Optimizer):
                     "buffers were reduced in place (on one host the reduction works inside them), so gradients cannot "
                     "accumulate across steps. Call opt.zero_grad() (or model.zero_grad()) after each step, and "
                     "accumulate micro-batches with opt.no_sync() before one step instead")
-            if self._set_to_none:
-                none |= set(range(len(b.params))) - b.has_grad
             flags.append([0 if i in none else 1 for i in range(len(b.params))])
         have = self._agree([f for fs in flags for f in fs])
         out, k = [], 0
@@ -434,11 +446,22 @@ class DistributedOptimizer(torch.optim.Optimizer):
             out.append(mask)
         return out
 
+    def _check_grads(self, b: Bucket) -> None:
+        """A sparse `.grad` set by hand where torch's optimizer refuses one, refused with torch's sentence."""
+        if self.sparse_grads:
+            return
+        for p in b.params:
+            if p.grad is not None and p.grad.layout != torch.strided:
+                raise OptimizerError(f"{type(self).__name__} does not support sparse gradients (a parameter of shape "
+                                     f"{list(p.shape)} has a {p.grad.layout} one), as torch's "
+                                     f"{type(self).__name__.removeprefix('Distributed')} does not; use a dense "
+                                     "gradient, or DistributedSGD")
+
     def _agree(self, flags: list[int]) -> list[int]:
         """The maximum over the ranks of each flag, as DDP's find_unused_parameters all-reduces its used-parameter
-        map: through shared memory on one host, else one small all-reduce (none without zero_grad(set_to_none))."""
+        map: through shared memory on one host, else one small all-reduce."""
         _, size = world(self.process_group)
-        if size == 1 or not self._set_to_none or not flags:
+        if size == 1 or not flags:
             return flags
         t = torch.tensor(flags, dtype=torch.int32)
         g = shm.group_for(self.process_group)
@@ -474,22 +497,30 @@ class DistributedOptimizer(torch.optim.Optimizer):
 
     # -- gradients, and the all-gathers left in flight ------------------------------------------
     def zero_grad(self, set_to_none: bool = True) -> None:
-        """Zero the gradient buffers (the `.grad` views stay, so backward accumulates into the buckets). With
-        set_to_none, as torch, a parameter backward does not reach before the next step has no gradient: it is
-        skipped, not updated with zeros."""
+        """Zero the gradient buffers. As torch: with set_to_none every `.grad` becomes None (backward then
+        accumulates into the bucket again: a hook gives each parameter its view back), and a parameter backward does
+        not reach before the next step is skipped, not updated with zeros; without it the `.grad` views are zeros."""
         if self._paused is not None:
             raise OptimizerError("clip_grad_norm_ reduced this step's gradients: call step() before zero_grad()")
-        self._set_to_none = set_to_none
+        for group in self.param_groups:  # parameters the buckets do not hold (frozen ones), as torch does
+            for p in group["params"]:
+                if p.grad is not None and id(p) not in self._owner:
+                    if set_to_none:
+                        p.grad = None
+                    else:
+                        p.grad = p.grad.detach().zero_()
         for b in self._ensure_buckets():
             b.version = None
             if b.launched:
                 b.exe.cancel()
                 b.launched = False
-            b.restore_views()
+            b.restore_views(copy=False)
             b.grad.zero_()
             b.stale = set()
             b.arrived.clear()
-            b.has_grad = set() if set_to_none else set(range(len(b.params)))
+            b.zeroed = set(range(len(b.params)))
+            for i, p in enumerate(b.params):  # as torch: a None gradient stays None either way
+                p.grad = None if set_to_none or p.grad is None else b.part(b.grad, i)
 
     @contextlib.contextmanager
     def no_sync(self) -> Iterator[None]:

@@ -132,6 +132,7 @@ class DistributedSGD(DistributedOptimizer):
     workload = staticmethod(sgd)
     state_keys = {"buf": "momentum_buffer"}
     has_step = False
+    sparse_grads = True
 
     def __init__(self, params: Iterable[Any], lr: float = 1e-3, momentum: float = 0.0, dampening: float = 0.0,
                  weight_decay: float = 0.0, nesterov: bool = False, **options: Unpack[DistributedOptions]):

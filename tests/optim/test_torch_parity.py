@@ -1,0 +1,171 @@
+"""torch.optim's behaviours that training scripts rely on beyond loss.backward(): gradients set by hand, parameters
+unfrozen after the optimizer was made, momentum switched on mid-training, checkpoint hooks and flags, copies and
+parameter groups. Each case runs the same inputs through a cocoweave optimizer on every rank and through the
+torch.optim optimizer it replaces (fed the ranks' average gradient, which is what DDP hands it) and returns the worst
+difference, or the sentence of a refusal. One world.run per world size (2 and 3 ranks) runs every case."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+import torch.distributed as dist
+
+from cocoweave.errors import OptimizerError
+from cocoweave.optim import DistributedAdamW, DistributedSGD
+
+SHAPES = [(5,), (3, 4)]
+
+
+def _grad(step: int, k: int, rank: int, dtype: torch.dtype) -> torch.Tensor:
+    """Rank `rank`'s gradient of parameter k at step `step` (rounded to the parameters' dtype)."""
+    gen = torch.Generator().manual_seed(1000 * step + 10 * k + rank)
+    return torch.randn(SHAPES[k], generator=gen).to(dtype)
+
+
+def _mean(step: int, k: int, world_size: int, dtype: torch.dtype) -> torch.Tensor:
+    return sum(_grad(step, k, r, dtype).float() for r in range(world_size)) / world_size
+
+
+def _params(dtype: torch.dtype) -> list[torch.nn.Parameter]:
+    gen = torch.Generator().manual_seed(7)
+    return [torch.nn.Parameter(torch.randn(s, generator=gen).to(dtype)) for s in SHAPES]
+
+
+def _pair(kind: str, dtype: torch.dtype, master: bool, frozen: int | None = None) -> tuple:
+    """(ours, its params, torch's, its params); torch's in float32 when ours keeps fp32 master weights, and for
+    AdamW in float16 (torch's own float16 AdamW divides by an eps of 1e-8 that float16 rounds to 0: inf)."""
+    exact = dtype if not master and not (kind == "adamw" and dtype == torch.float16) else torch.float32
+    ours, theirs = _params(dtype), _params(exact)
+    if frozen is not None:
+        ours[frozen].requires_grad_(False)
+        theirs[frozen].requires_grad_(False)
+    if kind == "adamw":
+        opt = DistributedAdamW(ours, lr=0.1, weight_decay=0.1, master_weights=master)
+        ref = torch.optim.AdamW(theirs, lr=0.1, weight_decay=0.1)
+    else:
+        opt = DistributedSGD(ours, lr=0.1, momentum=0.9, weight_decay=0.01, master_weights=master)
+        ref = torch.optim.SGD(theirs, lr=0.1, momentum=0.9, weight_decay=0.01)
+    return opt, ours, ref, theirs
+
+
+def _worst(ours: list[torch.Tensor], theirs: list[torch.Tensor]) -> float:
+    return max(float((p.detach().float() - q.detach().to(p.dtype).float()).abs().max()) for p, q in zip(ours, theirs))
+
+
+def _handset(rank: int, world_size: int, kind: str, dtype: torch.dtype, master: bool) -> dict:
+    """A step after each way a script gives the optimizer its gradients: backward; set by hand after
+    zero_grad(set_to_none=True); backward then replaced by hand; one parameter without a gradient (skipped); set by
+    hand after zero_grad(set_to_none=False) (the other's zero gradient counts); model.zero_grad() then backward; set
+    by hand again without zero_grad (torch replaces, never accumulates)."""
+    opt, ours, ref, theirs = _pair(kind, dtype, master)
+    steps, none_after_zero_grad = [], True
+
+    def backward(step: int, ks: list[int]) -> None:
+        sum((ours[k] * _grad(step, k, rank, dtype)).sum() for k in ks).float().backward()
+
+    def by_hand(step: int, k: int, ref_only: bool = False) -> None:
+        if not ref_only:
+            ours[k].grad = _grad(step, k, rank, dtype)
+        theirs[k].grad = _mean(step, k, world_size, dtype).to(theirs[k].dtype)
+
+    for step in range(7):
+        if step in (1, 2, 3):
+            opt.zero_grad()
+            ref.zero_grad()
+            none_after_zero_grad &= all(p.grad is None for p in ours)
+        elif step == 4:
+            opt.zero_grad(set_to_none=False)
+            ref.zero_grad(set_to_none=False)
+        elif step == 5:
+            for p in ours:
+                p.grad = None
+            ref.zero_grad()
+        if step in (0, 2, 5):
+            backward(step, [0, 1])
+            for k in (0, 1):
+                by_hand(step, k, ref_only=True)
+        if step in (1, 6):
+            by_hand(step, 0)
+            by_hand(step, 1)
+        if step == 2:
+            by_hand(step + 100, 0)
+        if step in (3, 4):
+            by_hand(step, 1)
+        opt.step()
+        ref.step()
+        steps.append(_worst(ours, theirs))
+    return {"worst": max(steps), "steps": steps, "none_after_zero_grad": none_after_zero_grad}
+
+
+def _sparse(rank: int, world_size: int) -> dict:
+    """A sparse gradient set by hand: torch.optim.SGD takes it (so does DistributedSGD, densified); torch's AdamW
+    refuses it, and so does DistributedAdamW, with a sentence."""
+    ours, theirs = _params(torch.float32), _params(torch.float32)
+    opt = DistributedSGD(ours, lr=0.1, momentum=0.9)  # torch's SGD refuses weight decay with sparse gradients
+    ref = torch.optim.SGD(theirs, lr=0.1, momentum=0.9)
+    for step in range(3):
+        opt.zero_grad()
+        ref.zero_grad()
+        for k in (0, 1):
+            ours[k].grad = _grad(step, k, rank, torch.float32).to_sparse()
+            theirs[k].grad = _mean(step, k, world_size, torch.float32).to_sparse()
+        opt.step()
+        ref.step()
+    adam, params, _, _ = _pair("adamw", torch.float32, False)
+    params[0].grad = torch.ones(SHAPES[0]).to_sparse()
+    try:
+        adam.step()
+        refused = ""
+    except OptimizerError as exc:
+        refused = str(exc)
+    return {"worst": _worst(ours, theirs), "refused": refused}
+
+
+def _unfreeze(rank: int, world_size: int, kind: str) -> float:
+    """Progressive unfreezing: parameter 1 is frozen when the optimizers are made and unfrozen after two steps;
+    torch trains it from then on (from a fresh state)."""
+    opt, ours, ref, theirs = _pair(kind, torch.float32, False, frozen=1)
+    for step in range(5):
+        if step == 2:
+            ours[1].requires_grad_(True)
+            theirs[1].requires_grad_(True)
+        opt.zero_grad()
+        ref.zero_grad()
+        trained = [k for k in (0, 1) if ours[k].requires_grad]
+        sum((ours[k] * _grad(step, k, rank, torch.float32)).sum() for k in trained).backward()
+        for k in trained:
+            theirs[k].grad = _mean(step, k, world_size, torch.float32)
+        opt.step()
+        ref.step()
+    return _worst(ours, theirs)
+
+
+def cases(rank: int, world_size: int) -> dict:
+    out = {}
+    for kind in ("adamw", "sgd"):
+        for dtype, master in ((torch.float32, False), (torch.bfloat16, False), (torch.bfloat16, True),
+                              (torch.float16, False), (torch.float16, True)):
+            out[f"handset {kind} {str(dtype)[6:]}{' master' if master else ''}"] = _handset(
+                rank, world_size, kind, dtype, master)
+        out[f"unfreeze {kind}"] = _unfreeze(rank, world_size, kind)
+    out["sparse"] = _sparse(rank, world_size)
+    dist.barrier()
+    return out
+
+
+TOLERANCE = {"float32": 5e-6, "bfloat16": 4e-2, "float16": 5e-3}
+
+
+@pytest.mark.parametrize("world_size", [2, 3])
+def test_torch_optim_behaviours(local_world, world_size):
+    for rank, res in enumerate(local_world(world_size).run(cases)):
+        where = f"rank {rank} of {world_size}"
+        for name, got in res.items():
+            if name.startswith("handset"):
+                tol = TOLERANCE[name.split()[2]]
+                assert got["worst"] <= tol, f"{where}, {name}: a hand-set gradient is off by {got['worst']}"
+                assert got["none_after_zero_grad"], f"{where}, {name}: p.grad is not None after zero_grad()"
+            elif name.startswith("unfreeze"):
+                assert got <= 2e-6, f"{where}, {name}: the unfrozen parameter is off by {got}"
+        assert res["sparse"]["worst"] <= 2e-6, where
+        assert "does not support sparse gradients" in res["sparse"]["refused"], where
