@@ -140,6 +140,70 @@ def _unfreeze(rank: int, world_size: int, kind: str) -> float:
     return _worst(ours, theirs)
 
 
+def _momentum_switched(rank: int, world_size: int) -> float:
+    """SGD momentum switched on after two steps without it, then off and on again (per group: only group 0's):
+    torch starts the buffer from the gradient when momentum first applies, and leaves it alone while momentum is 0."""
+    ours, theirs = _params(torch.float32), _params(torch.float32)
+    opt = DistributedSGD([{"params": [ours[0]]}, {"params": [ours[1]], "momentum": 0.5}], lr=0.1, dampening=0.1)
+    ref = torch.optim.SGD([{"params": [theirs[0]]}, {"params": [theirs[1]], "momentum": 0.5}], lr=0.1, dampening=0.1)
+    for step, momentum in enumerate([0.0, 0.0, 0.9, 0.9, 0.0, 0.0, 0.9]):
+        for o in (opt, ref):
+            o.param_groups[0]["momentum"] = momentum
+            o.zero_grad()
+        for k in (0, 1):
+            ours[k].grad = _grad(step, k, rank, torch.float32)
+            theirs[k].grad = _mean(step, k, world_size, torch.float32)
+        opt.step()
+        ref.step()
+    return _worst(ours, theirs)
+
+
+def _objects(rank: int, world_size: int) -> dict:
+    """What code around an optimizer reads or makes of it: torch's param_group keys; Tensor betas; a parameter
+    listed twice (torch's warning, stepped once); float64 refused with a sentence; opt.state[p]'s exp_avg and
+    exp_avg_sq (gathered where the ranks keep them sliced); a post-step hook seeing step; copy.deepcopy(opt).step()
+    as torch's copy steps."""
+    import copy
+    import warnings
+
+    out: dict = {}
+    ours, theirs = _params(torch.float32), _params(torch.float32)
+    betas = (torch.tensor(0.8), torch.tensor(0.99))
+    with warnings.catch_warnings(record=True) as said:
+        warnings.simplefilter("always")
+        opt = DistributedAdamW([ours[0], ours[1], ours[0]], lr=0.1, betas=betas)
+    ref = torch.optim.AdamW(theirs, lr=0.1, betas=betas)
+    out["duplicate warned"] = any("duplicate parameters" in str(w.message) for w in said)
+    out["keys"] = sorted(opt.param_groups[0]) == sorted(ref.param_groups[0])
+    steps = {"ours": [], "torch": []}
+    opt.register_step_post_hook(lambda o, a, k: steps["ours"].append(float(o.state[ours[0]]["step"])))
+    ref.register_step_post_hook(lambda o, a, k: steps["torch"].append(float(o.state[theirs[0]]["step"])))
+    for step in range(3):
+        for k in (0, 1):
+            ours[k].grad = _grad(step, k, rank, torch.float32)
+            theirs[k].grad = _mean(step, k, world_size, torch.float32)
+        opt.step()
+        ref.step()
+    out["steps seen"] = steps["ours"] == steps["torch"] == [1.0, 2.0, 3.0]
+    out["state"] = max(float((opt.state[p][key] - ref.state[q][key]).abs().max()) for p, q in zip(ours, theirs)
+                       for key in ("exp_avg", "exp_avg_sq"))
+    mine, its = copy.deepcopy(opt), copy.deepcopy(ref)
+    new_ours, new_theirs = mine.param_groups[0]["params"], its.param_groups[0]["params"]
+    for step in range(3, 5):
+        for k in (0, 1):
+            new_ours[k].grad = _grad(step, k, rank, torch.float32)
+            new_theirs[k].grad = _mean(step, k, world_size, torch.float32)
+        mine.step()
+        its.step()
+    out["deepcopy"] = max(_worst(new_ours, new_theirs), _worst(ours, theirs))  # the originals did not move
+    try:
+        DistributedAdamW([torch.nn.Parameter(torch.ones(2, dtype=torch.float64))])
+        out["float64"] = ""
+    except OptimizerError as exc:
+        out["float64"] = str(exc)
+    return out
+
+
 def cases(rank: int, world_size: int) -> dict:
     out = {}
     for kind in ("adamw", "sgd"):
@@ -149,6 +213,8 @@ def cases(rank: int, world_size: int) -> dict:
                 rank, world_size, kind, dtype, master)
         out[f"unfreeze {kind}"] = _unfreeze(rank, world_size, kind)
     out["sparse"] = _sparse(rank, world_size)
+    out["momentum"] = _momentum_switched(rank, world_size)
+    out["objects"] = _objects(rank, world_size)
     dist.barrier()
     return out
 
@@ -169,3 +235,8 @@ def test_torch_optim_behaviours(local_world, world_size):
                 assert got <= 2e-6, f"{where}, {name}: the unfrozen parameter is off by {got}"
         assert res["sparse"]["worst"] <= 2e-6, where
         assert "does not support sparse gradients" in res["sparse"]["refused"], where
+        assert res["momentum"] <= 2e-6, f"{where}: SGD with momentum switched on and off is off by {res['momentum']}"
+        obj = res["objects"]
+        assert obj["duplicate warned"] and obj["keys"] and obj["steps seen"], f"{where}: {obj}"
+        assert obj["state"] <= 2e-6 and obj["deepcopy"] <= 5e-6, f"{where}: {obj}"
+        assert "float64 and complex are not supported" in obj["float64"], f"{where}: {obj}"
