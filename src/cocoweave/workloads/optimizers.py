@@ -124,7 +124,8 @@ def sgd(N: int = 1 << 20, grad: str = "local", reduction: str = "avg", param_dty
         damp = where(started > 0.5, dampening, 0.0)  # torch's buffer starts as the gradient itself
         x.write(started, where(x.active, started + on - started * on, started))  # started or on (0/1 values)
     b1 = momentum * b + (1 - damp) * d
-    x.write(buf, x.keep(on * b1 + (1 - on) * b, b))  # exactly b1 or b for on = 1 or 0
+    kept = x.write(buf, x.keep(on * b1 + (1 - on) * b, b))  # exactly b1 or b for on = 1 or 0
+    b1 = on * kept + (1 - on) * b1  # b1 either way (exactly: one term is 0)
     x.write_weights(x.w - lr * (b1 * (1 - nesterov) + nesterov * (d + momentum * b1)))
     return p
 
