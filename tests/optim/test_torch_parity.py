@@ -204,6 +204,85 @@ def _objects(rank: int, world_size: int) -> dict:
     return out
 
 
+def _checkpoints(rank: int, world_size: int) -> dict:
+    """torch's checkpoint hooks and all-or-nothing loading: a state-dict post-hook sees the whole state; a load
+    pre-hook that edits the state (torch's way to adapt a checkpoint) takes effect and a post-hook sees it in place,
+    loading torch's own AdamW state dict into both; a state dict with maximize=True, or an AdamW one given to
+    DistributedSGD, is refused and changes nothing (the next steps still equal torch's)."""
+    import copy
+
+    ours, theirs = _params(torch.float32), _params(torch.float32)
+    opt, ref = DistributedAdamW(ours, lr=0.1), torch.optim.AdamW(theirs, lr=0.1)
+
+    def train(steps: range, pairs: list) -> None:
+        for step in steps:
+            for k in (0, 1):
+                for _, ps, grad in pairs:
+                    ps[k].grad = grad(step, k)
+            for o, _, _ in pairs:
+                o.step()
+
+    mine = lambda step, k: _grad(step, k, rank, torch.float32)  # noqa: E731
+    mean = lambda step, k: _mean(step, k, world_size, torch.float32)  # noqa: E731
+    train(range(3), [(opt, ours, mine), (ref, theirs, mean)])
+    out: dict = {}
+    seen: dict = {}
+    opt.register_state_dict_post_hook(lambda o, sd: seen.update(keys=sorted(sd["state"][0])))
+    opt.state_dict()
+    out["post-hook keys"] = seen.get("keys")
+    saved = ref.state_dict()
+
+    def pre(o: torch.optim.Optimizer, sd: dict) -> dict:
+        sd["state"] = {k: {**v, "exp_avg": torch.zeros_like(v["exp_avg"])} for k, v in sd["state"].items()}
+        return sd
+
+    def post(o: torch.optim.Optimizer) -> None:
+        p = o.param_groups[0]["params"][0]
+        seen.setdefault("post", []).append((float(o.state[p]["step"]), float(o.state[p]["exp_avg"].abs().sum())))
+
+    for o in (opt, ref):
+        o.register_load_state_dict_pre_hook(pre)
+        o.register_load_state_dict_post_hook(post)
+        o.load_state_dict(copy.deepcopy(saved))
+    out["post-hook saw"] = seen["post"]
+    groups = copy.deepcopy([{k: v for k, v in g.items() if k != "params"} for g in opt.param_groups])
+    refused = []
+    for bad in ({**saved, "param_groups": [{**saved["param_groups"][0], "maximize": True, "lr": 9.0}]},
+                {**saved, "param_groups": [{**saved["param_groups"][0], "amsgrad": True}]}):
+        try:
+            opt.load_state_dict(bad)
+        except OptimizerError as exc:
+            refused.append(str(exc))
+    out["refused"] = refused
+    out["groups unchanged"] = groups == [{k: v for k, v in g.items() if k != "params"} for g in opt.param_groups]
+    train(range(3, 5), [(opt, ours, mine), (ref, theirs, mean)])
+    out["after"] = _worst(ours, theirs)
+    sgd_ours, sgd_theirs = _params(torch.float32), _params(torch.float32)
+    sgd, sgd_ref = DistributedSGD(sgd_ours, lr=0.1, momentum=0.9), torch.optim.SGD(sgd_theirs, lr=0.1, momentum=0.9)
+    train(range(2), [(sgd, sgd_ours, mine), (sgd_ref, sgd_theirs, mean)])
+    try:
+        sgd.load_state_dict(opt.state_dict())
+        out["sgd refused"] = ""
+    except OptimizerError as exc:
+        out["sgd refused"] = str(exc)
+    train(range(2, 4), [(sgd, sgd_ours, mine), (sgd_ref, sgd_theirs, mean)])
+    out["sgd after"] = _worst(sgd_ours, sgd_theirs)
+    return out
+
+
+def _other_model(rank: int, world_size: int) -> list[str]:
+    """As DDP: ranks whose parameters differ (a shape, then a count) are refused at construction, before any
+    collective, with a sentence naming the first difference on the rank that differs."""
+    said = []
+    for shapes in ([(5,), (3, 4)] if rank == 0 else [(5,), (4, 3)], [(5,), (3, 4)] + ([(2,)] if rank else [])):
+        try:
+            DistributedAdamW([torch.nn.Parameter(torch.zeros(s)) for s in shapes])
+            said.append("")
+        except OptimizerError as exc:
+            said.append(str(exc))
+    return said
+
+
 def cases(rank: int, world_size: int) -> dict:
     out = {}
     for kind in ("adamw", "sgd"):
@@ -215,6 +294,8 @@ def cases(rank: int, world_size: int) -> dict:
     out["sparse"] = _sparse(rank, world_size)
     out["momentum"] = _momentum_switched(rank, world_size)
     out["objects"] = _objects(rank, world_size)
+    out["checkpoints"] = _checkpoints(rank, world_size)
+    out["other model"] = _other_model(rank, world_size)
     dist.barrier()
     return out
 
@@ -240,3 +321,15 @@ def test_torch_optim_behaviours(local_world, world_size):
         assert obj["duplicate warned"] and obj["keys"] and obj["steps seen"], f"{where}: {obj}"
         assert obj["state"] <= 2e-6 and obj["deepcopy"] <= 5e-6, f"{where}: {obj}"
         assert "float64 and complex are not supported" in obj["float64"], f"{where}: {obj}"
+        ck = res["checkpoints"]
+        assert ck["post-hook keys"] == ["exp_avg", "exp_avg_sq", "step"], f"{where}: {ck}"
+        assert ck["post-hook saw"][0] == ck["post-hook saw"][1] == (3.0, 0.0), f"{where}: {ck}"  # ours, torch's
+        assert "maximize=True is not supported" in ck["refused"][0], f"{where}: {ck}"
+        assert "amsgrad=True is not supported" in ck["refused"][1], f"{where}: {ck}"
+        assert ck["groups unchanged"] and ck["after"] <= 5e-6, f"{where}: {ck}"
+        assert "saved by another optimizer" in ck["sgd refused"] and ck["sgd after"] <= 2e-6, f"{where}: {ck}"
+        shape, count = res["other model"]
+        assert "every rank must pass the same parameters" in shape and "every rank must pass" in count, where
+        if rank:
+            assert "parameter 1 of group 0 differs in shape: [4, 3]" in shape, shape
+            assert "group 0 has 3 parameters on rank" in count, count
