@@ -6,6 +6,7 @@ from __future__ import annotations
 import copy
 import os
 import time
+from datetime import timedelta
 
 import pytest
 import torch
@@ -114,10 +115,14 @@ def test_torch_checkpoint_helpers_round_trip_like_torch_adamw(local_world, tmp_p
         assert res["cocoweave_vs_torch"] <= 2e-5
 
 
-# -- state_dict on one rank: answers or refuses within seconds, never hangs ---------------------------------------
-def _rank0_state_dict(rank: int, world_size: int) -> dict:
+# -- state_dict on one rank: refused within the process group's timeout, never a hang; the next call meets ---------
+def _rank0_state_dict(rank: int, world_size: int, slow: bool) -> dict:
+    """Rank 0 asks for a state dict alone (refused within the group's 3 s timeout, naming it); then every rank asks
+    (the refused call left no rank a call ahead: it works). With `slow`, rank 0 evaluates for 5.5 s before a
+    checkpoint, inside a 15 s timeout: the others wait for it, as DDP's ranks would."""
+    group = dist.new_group(timeout=timedelta(seconds=3))
     model = _mlp()
-    opt = DistributedAdamW(model.parameters(), lr=1e-2)  # auto: the state is kept sliced
+    opt = DistributedAdamW(model.parameters(), lr=1e-2, process_group=group)  # auto: the state is kept sliced
     opt.zero_grad()
     _loss(model, 0, rank, world_size).backward()
     opt.step()
@@ -127,14 +132,29 @@ def _rank0_state_dict(rank: int, world_size: int) -> dict:
             opt.state_dict()
         except OptimizerError as e:
             err = str(e)
+    seconds = time.monotonic() - start
     dist.barrier()
-    return {"seconds": time.monotonic() - start, "error": err, "schedules": opt.schedules}
+    after = opt.state_dict()["state"][0]["exp_avg"]
+    out = {"seconds": seconds, "error": err, "schedules": opt.schedules, "after": float(after.abs().sum())}
+    if slow:
+        patient = dist.new_group(timeout=timedelta(seconds=15))
+        opt = DistributedAdamW(_mlp().parameters(), lr=1e-2, process_group=patient)
+        if rank == 0:
+            time.sleep(5.5)
+        out["slow"] = len(opt.state_dict()["state"])
+    return out
 
 
-def test_a_state_dict_asked_on_one_rank_is_refused_within_seconds(local_world):
-    rank0 = local_world(2).run(_rank0_state_dict)[0]
+@pytest.mark.parametrize("world_size", [2, 3])
+def test_a_state_dict_asked_on_one_rank_is_refused_within_the_timeout_and_the_next_meets(local_world, world_size):
+    results = local_world(world_size).run(_rank0_state_dict, world_size == 2)
+    rank0 = results[0]
     assert "+slice(" in rank0["schedules"][0]
-    assert rank0["seconds"] < 8 and "every rank must call it" in rank0["error"]
+    assert "every rank must call it" in rank0["error"] and "timeout (3 s)" in rank0["error"], rank0["error"]
+    assert 2.5 < rank0["seconds"] < 8
+    assert all(r["after"] > 0 for r in results)
+    if world_size == 2:
+        assert [r["slow"] for r in results] == [4, 4]
 
 
 # -- BatchNorm buffers, as DDP's broadcast_buffers --------------------------------------------------------------

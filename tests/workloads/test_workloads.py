@@ -99,7 +99,7 @@ def test_sgd_program_matches_torch_sgd_with_nesterov():
         param.grad = g * step
         opt.step()
         res = _run(sgd(10), {**state, "g": g * step, "lr": 0.1, "momentum": 0.9, "dampening": 0.0,
-                              "weight_decay": 0.01, "nesterov": 1.0})
+                              "weight_decay": 0.01, "nesterov": 1.0, "momentum_on": 1.0})
         state = {n: res.state[n] for n in ("w", "buf")}
     torch.testing.assert_close(state["w"], param.detach())
 
@@ -108,7 +108,7 @@ def test_low_precision_parameters_are_cast_from_the_masters():
     res = _run(sgd(4, param_dtype="bfloat16"), {"g": torch.ones(4, dtype=torch.bfloat16), "w": torch.full((4,), 1 / 3),
                                                  "p": torch.zeros(4, dtype=torch.bfloat16), "buf": torch.zeros(4),
                                                  "lr": 0.0, "momentum": 0.0, "dampening": 0.0,
-                                                 "weight_decay": 0.0, "nesterov": 0.0})
+                                                 "weight_decay": 0.0, "nesterov": 0.0, "momentum_on": 0.0})
     assert res.state["w"].dtype == torch.float32
     assert torch.equal(res.state["p"], torch.full((4,), 1 / 3).bfloat16())
 

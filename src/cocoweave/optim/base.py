@@ -18,11 +18,16 @@ reduced gradient: a step needs zero_grad() since the last one), and the paramete
 from __future__ import annotations
 
 import contextlib
+import copy
+import datetime
 import itertools
+import json
 import logging
 import math
 import os
 import time
+import warnings
+from collections import OrderedDict
 from collections.abc import Callable, Iterator, Mapping
 from typing import Any
 
@@ -44,7 +49,8 @@ log = logging.getLogger("cocoweave.optim")
 REDUCTION_MODES = ("avg", "sum", "adasum")  # how the ranks' gradients combine
 GATHERS = ("auto", "step", "forward")
 _PARAM_DTYPES = (torch.float32, torch.bfloat16, torch.float16)  # what the optimizer programs take
-_SD_WAIT_S = 5.0  # how long state_dict() waits for the other ranks before saying it is a collective
+# torch.optim's implementation switches and flags its param_groups carry (a state dict may lack them)
+_TORCH_SWITCHES = ("amsgrad", "maximize", "foreach", "fused", "capturable", "differentiable", "decoupled_weight_decay")
 
 
 def world(group: Any = None) -> tuple[int, int]:
@@ -53,6 +59,17 @@ def world(group: Any = None) -> tuple[int, int]:
     if dist.is_available() and dist.is_initialized():
         return dist.get_rank(group), dist.get_world_size(group)
     return 0, 1
+
+
+def group_timeout(group: Any = None) -> float:
+    """The process group's timeout in seconds (what its collectives wait at most); torch's default when it
+    cannot be read."""
+    try:
+        pg = group if group is not None else dist.distributed_c10d._get_default_group()
+        timeout = pg._get_backend(torch.device("cpu")).options._timeout
+    except (AttributeError, RuntimeError, ValueError):
+        timeout = dist.distributed_c10d.default_pg_timeout
+    return timeout.total_seconds() if isinstance(timeout, datetime.timedelta) else float(timeout)
 
 
 _SCHEDULES: dict[str, list[Schedule]] = {}
@@ -117,6 +134,7 @@ class DistributedOptimizer(torch.optim.Optimizer):
     state_keys: dict[str, str]  # program state name -> torch state-dict key
     rows = False  # LAMB's [T, N] buckets (one parameter per row)
     has_step = True  # torch's state dict has a per-parameter 'step'
+    sparse_grads = False  # torch's optimizer takes sparse gradients (they are densified into the bucket)
 
     def __init__(self, params: Any, defaults: dict[str, Any], schedule: str = "auto", reduction: str = "avg",
                  max_grad_norm: float | None = None, process_group: Any = None, *, bucket_cap_mb: float = 25.0,
@@ -144,36 +162,122 @@ class DistributedOptimizer(torch.optim.Optimizer):
         self._buckets: list[Bucket] = []
         self._owner: dict[int, Bucket] = {}
         self._sync = True  # no_sync() turns the launches from backward hooks off
-        self._set_to_none = True  # zero_grad's last mode: a parameter backward did not reach has no gradient
         self._deferred: list[Bucket] = []
         self._forward_hook: Any = None
         self._sd_calls = 0
         self._instance = next(_INSTANCES)  # the same on every rank: ranks make their optimizers in the same order
         self._flag_slots: list[torch.Tensor] | None = None
         self._paused: list[tuple[Bucket, Any, Iterator]] | None = None  # steps paused by clip_grad_norm_
+        self._options = {"schedule": schedule, "reduction": reduction, "process_group": process_group,
+                         "bucket_cap_mb": bucket_cap_mb, "overlap": overlap, "gather": gather,
+                         "master_weights": master_weights, "kernels": kernels, "module": module}
         super().__init__(params, defaults)
+        self._check_same_model()  # before any collective: ranks with other models would hang or abort in them
         self._ensure_buckets()  # compile now, and start every rank from rank 0's parameters, as DDP does
         self._publish_steps()
         if module is not None and world(process_group)[1] > 1:  # DDP's broadcast_buffers: rank 0's before forward
             self._buffer_hook = module.register_forward_pre_hook(self._broadcast_buffers)
 
+    def __deepcopy__(self, memo: dict[int, Any]) -> DistributedOptimizer:
+        """copy.deepcopy(opt), as torch's: an optimizer of the same class over copies of the parameters, with the
+        hyperparameters and a copy of the state (no hooks). A collective (the copy compiles its buckets and the state
+        is gathered): copy it on every rank."""
+        groups = [{**{k: copy.deepcopy(v, memo) for k, v in g.items() if k != "params"},
+                   "params": [copy.deepcopy(p, memo) for p in g["params"]]} for g in self.param_groups]
+        options = dict(self._options, max_grad_norm=self.max_grad_norm)
+        options["module"] = memo.get(id(options["module"])) if options["module"] is not None else None
+        new = type(self).__new__(type(self))
+        memo[id(self)] = new
+        DistributedOptimizer.__init__(new, groups, copy.deepcopy(self.defaults, memo), **options)
+        new.load_state_dict(self.state_dict())
+        return new
+
+    def _check_same_model(self) -> None:
+        """As DDP at construction: every rank's parameters must agree in count, order, shape, dtype and
+        requires_grad, else one sentence names the first difference (through the store: no collective runs yet)."""
+        rank, size = world(self.process_group)
+        if size == 1:
+            return
+        mine = [[[list(p.shape), str(p.dtype).removeprefix("torch."), p.requires_grad] for p in g["params"]]
+                for g in self.param_groups]
+        store = dist.distributed_c10d._get_default_store()
+        key = f"cocoweave/optim/{self._instance}/model"
+        store.set(f"{key}/{rank}", json.dumps(mine))
+        limit = group_timeout(self.process_group)
+        difference = None
+        if rank != 0:
+            try:
+                store.wait([f"{key}/0"], datetime.timedelta(seconds=limit))
+            except RuntimeError:
+                raise OptimizerError(f"rank {rank}: {type(self).__name__} waited {limit:g} s (the process group's "
+                                     "timeout) for rank 0 to make its optimizer; make it on every rank") from None
+            difference = _first_difference(json.loads(store.get(f"{key}/0")), mine, rank)
+        store.add(f"{key}/differ", int(difference is not None))
+        arrived, deadline = store.add(f"{key}/arrived", 1), time.monotonic() + limit
+        while arrived < size:
+            if time.monotonic() > deadline:
+                raise OptimizerError(f"rank {rank}: {type(self).__name__} waited {limit:g} s (the process group's "
+                                     f"timeout) for the other ranks to make their optimizers; {arrived} of {size} "
+                                     "did. Make it on every rank")
+            time.sleep(0.002)
+            arrived = store.add(f"{key}/arrived", 0)
+        differ = store.add(f"{key}/differ", 0)
+        if difference is not None:
+            raise OptimizerError(f"{type(self).__name__}: {difference}; every rank must pass the same parameters in "
+                                 "the same order (as DDP checks)")
+        if differ:
+            raise OptimizerError(f"{type(self).__name__}: {differ} rank{'s' if differ > 1 else ''} passed other "
+                                 "parameters than rank 0 (count, order, shape or dtype; the sentence on those ranks "
+                                 "names the first difference); every rank must pass the same parameters")
+
     # -- hooks of the subclasses ----------------------------------------------------------------
     def check_group(self, group: dict[str, Any]) -> None:
         """Raise OptimizerError for a hyperparameter the optimizer cannot use."""
 
-    def scalars(self, group: dict[str, Any], step: int) -> dict[str, float]:
-        """The program's runtime scalars for one step (step counts from 1)."""
+    def scalars(self, group: dict[str, Any], step: int, b: Bucket) -> dict[str, float]:
+        """The program's runtime scalars for one step of bucket b (step counts from 1)."""
         raise NotImplementedError
+
+    def stepped(self, group: dict[str, Any], b: Bucket) -> None:
+        """Bucket b took a step with `group`'s hyperparameters (SGD: its momentum buffer now exists)."""
 
     def initial_state(self, b: Bucket, name: str) -> float:
         """The value state `name` starts at: 0, and for a masked program's per-element counters the bucket's step
         count `t` and whether momentum has `started`."""
-        return {"t": float(b.step), "started": float(b.step > 0)}.get(name, 0.0)
+        return {"t": float(b.step), "started": float(b.started)}.get(name, 0.0)
 
     # -- parameter groups and buckets -----------------------------------------------------------
     def add_param_group(self, param_group: dict[str, Any]) -> None:
+        params = param_group["params"] if isinstance(param_group, dict) else None
+        if isinstance(params, list | tuple) and len(params) != len(set(params)):
+            # torch warns and steps such a parameter twice (pytorch#40967); a bucket holds a parameter once
+            warnings.warn("optimizer contains a parameter group with duplicate parameters; in future, this will "
+                          "cause an error; see github.com/pytorch/pytorch/issues/40967 for more information "
+                          "(cocoweave keeps each parameter once: it is stepped once, where torch steps it twice)",
+                          stacklevel=3)
+            param_group = {**param_group, "params": list(dict.fromkeys(params))}
         super().add_param_group(param_group)
         group = self.param_groups[-1]
+        try:
+            self._check_hyperparameters(group)
+        except OptimizerError:
+            self.param_groups.pop()
+            raise
+        for p in group["params"]:
+            if p.dtype not in _PARAM_DTYPES:
+                self.param_groups.pop()
+                raise OptimizerError(f"{type(self).__name__}: parameters must be float32, bfloat16 or float16 (the "
+                                     f"fused programs' types; float64 and complex are not supported), got {p.dtype} "
+                                     f"of shape {list(p.shape)}")
+            if "DTensor" in (type(p).__name__, type(p.data).__name__):
+                raise OptimizerError(f"{type(self).__name__}: parameters sharded by FSDP2/DTensor are already "
+                                     "distributed; use cocoweave's optimizers on plain parameters instead of FSDP")
+            if p.device != group["params"][0].device:
+                raise OptimizerError(f"{type(self).__name__}: the parameters of one group are on several devices")
+
+    def _check_hyperparameters(self, group: dict[str, Any]) -> None:
+        """Raise OptimizerError for a hyperparameter of `group` the optimizer cannot use; one-element tensors
+        (torch accepts a tensor lr or betas) become their numbers."""
         for name in ("lr",) + tuple(k for k in group if k in ("weight_decay", "eps", "momentum", "dampening")):
             value = group[name]
             if isinstance(value, torch.Tensor) and value.numel() == 1:
@@ -181,24 +285,17 @@ class DistributedOptimizer(torch.optim.Optimizer):
             if not isinstance(value, int | float) or isinstance(value, bool) or value < 0:
                 raise OptimizerError(f"{type(self).__name__}: {name} must be a non-negative number, got {value!r}")
         self.check_group(group)
-        for p in group["params"]:
-            if p.dtype not in _PARAM_DTYPES:
-                raise OptimizerError(f"{type(self).__name__}: parameters must be float32, bfloat16 or float16, "
-                                     f"got {p.dtype} of shape {list(p.shape)}")
-            if "DTensor" in (type(p).__name__, type(p.data).__name__):
-                raise OptimizerError(f"{type(self).__name__}: parameters sharded by FSDP2/DTensor are already "
-                                     "distributed; use cocoweave's optimizers on plain parameters instead of FSDP")
-            if p.device != group["params"][0].device:
-                raise OptimizerError(f"{type(self).__name__}: the parameters of one group are on several devices")
 
     def _ensure_buckets(self) -> list[Bucket]:
-        """Buckets (compiled, with views and hooks) for every parameter group not yet bucketed."""
-        done = {b.group for b in self._buckets}
+        """Buckets (compiled, with views and hooks) for every trainable parameter not yet bucketed: a new group's,
+        or one frozen (requires_grad=False) when the optimizer was made and unfrozen since, which torch trains from a
+        fresh state. (A collective when there are some: every rank unfreezes alike.)"""
         cap = 0 if self.reduction == "adasum" else int(self.bucket_cap_mb * 2**20)  # Adasum combines each tensor
         built = False
         for gi, group in enumerate(self.param_groups):
-            if gi not in done:
-                for b in make_buckets(gi, group["params"], cap, self.rows, world(self.process_group)[1]):
+            new = [p for p in group["params"] if p.requires_grad and id(p) not in self._owner]
+            if new:
+                for b in make_buckets(gi, new, cap, self.rows, world(self.process_group)[1]):
                     self._build(b)
                     self._buckets.append(b)
                     built = True
@@ -245,6 +342,7 @@ class DistributedOptimizer(torch.optim.Optimizer):
         self._reset_state(b, {})
         for i, p in enumerate(b.params):
             self._owner[id(p)] = b
+            p.register_hook(self._arriving(b, i))
             p.register_post_accumulate_grad_hook(self._arrived(b, i))
         log.info("%s: bucket of %d parameters (%d elements, %s) runs %s", type(self).__name__, len(b.params), b.numel,
                  b.dtype, b.schedule.name)
@@ -270,14 +368,23 @@ class DistributedOptimizer(torch.optim.Optimizer):
         self._place(b, keep_grad=True)
         self._reset_state(b, whole)
 
+    @staticmethod
+    def _arriving(b: Bucket, i: int) -> Callable[[torch.Tensor], None]:
+        """A hook run before backward accumulates parameter i's gradient: a parameter without `.grad` (after
+        zero_grad(set_to_none=True), as torch leaves it) gets its (zeroed) view, so autograd adds into the bucket in
+        place instead of making a tensor of its own."""
+        p = b.params[i]
+
+        def hook(grad: torch.Tensor) -> None:
+            if p.grad is None and grad.layout == torch.strided:
+                p.grad = b.grad_view(i)
+        return hook
+
     def _arrived(self, b: Bucket, i: int) -> Callable[[torch.Tensor], None]:
         def hook(p: torch.Tensor) -> None:
             view = b.part(b.grad, i)
-            if p.grad.data_ptr() != view.data_ptr():  # the user set .grad to None (or another tensor) before backward
-                view.copy_(p.grad)
-                p.grad = view
-                b.stale.discard(i)
-            b.has_grad.add(i)
+            if p.grad.layout != view.layout or p.grad.data_ptr() != view.data_ptr():  # not the view: copied in
+                b.take(i)
             b.version = b.grad._version  # any later in-place change of the gradients shows in this counter
             if not self._sync:  # accumulating under no_sync: the reduction waits for the backward outside it
                 return
@@ -332,6 +439,7 @@ class DistributedOptimizer(torch.optim.Optimizer):
             if b.in_slot:  # this rank's part of the gradient buffer now holds the reduced gradient
                 b.stale = set(range(len(b.params)))
             b.step += 1
+            self.stepped(self.param_groups[b.group], b)
             b.launched = False
             if self._defer(b):
                 self._deferred.append(b)
@@ -339,8 +447,12 @@ class DistributedOptimizer(torch.optim.Optimizer):
             self._forward_hook = torch.nn.modules.module.register_module_forward_pre_hook(self._before_forward)
         for b in buckets:
             b.arrived.clear()
+            b.zeroed.clear()  # the reduction may have worked inside the gradient buffer
             b.version = None
         self._publish_steps()
+        for b in buckets:
+            if b.exe.plan.sliced_state:  # opt.state[p] gathers the new state when read
+                self._publish_views(b)
         self.last_step_ms = {**phases, "step": (time.perf_counter() - start) * 1e3}
         return loss
 
@@ -398,7 +510,7 @@ class DistributedOptimizer(torch.optim.Optimizer):
         group = self.param_groups[b.group]
         if active is not None and not b.masked:  # for good: per-element step counts start at the bucket's count
             self._rebuild(b, masked=True)
-        inputs = {"g": b.grad, **b.state, **self.scalars(group, b.step + 1), **self._clip_scalar()}
+        inputs = {"g": b.grad, **b.state, **self.scalars(group, b.step + 1, b), **self._clip_scalar()}
         if b.masked:
             inputs["active"] = active if active is not None else torch.ones(b.shape, dtype=torch.bool,
                                                                              device=b.device)
@@ -413,6 +525,7 @@ class DistributedOptimizer(torch.optim.Optimizer):
         or the user gave it one; torch skips the others."""
         flags = []
         for b in buckets:
+            self._check_grads(b)
             none = set(b.restore_views())
             if b.stale:
                 raise OptimizerError(
@@ -420,8 +533,6 @@ class DistributedOptimizer(torch.optim.Optimizer):
                     "buffers were reduced in place (on one host the reduction works inside them), so gradients cannot "
                     "accumulate across steps. Call opt.zero_grad() (or model.zero_grad()) after each step, and "
                     "accumulate micro-batches with opt.no_sync() before one step instead")
-            if self._set_to_none:
-                none |= set(range(len(b.params))) - b.has_grad
             flags.append([0 if i in none else 1 for i in range(len(b.params))])
         have = self._agree([f for fs in flags for f in fs])
         out, k = [], 0
@@ -437,11 +548,22 @@ class DistributedOptimizer(torch.optim.Optimizer):
             out.append(mask)
         return out
 
+    def _check_grads(self, b: Bucket) -> None:
+        """A sparse `.grad` set by hand where torch's optimizer refuses one, refused with torch's sentence."""
+        if self.sparse_grads:
+            return
+        for p in b.params:
+            if p.grad is not None and p.grad.layout != torch.strided:
+                raise OptimizerError(f"{type(self).__name__} does not support sparse gradients (a parameter of shape "
+                                     f"{list(p.shape)} has a {p.grad.layout} one), as torch's "
+                                     f"{type(self).__name__.removeprefix('Distributed')} does not; use a dense "
+                                     "gradient, or DistributedSGD")
+
     def _agree(self, flags: list[int]) -> list[int]:
         """The maximum over the ranks of each flag, as DDP's find_unused_parameters all-reduces its used-parameter
-        map: through shared memory on one host, else one small all-reduce (none without zero_grad(set_to_none))."""
+        map: through shared memory on one host, else one small all-reduce."""
         _, size = world(self.process_group)
-        if size == 1 or not self._set_to_none or not flags:
+        if size == 1 or not flags:
             return flags
         t = torch.tensor(flags, dtype=torch.int32)
         g = shm.group_for(self.process_group)
@@ -484,22 +606,30 @@ class DistributedOptimizer(torch.optim.Optimizer):
 
     # -- gradients, and the all-gathers left in flight ------------------------------------------
     def zero_grad(self, set_to_none: bool = True) -> None:
-        """Zero the gradient buffers (the `.grad` views stay, so backward accumulates into the buckets). With
-        set_to_none, as torch, a parameter backward does not reach before the next step has no gradient: it is
-        skipped, not updated with zeros."""
+        """Zero the gradient buffers. As torch: with set_to_none every `.grad` becomes None (backward then
+        accumulates into the bucket again: a hook gives each parameter its view back), and a parameter backward does
+        not reach before the next step is skipped, not updated with zeros; without it the `.grad` views are zeros."""
         if self._paused is not None:
             raise OptimizerError("clip_grad_norm_ reduced this step's gradients: call step() before zero_grad()")
-        self._set_to_none = set_to_none
+        for group in self.param_groups:  # parameters the buckets do not hold (frozen ones), as torch does
+            for p in group["params"]:
+                if p.grad is not None and id(p) not in self._owner:
+                    if set_to_none:
+                        p.grad = None
+                    else:
+                        p.grad = p.grad.detach().zero_()
         for b in self._ensure_buckets():
             b.version = None
             if b.launched:
                 b.exe.cancel()
                 b.launched = False
-            b.restore_views()
+            b.restore_views(copy=False)
             b.grad.zero_()
             b.stale = set()
             b.arrived.clear()
-            b.has_grad = set() if set_to_none else set(range(len(b.params)))
+            b.zeroed = set(range(len(b.params)))
+            for i, p in enumerate(b.params):  # as torch: a None gradient stays None either way
+                p.grad = None if set_to_none or p.grad is None else b.part(b.grad, i)
 
     @contextlib.contextmanager
     def no_sync(self) -> Iterator[None]:
@@ -562,99 +692,191 @@ class DistributedOptimizer(torch.optim.Optimizer):
                 self.state[p].setdefault("step", torch.zeros(())).fill_(float(b.step))
 
     def _publish_views(self, b: Bucket) -> None:
-        """`opt.state[p]` views of exp_avg / exp_avg_sq / momentum_buffer where this rank holds them whole (state kept
-        sliced: state_dict() gathers it); they stay valid while the bucket's state tensors do (updated in place)."""
+        """`opt.state[p]`'s exp_avg / exp_avg_sq / momentum_buffer: views of the bucket's state where this rank holds
+        it whole (valid while the bucket's state tensors are: they are updated in place); where ranks keep it sliced,
+        gathered when first read after a step (a collective, as state_dict(): every rank reads it)."""
         for i, p in enumerate(b.params):
+            entry = self.state[p]
+            if not isinstance(entry, _ParamState):
+                entry = self.state[p] = _ParamState(entry)
+            entry.gather = None
             for n, key in self.state_keys.items():
                 if n in b.state:
-                    self.state[p][key] = b.part(b.state[n], i)
+                    dict.__setitem__(entry, key, b.part(b.state[n], i))
+                elif n in b.exe.plan.sliced_state:
+                    dict.__setitem__(entry, key, _SLICED)
+                    entry.gather = lambda b=b: self._gather_views(b)
 
-    def _agree_on_state_dict(self) -> None:
-        """state_dict() gathers state kept sliced, a collective: every rank must call it. Wait a few seconds for the
-        others, and say so instead of hanging when they do not come."""
+    def _gather_views(self, b: Bucket) -> None:
+        """Gather bucket b's sliced state into its parameters' `opt.state[p]` (until the next step)."""
+        if self._sliced():
+            self._meet("state[p] (reading exp_avg, exp_avg_sq or momentum_buffer)")
+        whole = self._gather_whole(b)
+        for i, p in enumerate(b.params):
+            entry = self.state[p]
+            for n, key in self.state_keys.items():
+                if n in b.exe.plan.sliced_state:
+                    dict.__setitem__(entry, key, b.part(whole[n], i))
+            entry.gather = None
+
+    def _meet(self, what: str) -> None:
+        """Wait until every rank of the group has called `what` (a collective: it gathers state kept sliced), as long
+        as the process group's timeout; a rank that waited in vain withdraws its arrival, so that the next call of
+        every rank meets again (no hang, no rank left one call ahead), and says so."""
         rank, size = world(self.process_group)
-        if size == 1 or not any(b.exe.plan.sliced_state for b in self._buckets):
-            return
-        self._sd_calls += 1
         store = dist.distributed_c10d._get_default_store()
-        key = f"cocoweave/optim/{self._instance}/state_dict/{self._sd_calls}"
+        self._sd_calls += 1
+        key = f"cocoweave/optim/{self._instance}/collective/{self._sd_calls}"
         arrived = store.add(key, 1)
-        deadline = time.monotonic() + _SD_WAIT_S
-        while arrived < size and time.monotonic() < deadline:
-            time.sleep(0.01)
+        limit = group_timeout(self.process_group)
+        deadline = time.monotonic() + limit
+        while arrived < size:
+            if time.monotonic() >= deadline:
+                if store.compare_set(key, str(arrived), str(arrived - 1)) == str(arrived - 1).encode():
+                    self._sd_calls -= 1  # withdrawn: this rank's next call meets the others' at the same key
+                    raise OptimizerError(
+                        f"rank {rank}: {type(self).__name__}.{what} gathers optimizer state that ranks keep sliced "
+                        f"({self._buckets[0].schedule.name}), so every rank must call it; only {arrived} of {size} "
+                        f"did within the process group's timeout ({limit:g} s). Call it on every rank (and save on "
+                        "one), or use schedule='AR-C' to keep whole state on each rank.")
+                # a rank arrived meanwhile: look again
+            time.sleep(0.005)
             arrived = store.add(key, 0)
-        if arrived < size:
-            raise OptimizerError(f"rank {rank}: {type(self).__name__}.state_dict() gathers optimizer state that ranks "
-                                 f"keep sliced ({self._buckets[0].schedule.name}), so every rank must call it; only "
-                                 f"{arrived} of {size} did within {_SD_WAIT_S:g} s. Call it on every rank (and save "
-                                 "on one), or use schedule='AR-C' to keep whole state on each rank.")
+
+    def _sliced(self) -> bool:
+        return world(self.process_group)[1] > 1 and any(b.exe.plan.sliced_state for b in self._buckets)
 
     def state_dict(self) -> dict[str, Any]:
         """A torch-style state dict with whole (gathered) state per parameter, loadable at any world size (and by
-        the torch optimizer of the same name); with fp32 master weights, also 'master_param'. Every rank must call
-        it when state is kept sliced (gathering is a collective); a rank alone is told so within seconds."""
+        the torch optimizer of the same name); with fp32 master weights, also 'master_param'. torch's state-dict
+        hooks run around it, the post-hooks on the whole state. Every rank must call it when state is kept sliced
+        (gathering is a collective); a rank alone is told so within the process group's timeout."""
         self.wait()
-        self._agree_on_state_dict()
-        saved = self.state
-        self.state = type(saved)()
+        for pre_hook in self._optimizer_state_dict_pre_hooks.values():
+            pre_hook(self)
+        buckets = self._ensure_buckets()
+        if self._sliced():
+            self._meet("state_dict()")
+        saved = self.state, self._optimizer_state_dict_pre_hooks, self._optimizer_state_dict_post_hooks
+        self.state, self._optimizer_state_dict_pre_hooks, self._optimizer_state_dict_post_hooks = \
+            type(saved[0])(), OrderedDict(), OrderedDict()
         try:
-            out = super().state_dict()
+            out = super().state_dict()  # torch's packing of the groups
         finally:
-            self.state = saved
+            self.state, self._optimizer_state_dict_pre_hooks, self._optimizer_state_dict_post_hooks = saved
         index = {id(p): i for i, p in enumerate(p for g in self.param_groups for p in g["params"])}
-        for b in self._ensure_buckets():  # every parameter, a fresh optimizer's at step 0 (a template DCP can fill)
+        for b in buckets:  # every parameter, a fresh optimizer's at step 0 (a template DCP can fill)
             whole = self._gather_whole(b)
             for i, p in enumerate(b.params):
                 step = int(b.part(whole["t"], i).reshape(-1)[0]) if "t" in whole and p.numel() else b.step
-                entry = {key: b.part(whole[n], i).detach().clone() for n, key in self.state_keys.items()}
+                entry = {key: b.part(whole[n], i).detach().clone() for n, key in self.state_keys.items()
+                         if self.has_state(b, whole, i)}
                 if self.has_step:
                     entry = {"step": torch.tensor(float(step))} | entry
                 if "w" in whole and "p" in b.exe.program.inputs:
                     entry["master_param"] = b.part(whole["w"], i).detach().clone()
                 out["state"][index[id(p)]] = entry
+        for post_hook in self._optimizer_state_dict_post_hooks.values():
+            result = post_hook(self, out)
+            if result is not None:
+                out = result
         return out
+
+    def has_state(self, b: Bucket, whole: Mapping[str, torch.Tensor], i: int) -> bool:
+        """Whether torch's state of parameter i of bucket b has the `state_keys` tensors (SGD: only once momentum
+        started)."""
+        return True
+
+    def _loaded_groups(self, saved_groups: list[dict[str, Any]]) -> list[dict[str, Any]]:
+        """Our parameter groups with the saved hyperparameters, as torch's load_state_dict makes them, checked as
+        add_param_group checks a group; raises OptimizerError (changing nothing) for a state dict that does not
+        fit: another number of groups or parameters, a hyperparameter missing (another optimizer's state dict) or
+        one this optimizer cannot run (maximize=True, amsgrad=True)."""
+        name = type(self).__name__
+        if len(saved_groups) != len(self.param_groups):
+            raise OptimizerError(f"{name}.load_state_dict: the state dict has {len(saved_groups)} parameter groups, "
+                                 f"this optimizer {len(self.param_groups)}")
+        groups = []
+        for gi, (group, saved) in enumerate(zip(self.param_groups, copy.deepcopy(saved_groups), strict=True)):
+            if len(saved["params"]) != len(group["params"]):
+                raise OptimizerError(f"{name}.load_state_dict: group {gi} of the state dict has "
+                                     f"{len(saved['params'])} parameters, this optimizer's {len(group['params'])}")
+            missing = [k for k in self.defaults if k not in saved and k not in _TORCH_SWITCHES]
+            if missing:
+                raise OptimizerError(f"{name}.load_state_dict: group {gi} of the state dict has no "
+                                     f"{', '.join(map(repr, missing))}: it was saved by another optimizer (its "
+                                     f"hyperparameters: {', '.join(sorted(k for k in saved if k != 'params'))})")
+            new = {**{k: v for k, v in group.items() if k in _TORCH_SWITCHES}, **saved, "params": group["params"]}
+            if "param_names" in group and "param_names" not in saved:
+                new["param_names"] = group["param_names"]
+            try:
+                self._check_hyperparameters(new)
+            except OptimizerError as exc:
+                raise OptimizerError(f"{name}.load_state_dict: group {gi} of the state dict: "
+                                     f"{str(exc).removeprefix(name + ': ')}") from None
+            groups.append(new)
+        return groups
 
     def load_state_dict(self, state_dict: dict[str, Any]) -> None:
         """Load a state dict saved at any world size (or by the torch optimizer of the same name): the
-        hyperparameters of every group, and the state, resliced for this world size."""
+        hyperparameters of every group, and the state, resliced for this world size. As torch: the load pre-hooks
+        may edit or replace the state dict first, the post-hooks run once it is in place. All or nothing: a state
+        dict that does not fit raises OptimizerError and changes nothing."""
         self.wait()
-        super().load_state_dict({"state": {}, "param_groups": state_dict["param_groups"]})
+        state_dict = state_dict.copy()
+        for pre_hook in self._optimizer_load_state_dict_pre_hooks.values():
+            result = pre_hook(self, state_dict)
+            if result is not None:
+                state_dict = result
+        groups = self._loaded_groups(state_dict["param_groups"])
         saved = state_dict.get("state", {})
         # as torch: the saved groups list their parameters' keys (indices, or names from torch's DCP helpers) in the
         # order of ours
         keys = [k for g in state_dict["param_groups"] for k in g["params"]]
         params = [p for g in self.param_groups for p in g["params"]]
         entry_of = {id(p): saved.get(k, saved.get(str(k))) for p, k in zip(params, keys, strict=True)}
+        plans = [self._loaded_state(b, [entry_of[id(p)] for p in b.params]) for b in self._ensure_buckets()]
+        # nothing failed: from here on the optimizer changes
+        self.param_groups[:] = groups
         rebuilt = False
-        for b in self._ensure_buckets():
-            entries = [entry_of[id(p)] for p in b.params]
-            if all(e is None for e in entries):
-                b.step = 0
-                self._reset_state(b, {})
-                continue
-            steps = {int(e["step"]) for e in entries if e is not None and "step" in e} or {1}
-            if (len(steps) > 1 or any(e is None for e in entries)) and not b.masked:
+        for b, (step, masked, state, master, started) in zip(self._buckets, plans, strict=True):
+            if masked and not b.masked:
                 self._rebuild(b, masked=True)
                 rebuilt = True
-            try:
-                zeros = dict(size=b.shape, dtype=torch.float32, device=b.device)
-                state = {n: b.fill(torch.zeros(**zeros), [e[key] if e is not None else None for e in entries])
-                         for n, key in self.state_keys.items()}
-                if "t" in b.exe.program.inputs:
-                    state["t"] = b.fill(torch.zeros(**zeros), [float(e["step"]) if e is not None else 0.0
-                                                               for e in entries])
-                master = None
-                if "p" in b.exe.program.inputs:
-                    master = b.fill(b.data.float().clone(), [e.get("master_param") if e is not None else None
-                                                             for e in entries])
-            except (KeyError, RuntimeError) as exc:
-                raise OptimizerError(f"{type(self).__name__}.load_state_dict: the state of group {b.group} does not "
-                                     f"match its parameters ({exc})") from None
-            b.step = max(steps)
+            b.step, b.started = step, started
             self._reset_state(b, state, master)
         if rebuilt:  # (collective, as the rebuild itself) parameters moved into new buckets
             self._settle()
         self._publish_steps()
+        for post_hook in self._optimizer_load_state_dict_post_hooks.values():
+            post_hook(self)
+
+    def _loaded_state(self, b: Bucket, entries: list[dict[str, Any] | None]) -> tuple:
+        """Bucket b's state from the saved entries of its parameters, checked and built before anything changes:
+        (step, whether it needs the masked program, whole state tensors, fp32 masters or None, momentum started)."""
+        if all(e is None for e in entries):
+            return 0, b.masked, {}, None, False
+        steps = {int(e["step"]) for e in entries if e is not None and "step" in e} or {1}
+        has = [e is not None and all(key in e for key in self.state_keys.values()) for e in entries]
+        masked = b.masked or len(steps) > 1 or any(e is None for e in entries) or (
+            not self.has_step and any(has) and not all(has))
+        shape = (*b.shape[:-1], b.shape[-1])
+        try:
+            zeros = dict(size=shape, dtype=torch.float32, device=b.device)
+            state = {n: b.fill(torch.zeros(**zeros), [e[key] if h else None for e, h in zip(entries, has)])
+                     for n, key in self.state_keys.items()}
+            if masked:
+                state["t"] = b.fill(torch.zeros(**zeros), [float(e["step"]) if e is not None and "step" in e else
+                                                           0.0 for e in entries])
+                state["started"] = b.fill(torch.zeros(**zeros), [1.0 if h else 0.0 for h in has])
+            master = None
+            if b.dtype != torch.float32 and self.master_weights:
+                master = b.fill(b.data.float().clone(), [e.get("master_param") if e is not None else None
+                                                         for e in entries])
+        except (KeyError, RuntimeError, TypeError) as exc:
+            raise OptimizerError(f"{type(self).__name__}.load_state_dict: the state of group {b.group} does not "
+                                 f"match its parameters ({exc})") from None
+        return max(steps), masked, state, master, any(has)
 
     def __repr__(self) -> str:
         head = super().__repr__()
@@ -664,6 +886,48 @@ class DistributedOptimizer(torch.optim.Optimizer):
 
 
 _INSTANCES = itertools.count()
+
+
+def _first_difference(theirs: list, mine: list, rank: int) -> str | None:
+    """The first difference between rank 0's parameters (`theirs`: per group, [shape, dtype, requires_grad] per
+    parameter) and this rank's, in words; None when they agree."""
+    if len(theirs) != len(mine):
+        return f"rank {rank} has {len(mine)} parameter groups, rank 0 {len(theirs)}"
+    for gi, (a, b) in enumerate(zip(theirs, mine, strict=True)):
+        for i, (x, y) in enumerate(zip(a, b)):
+            if x != y:
+                what = ("shape" if x[0] != y[0] else "dtype" if x[1] != y[1] else "requires_grad")
+                return (f"parameter {i} of group {gi} differs in {what}: {y[0]} {y[1]} requires_grad={y[2]} on rank "
+                        f"{rank}, {x[0]} {x[1]} requires_grad={x[2]} on rank 0")
+        if len(a) != len(b):
+            return f"group {gi} has {len(b)} parameters on rank {rank}, {len(a)} on rank 0"
+    return None
+_SLICED = object()  # opt.state[p]'s value of state the ranks keep sliced, until read
+
+
+class _ParamState(dict):
+    """`opt.state[p]`, a dict with torch's keys, whose state kept sliced is gathered (once per step, on every rank)
+    when first read."""
+
+    gather: Callable[[], None] | None = None
+
+    def _value(self, key: Any, value: Any) -> Any:
+        if value is _SLICED and self.gather is not None:
+            self.gather()
+            value = dict.__getitem__(self, key)
+        return value
+
+    def __getitem__(self, key: Any) -> Any:
+        return self._value(key, dict.__getitem__(self, key))
+
+    def get(self, key: Any, default: Any = None) -> Any:
+        return self[key] if key in self else default
+
+    def values(self) -> Any:
+        return [self[k] for k in self]
+
+    def items(self) -> Any:
+        return [(k, self[k]) for k in self]
 
 
 PHASES = {"reduce_scatter": "reduce", "all_reduce": "reduce", "all_gather": "gather"}

@@ -34,12 +34,13 @@ class Bucket:
     state: dict[str, torch.Tensor] = field(default_factory=dict)  # state given on every call (not kept sliced)
     step: int = 0  # steps taken while every parameter of the bucket had a gradient
     arrived: set[int] = field(default_factory=set)  # parameters backward reached since the last launch or step
-    has_grad: set[int] = field(default_factory=set)  # parameters with a gradient since zero_grad(set_to_none)
+    zeroed: set[int] = field(default_factory=set)  # parameters whose gradient view is known to hold zeros
     launched: bool = False  # the gradient reduction was issued from a backward hook
     version: int | None = None  # the gradients' version counter when backward last wrote them
     norm: str | None = None  # clipping: the scalar all-reduce of the program's squared-norm partials
     in_slot: bool = False  # `grad` is the slot of a shared-memory reduction, which leaves this rank's part reduced
     stale: set[int] = field(default_factory=set)  # parameters whose gradient view still holds the last reduction
+    started: bool = False  # SGD: the momentum buffer exists (torch's state has a momentum_buffer)
 
     def __post_init__(self) -> None:
         sizes = [p.numel() for p in self.params]
@@ -85,9 +86,11 @@ class Bucket:
 
     def attach(self, grad: torch.Tensor | None = None, data: torch.Tensor | None = None,
                keep_grad: bool = False) -> None:
-        """Move the parameters into one buffer (`data`, or a new one) and give them gradient views into `grad` (a new
-        buffer when None); e.g. the shared-memory slots of the program's collectives. The gradients start at zero,
-        or, with `keep_grad`, as they were (a bucket moving to a recompiled program's slots mid-step)."""
+        """Move the parameters into one buffer (`data`, or a new one) and their gradients into `grad` (a new buffer
+        when None); e.g. the shared-memory slots of the program's collectives. A parameter's `.grad` becomes its view
+        of `grad` when it has one (a gradient computed before the optimizer was made is copied in) and stays None
+        otherwise, as torch keeps it. With `keep_grad` the gradient views keep their values (a bucket moving to a
+        recompiled program's slots mid-step)."""
         data = data if data is not None else torch.empty(self.shape, dtype=self.dtype, device=self.device)
         with torch.no_grad():
             for i, p in enumerate(self.params):
@@ -95,36 +98,67 @@ class Bucket:
             if not self.rows:  # the padding: zeros, which every update leaves zero
                 data[sum(p.numel() for p in self.params):].zero_()
         old = self.grad if keep_grad else None
+        views = [old is not None and p.grad is not None and p.grad.data_ptr() == self.part(old, i).data_ptr()
+                 for i, p in enumerate(self.params)]
         self.data = data
         self.grad = grad if grad is not None else torch.empty(self.shape, dtype=self.dtype, device=self.device)
         if old is None:
             self.grad.zero_()
+            self.zeroed = set(range(len(self.params)))
         elif old.data_ptr() != self.grad.data_ptr():
             self.grad.copy_(old)
             if self.version is not None:  # still the gradients backward wrote: the check goes on from the copy
                 self.version = self.grad._version
         for i, p in enumerate(self.params):
             p.data = self.part(data, i)
-            p.grad = self.part(self.grad, i)
+            if views[i]:
+                p.grad = self.part(self.grad, i)
+            elif old is None and p.grad is not None:
+                self.take(i)
 
-    def restore_views(self) -> list[int]:
-        """Parameters whose `.grad` is not the bucket's view any more (set to None or to another tensor by the user):
-        copies another tensor's values into the view, gives back the view; returns the indices that had None."""
+    def take(self, i: int) -> None:
+        """Parameter i's `.grad`, another tensor than its view (set by hand, or made by autograd outside the bucket),
+        copied into the view (a sparse one densified), which becomes its `.grad`."""
+        p, view = self.params[i], self.part(self.grad, i)
+        g = p.grad.to_dense() if p.grad.layout != torch.strided else p.grad
+        with torch.no_grad():
+            view.copy_(g)
+        p.grad = view
+        self.zeroed.discard(i)
+        self.stale.discard(i)
+
+    def restore_views(self, copy: bool = True) -> list[int]:
+        """Before a step: a parameter whose `.grad` is another tensor than its view (set by hand, or replaced) has it
+        copied into the view; one whose `.grad` is None keeps None (torch skips it) and its view is zeroed. Returns
+        the indices of the parameters without a gradient. (`copy=False`: the values are about to be zeroed.)"""
         missing = []
         for i, p in enumerate(self.params):
             view = self.part(self.grad, i)
             if p.grad is None:
                 missing.append(i)
-                view.zero_()
+                if i not in self.zeroed:
+                    view.zero_()
+                    self.zeroed.add(i)
                 self.stale.discard(i)
-            elif p.grad.data_ptr() != view.data_ptr() or p.grad.shape != view.shape:
-                view.copy_(p.grad)
-                self.stale.discard(i)
-            p.grad = view
+            elif p.grad.layout != view.layout or p.grad.data_ptr() != view.data_ptr() or p.grad.shape != view.shape:
+                if copy:
+                    self.take(i)
+                else:
+                    p.grad = view
             if p.data.data_ptr() != self.part(self.data, i).data_ptr():  # the user replaced the weights
                 self.part(self.data, i).copy_(p.data)
                 p.data = self.part(self.data, i)
         return missing
+
+    def grad_view(self, i: int) -> torch.Tensor:
+        """Parameter i's gradient view, zeroed unless known to be zero: what backward accumulates into when the
+        parameter has no `.grad` (after zero_grad(set_to_none=True) or model.zero_grad())."""
+        view = self.part(self.grad, i)
+        if i not in self.zeroed:
+            view.zero_()
+        self.zeroed.discard(i)
+        self.stale.discard(i)
+        return view
 
 
 def make_buckets(group_index: int, params: Iterable[torch.nn.Parameter], cap_bytes: int,

@@ -4,7 +4,7 @@ the gradients (from backward hooks, while backward goes on) and updates weights 
 
 from __future__ import annotations
 
-from collections.abc import Iterable
+from collections.abc import Iterable, Mapping
 from typing import Any, TypedDict, Unpack
 
 import torch
@@ -12,6 +12,7 @@ import torch
 from ..errors import OptimizerError
 from ..workloads.optimizers import adam_l2, adamw, lamb, sgd
 from .base import DistributedOptimizer
+from .buckets import Bucket
 
 
 class DistributedOptions(TypedDict, total=False):
@@ -32,7 +33,7 @@ class DistributedOptions(TypedDict, total=False):
 
 # torch.optim's implementation switches: one fused program runs every step here, so they change nothing; and its
 # options accepted when off, refused with what to do when on
-_IGNORED = ("fused", "foreach")
+_IGNORED = ("fused", "foreach", "decoupled_weight_decay")
 _UNSUPPORTED = {"amsgrad": "amsgrad=True is not supported yet; use amsgrad=False",
                 "maximize": "maximize=True is not supported yet; minimise the negated loss instead",
                 "capturable": "capturable=True is not supported (the step runs one compiled program per bucket); "
@@ -55,21 +56,49 @@ def _options(name: str, options: dict[str, Any], torch_names: bool = True) -> di
     return ours
 
 
+_TORCH_FLAGS = (*_IGNORED, *_UNSUPPORTED)
+
+
+def _refuse_flags(name: str, group: dict[str, Any]) -> None:
+    """A group (made, added, or loaded from a torch state dict) asking for a torch flag this optimizer does not
+    implement is refused with what to do."""
+    for key in ("amsgrad", "maximize", "capturable", "differentiable"):
+        if group.get(key):
+            raise OptimizerError(f"{name}: {_UNSUPPORTED[key]}")
+
+
+def _torch_keys(torch_class: type[torch.optim.Optimizer], options: dict[str, Any]) -> dict[str, Any]:
+    """The flags and switches torch's optimizer keeps in every param group (amsgrad, maximize, foreach, fused, ...)
+    with its defaults, or the values given (accepted when they change nothing here; see _options)."""
+    defaults = torch_class([torch.zeros(1, requires_grad=True)]).defaults
+    return {k: options.get(k, defaults[k]) for k in _TORCH_FLAGS if k in defaults}
+
+
 class _AdamLike(DistributedOptimizer):
     state_keys = {"m": "exp_avg", "v": "exp_avg_sq"}
+    torch_class: type[torch.optim.Optimizer] | None = None  # the torch optimizer it replaces (LAMB: none)
 
     def __init__(self, params: Iterable[Any], lr: float, betas: tuple[float, float], eps: float,
                  weight_decay: float, torch_names: bool, options: dict[str, Any]):
         defaults = {"lr": lr, "betas": tuple(betas), "eps": eps, "weight_decay": weight_decay}
+        if self.torch_class is not None:
+            defaults |= _torch_keys(self.torch_class, options)
         super().__init__(params, defaults, **_options(type(self).__name__, options, torch_names))
 
     def check_group(self, group: dict[str, Any]) -> None:
         betas = group["betas"]
+        if isinstance(betas, list | tuple) and all(isinstance(b, torch.Tensor) and b.numel() == 1 for b in betas):
+            betas = group["betas"] = tuple(float(b) for b in betas)  # torch accepts Tensor betas
         if len(betas) != 2 or not all(isinstance(b, int | float) and 0.0 <= b < 1.0 for b in betas):
             raise OptimizerError(f"{type(self).__name__}: betas must be two numbers in [0, 1), got {betas!r}")
-        _options(type(self).__name__, {k: group[k] for k in ("amsgrad", "maximize") if k in group})
+        _refuse_flags(type(self).__name__, group)
+        decoupled = self.torch_class is torch.optim.AdamW
+        if self.torch_class is not None and group.get("decoupled_weight_decay", decoupled) != decoupled:
+            other = "DistributedAdamW" if not decoupled else "DistributedAdam"
+            raise OptimizerError(f"{type(self).__name__}: decoupled_weight_decay={not decoupled} is the weight decay "
+                                 f"of {other}; use {other} (or a state dict saved by the optimizer it replaces)")
 
-    def scalars(self, group: dict[str, Any], step: int) -> dict[str, float]:
+    def scalars(self, group: dict[str, Any], step: int, b: Bucket) -> dict[str, float]:
         b1, b2 = group["betas"]
         return {"lr": group["lr"], "beta1": b1, "beta2": b2, "eps": group["eps"],
                 "weight_decay": group["weight_decay"], "step": step}
@@ -95,6 +124,7 @@ class DistributedAdamW(_AdamLike):
     reduced in step(), so between backward() and step() each rank holds its own (a change there is refused)."""
 
     workload = staticmethod(adamw)
+    torch_class = torch.optim.AdamW
 
     def __init__(self, params: Iterable[Any], lr: float = 1e-3, betas: tuple[float, float] = (0.9, 0.999),
                  eps: float = 1e-8, weight_decay: float = 1e-2, **options: Unpack[DistributedOptions]):
@@ -106,6 +136,7 @@ class DistributedAdam(DistributedAdamW):
     the same machinery and options as DistributedAdamW."""
 
     workload = staticmethod(adam_l2)
+    torch_class = torch.optim.Adam
 
     def __init__(self, params: Iterable[Any], lr: float = 1e-3, betas: tuple[float, float] = (0.9, 0.999),
                  eps: float = 1e-8, weight_decay: float = 0.0, **options: Unpack[DistributedOptions]):
@@ -133,19 +164,35 @@ class DistributedSGD(DistributedOptimizer):
     workload = staticmethod(sgd)
     state_keys = {"buf": "momentum_buffer"}
     has_step = False
+    sparse_grads = True
 
     def __init__(self, params: Iterable[Any], lr: float = 1e-3, momentum: float = 0.0, dampening: float = 0.0,
                  weight_decay: float = 0.0, nesterov: bool = False, **options: Unpack[DistributedOptions]):
         defaults = {"lr": lr, "momentum": momentum, "dampening": dampening, "weight_decay": weight_decay,
-                    "nesterov": nesterov}
+                    "nesterov": nesterov, **_torch_keys(torch.optim.SGD, options)}
         super().__init__(params, defaults, **_options(type(self).__name__, dict(options)))
 
     def check_group(self, group: dict[str, Any]) -> None:
+        _refuse_flags(type(self).__name__, group)
+        if group.get("decoupled_weight_decay"):
+            raise OptimizerError("DistributedSGD: decoupled_weight_decay=True is torch.optim.AdamW's; DistributedSGD "
+                                 "adds weight_decay * w to the gradient as torch.optim.SGD does")
         if group["nesterov"] and (group["momentum"] <= 0 or group["dampening"] != 0):
             raise OptimizerError("DistributedSGD: Nesterov momentum needs momentum > 0 and dampening 0")
 
-    def scalars(self, group: dict[str, Any], step: int) -> dict[str, float]:
-        # torch starts the buffer as the gradient itself (no dampening) and ignores it without momentum
-        first = step == 1 or group["momentum"] == 0
-        return {"lr": group["lr"], "momentum": group["momentum"], "dampening": 0.0 if first else group["dampening"],
-                "weight_decay": group["weight_decay"], "nesterov": float(bool(group["nesterov"]))}
+    def scalars(self, group: dict[str, Any], step: int, b: Bucket) -> dict[str, float]:
+        # as torch: the first step with momentum starts the buffer as the gradient itself (no dampening); without
+        # momentum the buffer is neither used nor changed (momentum_on = 0)
+        on = group["momentum"] != 0
+        fresh = not on or (not b.started and not b.masked)
+        return {"lr": group["lr"], "momentum": group["momentum"], "dampening": 0.0 if fresh else group["dampening"],
+                "weight_decay": group["weight_decay"], "nesterov": float(bool(group["nesterov"])),
+                "momentum_on": float(on)}
+
+    def stepped(self, group: dict[str, Any], b: Bucket) -> None:
+        b.started = b.started or group["momentum"] != 0
+
+    def has_state(self, b: Bucket, whole: Mapping[str, torch.Tensor], i: int) -> bool:
+        if "started" in whole and b.params[i].numel():
+            return bool(b.part(whole["started"], i).reshape(-1)[0] > 0.5)
+        return b.started

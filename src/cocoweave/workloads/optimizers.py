@@ -110,19 +110,22 @@ class _Parts:
 def sgd(N: int = 1 << 20, grad: str = "local", reduction: str = "avg", param_dtype: str = "float32", *,
         master_weights: bool = True, clip: bool = False, masked: bool = False) -> Program:
     """torch.optim.SGD: g += wd * w; buf = momentum * buf + (1 - dampening) * g; step along
-    buf (or g + momentum * buf when nesterov = 1). Pass dampening = 0 on the first step (torch
-    then sets buf = g) and whenever momentum is 0; a masked program tracks the first step per element."""
+    buf (or g + momentum * buf when nesterov = 1). Pass dampening = 0 on the first step with momentum (torch
+    then sets buf = g, the buffer being still 0 here) and whenever momentum is 0, when `momentum_on` = 0 leaves the
+    buffer as it is (torch neither uses nor changes it); a masked program tracks per element whether it started."""
     p = Program("sgd")
     x = _Parts(p, (N,), grad, reduction, param_dtype, master_weights, clip, masked)
     buf, b = x.state("buf")
-    lr, momentum, dampening, wd, nesterov = p.scalars("lr momentum dampening weight_decay nesterov")
+    lr, momentum, dampening, wd, nesterov, on = p.scalars("lr momentum dampening weight_decay nesterov momentum_on")
     d = x.g + wd * x.w
     damp = dampening
     if masked:
         started = p.tensor("started", (N,), "float32", Replicated, init="unit")
         damp = where(started > 0.5, dampening, 0.0)  # torch's buffer starts as the gradient itself
-        x.write(started, where(x.active, 1.0, started))
-    b1 = x.write(buf, x.keep(momentum * b + (1 - damp) * d, b))
+        x.write(started, where(x.active, started + on - started * on, started))  # started or on (0/1 values)
+    b1 = momentum * b + (1 - damp) * d
+    kept = x.write(buf, x.keep(on * b1 + (1 - on) * b, b))  # exactly b1 or b for on = 1 or 0
+    b1 = on * kept + (1 - on) * b1  # b1 either way (exactly: one term is 0)
     x.write_weights(x.w - lr * (b1 * (1 - nesterov) + nesterov * (d + momentum * b1)))
     return p
 
