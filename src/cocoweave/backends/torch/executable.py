@@ -97,7 +97,10 @@ class Executable:
                                "`cocoweave run --backend torch` or torchrun, or call cocoweave.launch.init_from_env()")
         if world_size > 1:  # before any other collective: ranks running different plans fail here, at once
             agree(f"{plan.fingerprint} {json.dumps(self.sizes, sort_keys=True)}",
-                  "the plan to run (fingerprint and sizes)", group)
+                  "the plan to run (fingerprint and sizes)", group,
+                  {"program": self.program.name, "program's fingerprint": self.program.fingerprint(),
+                   "schedule": plan.name, "sizes": json.dumps(self.sizes, sort_keys=True),
+                   "stages": " | ".join(map(str, plan.stages))})
         if group is not None:
             groups = {self.program.groups[0].name: group}
         elif world_size > 1:
