@@ -11,12 +11,14 @@ import sys
 from pathlib import Path
 
 from cocoweave.cluster.profile_hooks import install_from_env
+from cocoweave.lifetime import die_with_parent
 
 
 def main(argv: list[str]) -> None:
     """Run `argv[0]` (a Python file) with arguments `argv[1:]` as its `__main__`, hooks installed."""
     if not argv:
         raise SystemExit("usage: python -m cocoweave.cluster.profile_entry SCRIPT.py [ARGS...]")
+    die_with_parent()  # a rank ends with its torchrun agent, however the agent ends (lifetime.py)
     install_from_env()
     script = Path(argv[0])
     sys.argv = [str(script), *argv[1:]]
