@@ -313,7 +313,10 @@ def _prove(group: Any, ranks: tuple[int, ...]) -> ShmGroup | None:
             os.close(fd)
         _WHY[ranks] = whys[0] if whys else why
         return None
-    return ShmGroup(ranks, seg, fd, [(pid, pfd) for _, pid, pfd in agreed], timeout)
+    g = ShmGroup(ranks, seg, fd, [(pid, pfd) for _, pid, pfd in agreed], timeout)
+    # no rank leaves before every rank proved the others' PIDs: a peer that dies from here on is noticed by its PID
+    dist.all_gather_object([None] * size, None, group=group)
+    return g
 
 
 class ShmBuffers:
