@@ -32,6 +32,7 @@ from cocoweave.backends.torch import shm  # noqa: E402
 from cocoweave.backends.torch.executable import Executable  # noqa: E402
 from cocoweave.errors import BackendError  # noqa: E402
 from cocoweave.plan import lower  # noqa: E402
+from cocoweave.schedule.enumerate import _on  # noqa: E402
 from cocoweave.schedule.schedule import Schedule  # noqa: E402
 
 STAGES = ("before the group is proven", "before it maps a segment rank 0 made", "inside a barrier",
@@ -47,10 +48,7 @@ def schedule() -> Schedule:
     g = p.tensor("g", (6, 2), "float32", cw.Local)
     p.output(cw.all_reduce(g, "sum"), "ar")
     p.output(cw.reduce_scatter(g, "sum", 0), "rs")
-    s = Schedule(p)
-    for stage in [x for x in s.stages if x.kind == "collective"]:
-        s.algorithm(stage, "shm")
-    return s
+    return _on(p, Schedule(p), ("collective",), "shm")  # every collective through shared memory
 
 
 def die() -> None:

@@ -21,6 +21,7 @@ from cocoweave.backends.inputs import make_inputs
 from cocoweave.backends.torch import shm
 from cocoweave.backends.torch.worker import run_schedules
 from cocoweave.errors import BackendError
+from cocoweave.schedule.enumerate import _on
 from cocoweave.schedule.schedule import Schedule
 from cocoweave.testing import compare_results
 
@@ -70,10 +71,7 @@ def _collectives() -> cw.Program:
 
 
 def _on_shm(program: cw.Program) -> Schedule:
-    s = Schedule(program)
-    for stage in [x for x in s.stages if x.kind == "collective"]:
-        s.algorithm(stage, "shm")
-    return s
+    return _on(program, Schedule(program), ("collective",), "shm")  # every collective through shared memory
 
 
 def _without_space(rank: int, world_size: int, schedule: Schedule, inputs: list) -> tuple:
