@@ -64,13 +64,13 @@ def test_sigterm_to_the_starting_command_ends_the_ranks(tmp_path):
 
 
 ORPHAN = """
-import os, signal, subprocess, sys
+import os, signal, subprocess, sys, time
 sys.path.insert(0, {src!r})
-from cocoweave.lifetime import die_with_parent
-me = os.getpid()
-child = subprocess.Popen(["sleep", "60"], preexec_fn=lambda: die_with_parent(signal.SIGKILL, me))
+from cocoweave.lifetime import with_parent_death
+child = subprocess.Popen(with_parent_death(["sleep", "60"], signal.SIGKILL))
+time.sleep(1)  # the wrapper has set the signal and become `sleep`
 print(child.pid, flush=True)
-os.kill(me, signal.SIGKILL)  # the parent dies without any cleanup
+os.kill(os.getpid(), signal.SIGKILL)  # the parent dies without any cleanup
 """
 
 

@@ -1,9 +1,10 @@
 """Process lifetime of the ranks cocoweave starts: they end with the command that started them, on every exit path
 (a timeout, an error, Ctrl-C, SIGTERM, or the command killed outright), so no orphan keeps the cores busy.
 
-Two means, as torchrun's own agent and NCCL's tests use them: a parent-death signal (Linux prctl
-PR_SET_PDEATHSIG: the kernel signals a child when the thread that started it exits, however it exits), and for a
-command line started here, its own session, which is signalled whole (SIGTERM, then SIGKILL after a grace period).
+Two means: a parent-death signal (Linux prctl PR_SET_PDEATHSIG: the kernel signals a child when the thread that
+started it exits, however it exits; set by the child itself, or for a command line by a small wrapper that then
+execs it), and for a command line started here, its own session, which is signalled whole (SIGTERM, then SIGKILL
+after a grace period).
 """
 
 from __future__ import annotations
@@ -14,7 +15,7 @@ import signal
 import subprocess
 import sys
 import threading
-from collections.abc import Callable, Iterator, Mapping, Sequence
+from collections.abc import Iterator, Mapping, Sequence
 from contextlib import contextmanager
 from typing import Any
 
@@ -31,7 +32,7 @@ def _find_prctl() -> Any:
         return None
 
 
-_PRCTL = _find_prctl()  # resolved here, not in a forked child (loading a library there may deadlock)
+_PRCTL = _find_prctl()
 
 
 def die_with_parent(sig: int = signal.SIGKILL, parent: int | None = None) -> bool:
@@ -44,11 +45,19 @@ def die_with_parent(sig: int = signal.SIGKILL, parent: int | None = None) -> boo
     return True
 
 
-def _child_setup(parent: int) -> Callable[[], None]:
-    def setup() -> None:  # runs in the child between fork and exec: no locks, no imports
-        die_with_parent(signal.SIGTERM, parent)  # SIGTERM: a launcher like torchrun then ends its own ranks
+# Sets the parent-death signal, then becomes the command (execvp keeps it): a small Python process instead of a
+# preexec_fn, which is unsafe when the parent has threads (it runs between fork and exec)
+_EXEC_WITH_PARENT_DEATH = ("import ctypes, os, sys\n"
+                           "ctypes.CDLL(None).prctl(1, int(sys.argv[1]), 0, 0, 0)\n"
+                           "if os.getppid() != int(sys.argv[2]):\n    sys.exit(143)\n"
+                           "os.execvp(sys.argv[3], sys.argv[3:])")
 
-    return setup
+
+def with_parent_death(command: Sequence[str], sig: int = signal.SIGTERM) -> list[str]:
+    """`command` run so that it gets `sig` when this process exits (Linux; the command itself elsewhere)."""
+    if _PRCTL is None:
+        return list(command)
+    return [sys.executable, "-c", _EXEC_WITH_PARENT_DEATH, str(int(sig)), str(os.getpid()), *command]
 
 
 def stop(proc: subprocess.Popen, grace_s: float = GRACE_S) -> None:
@@ -88,9 +97,9 @@ def run_bounded(command: Sequence[str], env: Mapping[str, str], timeout_s: float
     """subprocess.run(command, capture_output=True, text=True) that never leaves a process behind: the command gets
     a session of its own and a parent-death signal; on the timeout (subprocess.TimeoutExpired), an error, Ctrl-C or
     SIGTERM, its whole session is ended (`stop`) before this returns or raises."""
-    proc = subprocess.Popen(list(command), env=dict(env), stdin=subprocess.DEVNULL, stdout=subprocess.PIPE,
-                            stderr=subprocess.PIPE, text=True, start_new_session=True,
-                            preexec_fn=_child_setup(os.getpid()))  # noqa: PLW1509 - async-signal-safe enough
+    # SIGTERM on this process's death: a launcher like torchrun then ends its own ranks
+    proc = subprocess.Popen(with_parent_death(command), env=dict(env), stdin=subprocess.DEVNULL,
+                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, start_new_session=True)
     try:
         with sigterm_as_exit():
             out, err = proc.communicate(timeout=timeout_s)
