@@ -73,7 +73,7 @@ def bench_example(world: LocalWorld, spec: str, sizes: dict[str, int], device: s
                   console: Console) -> list[dict[str, Any]]:
     """Time every schedule of one example; the first (the program as written) is the baseline."""
     program = load_example(spec, **sizes)
-    schedules = enumerate_schedules(program)
+    schedules = enumerate_schedules(program, device)  # no @shm off the CPU
     inputs = make_inputs(program, world.world_size, {}, seed=0)
     rows = []
     for s in schedules:

@@ -375,3 +375,21 @@ def test_a_crash_while_replacing_a_checkpoint_leaves_one_that_loads(tmp_path, mo
     assert torch.equal(w, torch.full((4,), 2.0 if swap else 1.0))  # the new one, or the old one intact
     ck.save(ck.step_path(root, 2), {"w": torch.full((4,), 3.0)}, step=2)  # the next save cleans up
     assert sorted(p.name for p in root.iterdir()) == ["step-00000002"]
+
+
+def _save_over_a_stale_file(rank: int, world_size: int, folder: str) -> str:
+    try:
+        ck.save(Path(folder) / "step-3", {"x": torch.ones(2)}, step=3)
+    except CheckpointError as e:
+        return str(e)
+    return "saved"
+
+
+def test_a_stale_partial_file_is_a_sentence_on_every_rank_not_a_raw_error(local_world, tmp_path):
+    (tmp_path / "step-3.partial").write_text("not ours")
+    got = local_world(2).run(_save_over_a_stale_file, str(tmp_path))
+    assert got[0] == got[1] and "step-3.partial is in the way and is not a folder cocoweave left (a file)" in got[0]
+    assert (tmp_path / "step-3.partial").read_text() == "not ours"  # refused, not removed
+    (tmp_path / "step-3.partial").unlink()
+    (tmp_path / "step-3.partial").symlink_to(tmp_path / "elsewhere")
+    assert "(a symbolic link)" in _save_over_a_stale_file(0, 1, str(tmp_path))

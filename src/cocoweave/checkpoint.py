@@ -102,11 +102,6 @@ def _rank(group: Any) -> int:
     return dist.get_rank(group) if _is_dist(group) else 0
 
 
-def _barrier(group: Any) -> None:
-    if _is_dist(group):
-        dist.barrier(group=group)
-
-
 def _encode(value: Any, key: str, entries: dict[str, Any]) -> Any:
     """Add `value`'s leaves to `entries` (flat DCP keys joined with '/'); returns its skeleton: the nested
     structure (dict keys with their types, lists, tuples) with each leaf replaced by its kind and key."""
@@ -153,10 +148,10 @@ def save(path: str | os.PathLike[str], state: Mapping[str, Any], *, step: int | 
     final = Path(path)
     tmp = final.with_name(final.name + PARTIAL)
     rank = _rank(group)
-    if rank == 0:
-        shutil.rmtree(tmp, ignore_errors=True)  # a save that crashed earlier
-        tmp.mkdir(parents=True)
-    _barrier(group)
+    error = _prepare(tmp, final) if rank == 0 else None
+    error = _from_rank0(error, group)  # every rank stops with rank 0's sentence, or goes on once the folder is there
+    if error is not None:
+        raise CheckpointError(error)
     faults.maybe_fault(dist.get_rank() if _is_dist(group) else 0, 0, "checkpoint")
     try:
         entries: dict[str, Any] = {}
@@ -179,6 +174,19 @@ def save(path: str | os.PathLike[str], state: Mapping[str, Any], *, step: int | 
     if rank == 0:
         log.info("saved checkpoint %s (step %s)", final, step)
     return final
+
+
+def _prepare(tmp: Path, final: Path) -> str | None:
+    """Rank 0: an empty `tmp` folder for the save (a folder left by a save that crashed is removed), or why not."""
+    if tmp.is_symlink() or (tmp.exists() and not tmp.is_dir()):
+        return (f"saving checkpoint {final} failed: {tmp} is in the way and is not a folder cocoweave left (a "
+                f"{'symbolic link' if tmp.is_symlink() else 'file'}); move or remove it and save again")
+    shutil.rmtree(tmp, ignore_errors=True)  # a save that crashed earlier
+    try:
+        tmp.mkdir(parents=True)
+    except OSError as exc:
+        return f"saving checkpoint {final} failed: cannot create {tmp} ({exc.strerror or exc})"
+    return None
 
 
 def _describe(exc: BaseException) -> str:

@@ -40,6 +40,7 @@ import torch.distributed as dist
 from . import faults
 from .backends.torch.placement import group_backend
 from .errors import BackendError
+from .lifetime import die_with_parent
 from .loader import import_module_file
 
 log = logging.getLogger(__name__)
@@ -347,6 +348,9 @@ def _worker_main(rank: int, world_size: int, port: int, backend: str, device: st
                  start_timeout_s: float, threads: int, conn: Connection, progress: Any = None) -> None:
     """Body of one rank process: join the group, then run what the parent sends until told to stop."""
     signal.signal(signal.SIGINT, signal.SIG_IGN)  # the parent owns Ctrl-C and tears the world down
+    parent = mp.parent_process()
+    # the rank ends with the thread that started the world, however it ends (SIGKILL, SIGTERM): no orphan
+    die_with_parent(signal.SIGKILL, parent.pid if parent is not None else None)
     try:
         torch.set_num_threads(threads)
         dev = torch.device(device)
@@ -445,7 +449,8 @@ def _raise(message: str, **attrs: Any) -> NoReturn:
 
 
 class LocalWorld:
-    """`world_size` live rank processes on this machine in one process group; `run` sends them work."""
+    """`world_size` live rank processes on this machine in one process group; `run` sends them work. The ranks end
+    with the thread that made the world, however it ends (a parent-death signal, cocoweave.lifetime)."""
 
     def __init__(self, world_size: int, backend: str = "gloo", device: str = "cpu", timeout_s: float = 60.0,
                  threads_per_rank: int | None = None, start_timeout_s: float | None = None,

@@ -38,3 +38,18 @@ def test_agree_outside_a_process_group_returns_the_value():
     if dist.is_initialized():
         pytest.skip("a process group of this process is open")
     assert agree("x", "anything") == "x"
+
+
+def _agree_parts(rank: int, world_size: int) -> str:
+    sizes = '{"N": 8}' if rank != 3 else '{"N": 9}'
+    try:
+        agree(f"fp {sizes}", "the plan", parts={"program": "adam", "schedule": "AR-C", "sizes": sizes})
+    except BackendError as e:
+        return str(e)
+    return "agreed"
+
+
+def test_a_disagreement_names_the_first_part_that_differs(world4):
+    got = world4.run(_agree_parts)
+    assert len(set(got)) == 1 and got[0].endswith(
+        "they differ first in the sizes: rank 0 has '{\"N\": 8}', rank 3 has '{\"N\": 9}'")

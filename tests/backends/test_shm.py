@@ -79,7 +79,7 @@ def test_shm_send_equals_the_reference_step_after_step(local_world):
 
 
 def _leftovers(rank: int, world_size: int) -> list[str]:
-    return sorted(p.name for p in Path("/dev/shm").glob(f"cocoweave-{os.getpid()}-*"))
+    return sorted(p.name for p in Path("/dev/shm").glob("cocoweave-*"))
 
 
 def test_no_segment_outlives_its_mapping(local_world):
@@ -91,7 +91,6 @@ def test_no_segment_outlives_its_mapping(local_world):
 
 
 def _stall(rank: int, world_size: int, program: cw.Program, inputs: list) -> None:
-    os.environ[shm.TIMEOUT_ENV] = "2"
     exe = Executable(lower(_on_shm(program)), rank, world_size, {}, "cpu")
     exe.run(dict(inputs[rank]))  # both ranks set the segments up
     if rank == 1:
@@ -102,16 +101,20 @@ def _stall(rank: int, world_size: int, program: cw.Program, inputs: list) -> Non
 def test_a_rank_that_stops_answering_is_named_within_the_timeout():
     program = _collectives(4, 2, "float32", "sum", 0)
     inputs = make_inputs(program, 2, {}, seed=0)
-    with LocalWorld(2, timeout_s=30) as world:
+    with LocalWorld(2, timeout_s=2) as world:  # the process group's timeout bounds the shared-memory wait
         start = time.monotonic()
-        with pytest.raises(BackendError, match=r"shared-memory barrier of ranks \[0, 1\] waited 2 s for rank 1"):
+        with pytest.raises(BackendError, match=r"shared-memory barrier of ranks \[0, 1\] waited 2 s \(the process "
+                                               r"group's timeout\) for rank 1"):
             world.run(_stall, program, inputs)
         assert time.monotonic() - start < 20
 
 
 def _other_hosts(rank: int, world_size: int, program: cw.Program, inputs: list) -> tuple:
-    shm.socket.gethostname = lambda: f"host{rank}"  # each rank on a host of its own
-    with pytest.warns(RuntimeWarning, match="do not share this host's memory"):
+    def unreachable(pid: int, fd: int, nbytes: int) -> int:
+        raise FileNotFoundError(2, "No such file or directory")  # what a rank of another host or PID namespace gets
+
+    shm.open_peer = unreachable
+    with pytest.warns(RuntimeWarning, match=r"could not open rank 0's segment \(No such file or directory\)"):
         out = run_schedules(rank, world_size, [_on_shm(program)], inputs, {})
     return out[0], dist.get_world_size()
 
@@ -120,7 +123,7 @@ def test_ranks_on_different_hosts_fall_back_to_the_library():
     program = _collectives(6, 2, "float32", "avg", 1)
     inputs = make_inputs(program, 2, {}, seed=1)
     want = reference.run(program, inputs, {}, whole_state=True)
-    with LocalWorld(2) as world:  # its own world: the patched host name must not reach other tests
+    with LocalWorld(2) as world:  # its own world: the patched opener must not reach other tests
         got = [r[0] for r in world.run(_other_hosts, program, inputs)]
     assert compare_results(program, got, want).ok
 
@@ -137,7 +140,6 @@ def test_a_process_that_exited_is_not_alive_and_a_zombie_neither():
 
 
 def _die_in_barrier(rank: int, world_size: int, program: cw.Program, inputs: list) -> float:
-    os.environ[shm.TIMEOUT_ENV] = "60"
     exe = Executable(lower(_on_shm(program)), rank, world_size, {}, "cpu")
     exe.run(dict(inputs[rank]))
     if rank == 1:

@@ -107,8 +107,10 @@ def test_ranks_running_different_plans_fail_at_start(local_world):
     program = load_example("adam.py:adam", N=8)
     schedules = enumerate_schedules(program)[:2]
     world = local_world(2)
-    with pytest.raises(BackendError, match="ranks disagree on the plan to run"):
+    with pytest.raises(BackendError, match="ranks disagree on the plan to run") as info:
         world.run(_run_rank_dependent, schedules, make_inputs(program, 2, {}), {})
+    assert (f"they differ first in the schedule: rank 0 has '{schedules[0].name}', rank 1 has "
+            f"'{schedules[1].name}'") in str(info.value)  # what differs, not only two fingerprints
     assert world.broken is None  # nothing was left half-done: the world keeps working
 
 

@@ -87,9 +87,9 @@ def load_timeout() -> float:
     return parse_seconds(seconds, LOAD_TIMEOUT_ENV)
 
 
-def select(program: Program, name: str | None) -> list[Schedule]:
-    """All schedules, or the one called `name`."""
-    schedules = enumerate_schedules(program)
+def select(program: Program, name: str | None, device: str | None = "cpu") -> list[Schedule]:
+    """All schedules for tensors on `device`, or the one called `name`."""
+    schedules = enumerate_schedules(program, device or "cpu")
     if name is None:
         return schedules
     for s in schedules:

@@ -123,7 +123,7 @@ def predict_command(
     check_writable(json_path)
     out = human(json_path)
     program, _, sym = load(spec, size)  # within the loading timeout, as every command that loads a program
-    schedules = enumerate_schedules(program)
+    schedules = enumerate_schedules(program, device)
     docs, measurements, fitted = [], MeasurementStore(store), None
     for w in parse_world_sizes(world_size):
         model = CostModel.load("torch", device, w, measurements, correct=correct, fitted=fitted)

@@ -166,7 +166,7 @@ def run(
     check_output(trace, "--trace")
     check_output(as_json, "--json")
     program, given, bound = load(spec, size)
-    chosen = select(program, schedule)[0] if schedule is not None else Schedule(program)
+    chosen = select(program, schedule, device)[0] if schedule is not None else Schedule(program)
     from ..launch import in_torchrun
 
     if backend == "torch" and in_torchrun():

@@ -101,7 +101,7 @@ def check(
     worlds = parse_world_sizes(world_size)
     check_output(as_json, "--json")
     program, given, bound = load(spec, size)
-    chosen = select(program, schedule)
+    chosen = select(program, schedule, device)
     runnable = [w for w in worlds if world_applicable(program, w) is None]
     if not runnable:
         raise LoadError(world_applicable(program, worlds[0]))

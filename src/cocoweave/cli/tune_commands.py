@@ -112,7 +112,8 @@ def measure(
     worlds = parse_world_sizes(world_size)
     check_output(as_json, "--json")
     program, given, sym = load(spec, size)
-    chosen = [s for name in schedule for s in select(program, name)] if schedule else select(program, None)
+    chosen = [s for name in schedule for s in select(program, name, device)] if schedule \
+        else select(program, None, device)
     for w in worlds:
         _check_world(program, w)
     check_local_worlds(worlds)

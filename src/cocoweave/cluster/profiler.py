@@ -29,6 +29,7 @@ from torch.distributed.elastic.multiprocessing.errors import ProcessFailure
 
 from cocoweave.cluster import profile_hooks
 from cocoweave.errors import CocoweaveError
+from cocoweave.lifetime import run_bounded
 
 PHASES = ("data_ms", "forward_ms", "backward_ms", "update_ms")
 CPU = ("cpu_main_ms", "cpu_other_ms")
@@ -220,8 +221,8 @@ def run_world(script: Path, script_args: Sequence[str], world_size: int, steps: 
         env["PYTHONPATH"] = os.pathsep.join([src, *filter(None, [env.get("PYTHONPATH")])])
         start, busy0, ours0 = time.perf_counter(), machine_busy_s(), _children_cpu_s()
         try:
-            proc = subprocess.run(torchrun_command(script, script_args, world_size, logs), env=env,
-                                  capture_output=True, text=True, timeout=timeout_s, stdin=subprocess.DEVNULL)
+            # its own session and a parent-death signal: ended with this command on every exit path (lifetime.py)
+            proc = run_bounded(torchrun_command(script, script_args, world_size, logs), env, timeout_s)
         except subprocess.TimeoutExpired:
             raise ProfileError(f"{script} on {ranks(world_size)} did not finish within {timeout_s:g} s (raise "
                                f"--timeout); {_rank_failure(logs) or 'no rank reported an error'}") from None

@@ -248,7 +248,7 @@ def run_workload(world: Any, wl: Workload, *, quick: bool, iters: int, warmup: i
     if why is not None or (wl.key == "pipeline_parallel" and ws < 2):
         result.skipped = why or "the pipeline needs two stages, so at least 2 ranks"
         return result, []
-    schedules = enumerate_schedules(program)
+    schedules = enumerate_schedules(program, device)
     on_total(1 + 2 * len(wl.baselines) + len(schedules))
     result.rows = [Row(s.name, s.steps_json(), [n for n in wl.whole if n in lower(s).sliced_state])
                    for s in schedules]

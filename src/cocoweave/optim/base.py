@@ -75,11 +75,12 @@ def group_timeout(group: Any = None) -> float:
 _SCHEDULES: dict[str, list[Schedule]] = {}
 
 
-def _schedules(program: Program) -> list[Schedule]:
-    """enumerate_schedules, memoised by program fingerprint (every bucket of one size shares them)."""
-    key = program.fingerprint()
+def _schedules(program: Program, device: str) -> list[Schedule]:
+    """enumerate_schedules for tensors on `device`, memoised by program fingerprint (every bucket of one size shares
+    them)."""
+    key = f"{program.fingerprint()}/{device}"
     if key not in _SCHEDULES:
-        _SCHEDULES[key] = enumerate_schedules(program)
+        _SCHEDULES[key] = enumerate_schedules(program, device)
     return _SCHEDULES[key]
 
 
@@ -100,7 +101,7 @@ def resolve_schedule(program: Program, schedule: str, world_size: int, whole: se
     schedule keeping the most optimizer state sliced on several ranks (through shared memory when the ranks share a
     CPU host), the fused program as written on one. Schedules that slice a tensor of `whole` (the parameters the
     model reads) are never used; a clipped program needs one whose norm partials are all-reduced."""
-    legal = [s for s in _schedules(program) if not set(s.sliced_state) & whole
+    legal = [s for s in _schedules(program, device) if not set(s.sliced_state) & whole
              and (not clipped or norm_reduction(s) is not None)]
     if schedule != "auto":
         for s in legal:

@@ -26,6 +26,7 @@ from ..ir.graph import Value
 from ..ir.layout import largest_position, part_shape
 from ..ir.types import DTYPES, bind_shape
 from ..plan import P2P, Collective, Compute, FusedCollective, MatMul, Overlap, Plan, Stage
+from ..statedir import state_dir
 
 COLLECTIVE_OPS = R.names(R.COLLECTIVE)
 COMM_OPS = R.names(R.COLLECTIVE, R.P2P)
@@ -92,7 +93,7 @@ class Calibration:
 def calibration_dir() -> Path:
     """$COCOWEAVE_CALIBRATION_DIR if set, else .cocoweave/ under the current directory."""
     env = os.environ.get(CALIBRATION_ENV)
-    return Path(env) if env else Path.cwd() / ".cocoweave"
+    return Path(env) if env else state_dir()
 
 
 def calibration_path(backend: str, device: str, world_size: int, folder: Path | None = None) -> Path:

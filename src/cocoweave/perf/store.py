@@ -29,6 +29,7 @@ import pyarrow as pa
 import pyarrow.parquet as pq
 
 from cocoweave.errors import StoreError
+from cocoweave.statedir import state_dir
 
 STORE_ENV = "COCOWEAVE_STORE"
 DEFAULT_STORE = Path(".cocoweave") / "store"
@@ -172,7 +173,7 @@ def provenance(cwd: str | os.PathLike | None = None) -> dict[str, Any]:
 def default_store_path() -> Path:
     """$COCOWEAVE_STORE if set, else .cocoweave/store under the current directory."""
     env = os.environ.get(STORE_ENV)
-    return Path(env) if env else Path.cwd() / DEFAULT_STORE
+    return Path(env) if env else state_dir() / DEFAULT_STORE.name
 
 
 class MeasurementStore:

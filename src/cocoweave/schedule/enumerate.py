@@ -8,7 +8,8 @@
    collective -> computation -> send chains with 2, 4 or 8 chunks.
 4. Algorithms: the program as written with its AllReduces on the ring (`AR@ring`), every fused
    ReduceScatter + computation + AllGather on CoCoNet's fused ring (`fuse(RS-C-AG)@ring`), and every fused
-   schedule with all its communication through shared memory (`@shm`, for ranks of one host).
+   schedule with all its communication through shared memory (`@shm`, for ranks of one host, on CPU tensors only:
+   its segments are the host's memory, so a CUDA tensor would be copied to the host and back, or worse).
 """
 
 from __future__ import annotations
@@ -132,8 +133,15 @@ def _chains(s: Schedule) -> list[list[Stage]]:
     return out
 
 
-def enumerate_schedules(program: Program) -> list[Schedule]:
-    """Every legal schedule of `program` by CoCoNet's recipe, deduplicated, the program as written first."""
+def shm_offered(device: str) -> bool:
+    """Whether the shared-memory algorithm is offered for tensors on `device` ("cpu", "cuda:0", "meta"...): only in
+    the host's memory, which its segments are."""
+    return str(device).split(":")[0] == "cpu"
+
+
+def enumerate_schedules(program: Program, device: str = "cpu") -> list[Schedule]:
+    """Every legal schedule of `program` by CoCoNet's recipe, deduplicated, the program as written first; for
+    tensors on `device` (no `@shm` schedule off the CPU, see `shm_offered`)."""
     found: dict[str, Schedule] = {}
 
     def add(s: Schedule | None) -> None:
@@ -156,7 +164,7 @@ def enumerate_schedules(program: Program) -> list[Schedule]:
             add(_on(program, bases[0], ("collective",), "ring"))
         if bases[1] is not None:
             add(_on(program, bases[1], ("fused",), "ring"))
-        for base in [b for b in bases if b is not None]:
+        for base in [b for b in bases if b is not None and shm_offered(device)]:
             add(_on(program, base, ("collective", "fused", "p2p"), "shm"))
     return list(found.values())
 

@@ -23,6 +23,7 @@ from ..atomic import write_text
 from ..errors import CocoweaveError, ScheduleError
 from ..ir.graph import Program
 from ..schedule.schedule import Schedule
+from ..statedir import state_dir
 
 log = logging.getLogger(__name__)
 
@@ -34,7 +35,7 @@ LOCK_TIMEOUT_S = 60.0  # how long a write waits for another process's write to t
 def default_cache_path() -> Path:
     """$COCOWEAVE_TUNE_CACHE if set, else .cocoweave/tune-cache.json under the current directory."""
     env = os.environ.get(CACHE_ENV)
-    return Path(env) if env else Path.cwd() / ".cocoweave" / "tune-cache.json"
+    return Path(env) if env else state_dir() / "tune-cache.json"
 
 
 def cache_key(program: Program, sizes: Mapping[str, int], world_size: int, backend: str, device: str) -> str:
@@ -104,8 +105,8 @@ def cached_schedule(program: Program, sizes: Mapping[str, int], world_size: int,
                     cache: TuneCache | None = None) -> Schedule | None:
     """The cached choice for this problem rebuilt on `program`, or None (with a warning saying why) if nothing
     usable is cached: a cache that cannot be read counts as no choice, so training never fails because of it."""
-    cache = cache or TuneCache()
     try:
+        cache = cache or TuneCache()  # a refused state folder (cocoweave.statedir) counts as no choice, with a warning
         entry = cache.get(cache_key(program, sizes, world_size, backend, device))
     except CocoweaveError as exc:
         warnings.warn(f"{str(exc).rstrip('.')}; using no tuned schedule", stacklevel=2)

@@ -78,7 +78,7 @@ def tune(program: Program, sizes: Mapping[str, int], world_size: int, *, measure
          cache_extra: Mapping[str, Any] | None = None) -> TuneResult:
     """Tune `program` for `world_size` ranks: measure the top-k predicted schedules and the baseline, choose
     the fastest measured and (if `cache` is given) cache that choice."""
-    found = list(schedules) if schedules is not None else enumerate_schedules(program)
+    found = list(schedules) if schedules is not None else enumerate_schedules(program, device)
     if not any(not s.steps for s in found):  # the program as written is always a candidate
         found.insert(0, Schedule(program))
     candidates = [Candidate(s, predict(s) if predict is not None else None) for s in found]

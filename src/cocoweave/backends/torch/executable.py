@@ -97,7 +97,10 @@ class Executable:
                                "`cocoweave run --backend torch` or torchrun, or call cocoweave.launch.init_from_env()")
         if world_size > 1:  # before any other collective: ranks running different plans fail here, at once
             agree(f"{plan.fingerprint} {json.dumps(self.sizes, sort_keys=True)}",
-                  "the plan to run (fingerprint and sizes)", group)
+                  "the plan to run (fingerprint and sizes)", group,
+                  {"program": self.program.name, "program's fingerprint": self.program.fingerprint(),
+                   "schedule": plan.name, "sizes": json.dumps(self.sizes, sort_keys=True),
+                   "stages": " | ".join(map(str, plan.stages))})
         if group is not None:
             groups = {self.program.groups[0].name: group}
         elif world_size > 1:
@@ -239,8 +242,8 @@ class Executable:
         all ranks of the group map when the step opens with a shared-memory collective of that group (whose barrier
         orders every read of the old whole before any rank writes its new part: the all-gather is then a barrier,
         the tensor stored once per host), else a whole-size slot of its own the other ranks read this rank's part
-        from. None when neither applies on this host."""
-        if self.world_size == 1:
+        from. None when neither applies on this host, and off the CPU (a CUDA parameter stays in device memory)."""
+        if self.world_size == 1 or self.ctx.device.type != "cpu":
             return None
         view = self.plan.view(self.rank, self.world_size, self.sizes)
         stage = next((s for s in self.plan.stages if view.takes_part(s)), None)
@@ -264,7 +267,10 @@ class Executable:
             return None
         shape = view.local_shape(x)
         numel = math.prod(shape)
-        slots = self.ctx.shm_buffers.get(g, key, numel, DTYPES[x.dtype], common)
+        try:
+            slots = self.ctx.shm_buffers.get(g, key, numel, DTYPES[x.dtype], common)
+        except shm.ShmUnavailable:  # every rank of the group sees it: the collective copies (or runs as the library's)
+            return None
         return slots[0 if common else g.me][:numel].view(shape)
 
     def _shm_group(self, collective: Any) -> shm.ShmGroup | None:

@@ -184,7 +184,7 @@ class RankContext:
         self.provided: dict[Any, torch.Tensor] = {}  # results the caller gives for collectives (Executable.provide)
         self.defer = False  # leave deferrable all-gathers in flight when the step returns (Executable.run)
         self.deferred: list[Pending] = []
-        self._pairs: dict[Any, shm.Pair] = {}
+        self._pairs: dict[Any, shm.Pair | None] = {}
         self.groups, self.indices, self.backend = groups, indices, backend
         self.buffers: dict[Any, torch.Tensor] = {}
         self._masks: dict[tuple[str, int], torch.Tensor] = {}  # dropout masks of constant seeds
@@ -430,13 +430,31 @@ class RankContext:
         return self._done(work, lambda: buf, async_op)
 
     # -- the shared-memory algorithm (shm.py): synchronous, ranks of one host --------------------------------
-    def _shm_group(self, group: Any) -> shm.ShmGroup | None:
+    def _shm_group(self, group: Any, x: torch.Tensor) -> shm.ShmGroup | None:
+        """The shared-memory group of `group` for operand `x`, or None (the library's collective then, with one
+        warning): the memory is the host's, so only CPU tensors go through it, on ranks proven to share it."""
+        if x.device.type != "cpu":
+            self._shm_warn(f"its tensors are on {x.device.type}, not in the host's memory")
+            return None
         g = shm.group_for(group)
-        if g is None and dist.get_world_size(group) > 1 and not getattr(self, "_shm_warned", False):
-            self._shm_warned = True
-            warnings.warn(f"rank {self.rank}: the ranks of a group do not share this host's memory (or this processor "
-                          "does not order stores); shm collectives run as the library's", RuntimeWarning, stacklevel=3)
+        if g is None and dist.get_world_size(group) > 1:
+            self._shm_warn(shm.why_not(group) or "the ranks of a group do not share this host's memory")
         return g
+
+    def _shm_warn(self, why: str) -> None:
+        if not getattr(self, "_shm_warned", False):
+            self._shm_warned = True
+            warnings.warn(f"rank {self.rank}: shm collectives run as the library's: {why}", RuntimeWarning,
+                          stacklevel=4)
+
+    def _shm_slots(self, g: shm.ShmGroup, out: Any, numel: int, dtype: torch.dtype) -> list[torch.Tensor] | None:
+        """The slots of collective `out`, or None when no segment can be made for it (every rank of the group
+        agrees, from the store): that collective then runs as the library's."""
+        try:
+            return self.shm_buffers.get(g, out, numel, dtype)
+        except shm.ShmUnavailable as e:
+            self._shm_warn(str(e))
+            return None
 
     def _rows(self, rows: int, row: int, n: int, shares: Sequence[int] | None = None) -> list[tuple[int, int]]:
         """(flat start, length) of each rank's part of a tensor of `rows` rows of `row` elements."""
@@ -445,11 +463,11 @@ class RankContext:
     def shm_all_reduce(self, x: torch.Tensor, op: str, group: Any, out: Any, async_op: bool = False) -> Any:
         if (alone := self._alone(x, out, async_op)) is not None:
             return alone
-        g = self._shm_group(group) if op != "adasum" else None
-        if g is None:
-            return self.all_reduce(x, op, group, out, async_op)
+        g = self._shm_group(group, x) if op != "adasum" else None
         wire = self._wire(x).reshape(-1)
-        slots = self.shm_buffers.get(g, out, wire.numel(), wire.dtype)
+        slots = None if g is None else self._shm_slots(g, out, wire.numel(), wire.dtype)
+        if g is None or slots is None:
+            return self.all_reduce(x, op, group, out, async_op)
         res = self.buffer((out, "wire") if wire.dtype != x.dtype else out, x.shape, wire.dtype)
         parts = self._rows(wire.numel(), 1, g.size)
         shm.all_reduce(g, slots, wire if wire.is_contiguous() else wire.contiguous(), op, parts, res.view(-1))
@@ -461,14 +479,14 @@ class RankContext:
                            async_op: bool = False, shares: Sequence[int] | None = None) -> Any:
         if (alone := self._alone(x, out, async_op)) is not None:
             return alone
-        g = self._shm_group(group)
-        if g is None:
-            return self.reduce_scatter(x, op, dim, group, out, async_op, shares)
+        g = self._shm_group(group, x)
         wire = self._wire(x).movedim(dim, 0)
         flat = wire.reshape(-1) if wire.is_contiguous() else wire.contiguous().reshape(-1)
+        slots = None if g is None else self._shm_slots(g, out, flat.numel(), flat.dtype)
+        if g is None or slots is None:
+            return self.reduce_scatter(x, op, dim, group, out, async_op, shares)
         rows = x.shape[dim]
         flat_parts = self._rows(rows, flat.numel() // rows if rows else 0, g.size, shares)
-        slots = self.shm_buffers.get(g, out, flat.numel(), flat.dtype)
         mine = parts(rows, g.size, shares)[g.me]
         shape = with_dim(x.shape, dim, mine[1] - mine[0])
         if dim == 0 and wire.dtype == x.dtype:  # reduced in place in this rank's slot: valid until it is written
@@ -485,7 +503,7 @@ class RankContext:
                        shares: Sequence[int] | None = None) -> Any:
         if (alone := self._alone(x, out, async_op, into)) is not None:
             return alone
-        g = self._shm_group(group)
+        g = self._shm_group(group, x)
         if g is None:
             return self.all_gather(x, dim, total, group, out, async_op, into, deferrable, shares=shares)
         res = into if into is not None else self.buffer(out, with_dim(x.shape, dim, total), x.dtype)
@@ -505,7 +523,9 @@ class RankContext:
             shm.gather_in_place(g, wholes, flat_bounds, flat)
             return self._done(None, lambda: res, async_op)
         biggest = max(stop - start for start, stop in bounds)
-        slots = self.shm_buffers.get(g, out, biggest * row, x.dtype)
+        slots = self._shm_slots(g, out, biggest * row, x.dtype)
+        if slots is None:
+            return self.all_gather(x, dim, total, group, out, async_op, into, deferrable, shares=shares)
         rt_ = res.movedim(dim, 0)
         outs = [rt_[start:stop] for start, stop in bounds]
         if dim == 0 and res.is_contiguous():
@@ -521,13 +541,14 @@ class RankContext:
                       dtype: torch.dtype, out: Any, async_op: bool = False) -> Any:
         """Group rank i of the sending stage hands its tensor to group rank i of the receiving stage through shared
         memory (the library's send where the two do not share this host)."""
-        if not shm.same_host(peer):
-            return self.send_recv(x, peer, sending, shape, dtype, out, async_op)
-        numel = math.prod(shape)
-        pair = self._pairs.get(out)
-        if pair is None:
+        if out not in self._pairs:
             sender, receiver = (self.rank, peer) if sending else (peer, self.rank)
-            pair = self._pairs[out] = shm.Pair(sender, receiver, str(out), numel, dtype)
+            # both sides decide alike: on the host's memory only, and proven (or not) between the two through the store
+            self._pairs[out] = shm.Pair.make(sender, receiver, str(out), math.prod(shape), dtype) \
+                if self.device.type == "cpu" else None
+        pair = self._pairs[out]
+        if pair is None:
+            return self.send_recv(x, peer, sending, shape, dtype, out, async_op)
         if sending:
             pair.send(x)
             return self._done(None, lambda: None, async_op)

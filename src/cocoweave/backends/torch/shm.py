@@ -1,9 +1,8 @@
 """The shared-memory collective algorithm ("shm"): ranks of one host reduce, scatter and gather through memory
 they all map, instead of sending bytes through Gloo's TCP loopback.
 
-Each rank of a process group owns a slot of a segment (a file in /dev/shm mapped by every rank of the group and
-unlinked as soon as all have mapped it, so nothing outlives the processes). A collective is: every rank writes its
-operand into its slot (nothing to write when the operand already lives there, e.g. a gradient bucket the
+Each rank of a process group owns a slot of a segment that every rank of the group maps. A collective is: every rank
+writes its operand into its slot (nothing to write when the operand already lives there, e.g. a gradient bucket the
 optimizer allocated in shared memory), a barrier, every rank reads what it needs straight from the others' slots,
 a barrier. A reduce-scatter then reads 1/p of every slot and reduces into its own part of its own slot (nobody else
 reads that part); an all-reduce reduces its 1/p into its own slot and reads the others' reduced parts; an all-gather
@@ -13,11 +12,21 @@ all-gather is a barrier, the tensor stored once per host. This is DeepSpeed's
 CPU shared-memory all-reduce idea (and what NCCL's SHM transport does between GPUs of a node), here as a checked
 schedule choice for every collective of a program.
 
+Segments are anonymous (memfd_create, mode 0600, space reserved with posix_fallocate): they have no name in
+/dev/shm, so nothing can be left there whatever kills a rank, and /dev/shm's size (Docker's 64 MiB) does not bound
+them. The creating rank publishes "pid:fd" in the process group's store; the others open it through
+/proc/<pid>/fd/<fd>, which the kernel allows only to processes of the same user that can see the creator's PID
+(the same host and PID namespace), check owner, mode and size on the descriptor, and map it. The memory goes when
+the last rank that maps it exits. A group is used only when that is proven at its creation (every rank opened
+rank 0's segment and read the random nonce rank 0 wrote there); a peer's PID serves to notice its death only once
+proven to name that peer here (/proc/<pid>/fd/<fd> is the same segment); anything else falls back to the library.
+
 Barriers spin on one flag per rank (a 64-byte line each) with sched_yield between looks, so oversubscribed cores
 keep working. The flags and the data rely on x86's total store order (stores become visible in program order);
 on other processors, and when the ranks are not all on this host, every collective falls back to the library
-call. A barrier that waits longer than the timeout raises BackendError naming the group and the ranks it waited
-for, never a silent hang.
+call. Every wait is bounded by the process group's timeout (init_process_group(timeout=...),
+cocoweave.launch.init_from_env(timeout_s=...)) and raises BackendError naming the group and what it waited for,
+never a silent hang.
 """
 
 from __future__ import annotations
@@ -25,10 +34,11 @@ from __future__ import annotations
 import itertools
 import os
 import platform
-import socket
+import secrets
+import stat
 import time
-import uuid
 from collections.abc import Callable, Sequence
+from datetime import timedelta
 from typing import Any
 
 import torch
@@ -36,12 +46,10 @@ import torch.distributed as dist
 
 from ...errors import BackendError
 
-LINE = 8  # int64 flags per cache line: one line per rank
-TIMEOUT_ENV = "COCOWEAVE_SHM_TIMEOUT"
+LINE = 8  # int64 words per cache line: one line per rank ([flag, pid, fd, nonce (rank 0), ...])
 _ORDERED = platform.machine().lower() in ("x86_64", "amd64", "i686", "x86")
 _GROUPS: dict[tuple[int, ...], ShmGroup | None] = {}
 _SEQ: dict[str, itertools.count] = {}
-_PEERS: dict[tuple[int, int], bool] = {}
 
 REDUCE: dict[str, Callable[[torch.Tensor, torch.Tensor], Any]] = {
     "sum": lambda acc, x: acc.add_(x), "avg": lambda acc, x: acc.add_(x),
@@ -49,12 +57,25 @@ REDUCE: dict[str, Callable[[torch.Tensor, torch.Tensor], Any]] = {
 }
 
 
-def _timeout() -> float:
-    return float(os.environ.get(TIMEOUT_ENV, "300"))
+class ShmUnavailable(BackendError):
+    """A segment could not be made (no memory to reserve, no memfd): the caller runs the library's collective."""
+
+
+def group_timeout(group: Any = None) -> float:
+    """The timeout of process group `group` (None: the default group) in seconds: how long any shared-memory wait
+    may last, as the library collectives of that group."""
+    pg = group if group is not None else dist.distributed_c10d._get_default_group()
+    for device in ("cpu", "cuda"):
+        try:
+            return pg._get_backend(torch.device(device)).options._timeout.total_seconds()
+        except (AttributeError, RuntimeError, ValueError):
+            continue
+    return dist.default_pg_timeout.total_seconds()
 
 
 def _alive(pid: int) -> bool:
-    """Whether process `pid` (on this host) is running: not gone, not a zombie. 0 (not known yet) counts as alive."""
+    """Whether process `pid` (proven to be a peer on this host, see ShmGroup) is running: not gone, not a zombie. 0
+    (not proven) counts as alive: that peer's death is noticed by the timeout."""
     if pid <= 0:
         return True
     try:
@@ -94,23 +115,92 @@ def _store() -> Any:
     return dist.distributed_c10d._get_default_store()
 
 
-def _map(key: str, nbytes: int, ranks: Sequence[int]) -> torch.Tensor:
-    """A zero-filled byte segment of `nbytes` mapped by every rank of `ranks` (this rank among them). Group rank 0
-    creates the file and publishes its path in the process group's store; the last rank to map it unlinks it."""
+def create(nbytes: int) -> int:
+    """A new anonymous shared-memory segment of `nbytes` zero bytes, mode 0600 whatever the umask, every page
+    reserved now (so that a full memory is an error here, not a SIGBUS at first touch): its descriptor."""
+    if not hasattr(os, "memfd_create"):
+        raise ShmUnavailable("this system has no memfd_create (Linux 3.17 or later)")
+    try:
+        fd = os.memfd_create("cocoweave-shm", os.MFD_CLOEXEC)
+    except OSError as e:
+        raise ShmUnavailable(f"memfd_create failed ({e.strerror})") from None
+    try:
+        os.fchmod(fd, 0o600)
+        os.posix_fallocate(fd, 0, nbytes)
+    except OSError as e:
+        os.close(fd)
+        raise ShmUnavailable(f"could not reserve {nbytes} bytes of shared memory ({e.strerror}): the host or this "
+                             "container's memory limit is reached") from None
+    return fd
+
+
+def open_peer(pid: int, fd: int, nbytes: int) -> int:
+    """Open the segment process `pid` holds as descriptor `fd` (the kernel lets only a process of the same user that
+    sees `pid` do it) and check on the descriptor that it is a segment of this user, mode 0600, of `nbytes`: a
+    descriptor of it. OSError when the path cannot be opened; BackendError when it is not such a segment."""
+    mine = os.open(f"/proc/{pid}/fd/{fd}", os.O_RDWR | os.O_CLOEXEC)
+    st = os.fstat(mine)
+    if not stat.S_ISREG(st.st_mode) or st.st_uid != os.geteuid() or st.st_mode & 0o077 or st.st_size != nbytes:
+        os.close(mine)
+        raise BackendError(f"/proc/{pid}/fd/{fd} is not a shared-memory segment of this user (owner uid "
+                           f"{st.st_uid}, mode {stat.S_IMODE(st.st_mode):o}, {st.st_size} bytes; expected uid "
+                           f"{os.geteuid()}, 600, {nbytes}): refusing to map it")
+    return mine
+
+
+def mapped(fd: int, nbytes: int) -> torch.Tensor:
+    """The bytes of segment `fd`, mapped shared (the mapping keeps the memory after `fd` is closed)."""
+    return torch.from_file(f"/proc/self/fd/{fd}", shared=True, size=nbytes, dtype=torch.uint8)
+
+
+def _proven(pid: int, fd: int, mine: int) -> int:
+    """`pid` if /proc/<pid>/fd/<fd> is the segment this process holds as `mine` (so `pid` names that peer in this
+    PID namespace), else 0: the peer's death is then noticed by the timeout, not by its PID."""
+    try:
+        there, here = os.stat(f"/proc/{pid}/fd/{fd}"), os.fstat(mine)
+    except OSError:
+        return 0
+    return pid if (there.st_dev, there.st_ino) == (here.st_dev, here.st_ino) else 0
+
+
+def _published(store: Any, name: str, timeout: float, what: str) -> str:
+    """The value of store key `name`, waiting at most `timeout` s for it (BackendError naming `what` otherwise)."""
+    try:
+        store.wait([name], timedelta(seconds=timeout))
+        return store.get(name).decode()
+    except RuntimeError as e:  # DistStoreError: the wait timed out or the store is gone
+        raise BackendError(f"rank {dist.get_rank()}: waited {timeout:g} s (the process group's timeout) for {what} "
+                           f"({type(e).__name__})") from None
+
+
+def _map(key: str, nbytes: int, ranks: Sequence[int], timeout: float) -> tuple[torch.Tensor, int | None]:
+    """A zero-filled byte segment of `nbytes` mapped by every rank of `ranks` (this rank among them), and on group
+    rank 0 its descriptor, to close once every rank has mapped it. Rank 0 creates it and publishes "pid:fd" in the
+    process group's store (or why it could not: every rank then raises ShmUnavailable)."""
     store = _store()
     me = ranks.index(dist.get_rank())
     name = f"cocoweave/shm/{key}"
     if me == 0:
-        path = f"/dev/shm/cocoweave-{os.getpid()}-{uuid.uuid4().hex[:12]}"
-        with open(path, "wb") as f:
-            f.truncate(nbytes)
-        store.set(name, path)
-    else:
-        path = store.get(name).decode()
-    seg = torch.from_file(path, shared=True, size=nbytes, dtype=torch.uint8)
-    if store.add(f"{name}/mapped", 1) == len(ranks):
-        os.unlink(path)
-    return seg
+        try:
+            fd = create(nbytes)
+        except ShmUnavailable as e:
+            store.set(name, f"none:{e}")
+            raise
+        store.set(name, f"{os.getpid()}:{fd}")
+        return mapped(fd, nbytes), fd
+    where = _published(store, name, timeout, f"rank {ranks[0]} to make shared-memory segment {key}")
+    if where.startswith("none:"):
+        raise ShmUnavailable(f"rank {ranks[0]}: {where[5:]}")
+    pid, fd = map(int, where.split(":"))
+    try:
+        mine = open_peer(pid, fd, nbytes)
+    except OSError as e:
+        raise BackendError(f"rank {dist.get_rank()}: could not open the shared-memory segment {key} of rank "
+                           f"{ranks[0]} ({e.strerror}): it exited") from None
+    try:
+        return mapped(mine, nbytes), None
+    finally:
+        os.close(mine)
 
 
 def _unique(prefix: str) -> str:
@@ -121,15 +211,18 @@ def _unique(prefix: str) -> str:
 
 class ShmGroup:
     """The ranks of one process group on this host: a barrier over shared flags, and segments with one slot per
-    rank."""
+    rank. Made by `group_for`, which proves that the ranks share memory."""
 
-    def __init__(self, ranks: Sequence[int]):
+    def __init__(self, ranks: Sequence[int], flags: torch.Tensor, fd: int, peers: Sequence[tuple[int, int]],
+                 timeout: float):
         self.ranks = list(ranks)
         self.size, self.me = len(ranks), self.ranks.index(dist.get_rank())
         self.key = "-".join(map(str, ranks))
-        lines = _map(_unique(f"{self.key}/flags"), self.size * LINE * 8, ranks).view(torch.int64).view(self.size, LINE)
-        self.flags, self.pids = lines[:, 0], lines[:, 1]
-        self.pids[self.me] = os.getpid()  # so that a waiting rank can tell a peer that died from one that is slow
+        self.flags = flags.view(torch.int64).view(self.size, LINE)[:, 0]
+        self.fd, self.timeout = fd, timeout  # fd stays open: the peers prove our PID with it
+        # a peer's PID, where proven to name it here (0: its death is noticed by the timeout only)
+        self.pids = [os.getpid() if j == self.me else _proven(pid, pfd, fd) for j, (pid, pfd) in enumerate(peers)]
+        self.pending: list[int] = []  # descriptors of segments made here, closed once every rank has mapped them
         self.epoch = 0
 
     def barrier(self) -> None:
@@ -141,47 +234,89 @@ class ShmGroup:
             return [i for i, e in enumerate(self.flags.tolist()) if e < self.epoch]
 
         def check(waited: float) -> None:
-            dead = [i for i in late() if not _alive(int(self.pids[i]))]
+            dead = [i for i in late() if not _alive(self.pids[i])]
             if dead:
                 raise BackendError(f"rank {dist.get_rank()}: rank {self.ranks[dead[0]]} exited while the ranks "
                                    f"{self.ranks} waited for it in a shared-memory barrier")
-            if waited > _timeout():
+            if waited > self.timeout:
                 slow = [self.ranks[i] for i in late()]
                 raise BackendError(f"rank {dist.get_rank()}: shared-memory barrier of ranks {self.ranks} waited "
-                                   f"{_timeout():g} s for rank{'s' if len(slow) > 1 else ''} "
-                                   f"{', '.join(map(str, slow))}")
+                                   f"{self.timeout:g} s (the process group's timeout) for "
+                                   f"rank{'s' if len(slow) > 1 else ''} {', '.join(map(str, slow))}")
 
         _wait_until(lambda: int(self.flags.min()) >= self.epoch, check)
+        while self.pending:  # every rank mapped them before it reached this barrier
+            os.close(self.pending.pop())
 
     def slots(self, prefix: str, numel: int, dtype: torch.dtype, count: int | None = None) -> list[torch.Tensor]:
         """A new segment of one slot of `numel` elements per rank (index i: group rank i's slot), or of `count`
-        slots (count=1: one tensor all ranks of the group share)."""
+        slots (count=1: one tensor all ranks of the group share). ShmUnavailable (on every rank) when it cannot be
+        made."""
         per = -(-numel * dtype.itemsize // 64) * 64  # each slot starts on a cache line
         count = self.size if count is None else count
-        seg = _map(_unique(f"{self.key}/{prefix}"), max(per * count, 64), self.ranks)
+        seg, fd = _map(_unique(f"{self.key}/{prefix}"), max(per * count, 64), self.ranks, self.timeout)
+        if fd is not None:
+            self.pending.append(fd)
         return [seg[i * per:i * per + numel * dtype.itemsize].view(dtype) for i in range(count)]
 
 
+_WHY: dict[tuple[int, ...], str] = {}  # why a group's ranks do not share memory, for the fallback's warning
+
+
+def why_not(group: Any) -> str:
+    """Why `group_for(group)` is None, in a few words."""
+    ranks = tuple(dist.get_process_group_ranks(group) if group is not None else range(dist.get_world_size()))
+    return _WHY.get(ranks, "")
+
+
 def group_for(group: Any) -> ShmGroup | None:
-    """The ShmGroup of a torch.distributed group, or None when its ranks cannot share memory (another host, a
-    processor without total store order, one rank)."""
+    """The ShmGroup of a torch.distributed group, or None when its ranks cannot share memory (another host, another
+    PID namespace or user, a processor without total store order, no memory to reserve, one rank). A collective of
+    the group on first use: rank 0 makes the flags segment with a random nonce in it, every other rank must open it
+    and read the nonce back, and all agree on the result."""
     ranks = tuple(dist.get_process_group_ranks(group) if group is not None else range(dist.get_world_size()))
     if ranks not in _GROUPS:
-        hosts: list[Any] = [None] * len(ranks)
-        dist.all_gather_object(hosts, socket.gethostname(), group=group)
-        ok = _ORDERED and len(ranks) > 1 and len(set(hosts)) == 1 and os.path.isdir("/dev/shm")
-        _GROUPS[ranks] = ShmGroup(ranks) if ok else None
+        _GROUPS[ranks] = _prove(group, ranks) if len(ranks) > 1 else None
     return _GROUPS[ranks]
 
 
-def same_host(peer: int) -> bool:
-    """Whether world rank `peer` shares this host's memory with this rank (asked once per peer)."""
-    key = (min(peer, dist.get_rank()), max(peer, dist.get_rank()))
-    if key not in _PEERS:
-        store, me = _store(), dist.get_rank()
-        store.set(f"cocoweave/host/{me}", socket.gethostname())
-        _PEERS[key] = _ORDERED and store.get(f"cocoweave/host/{peer}").decode() == socket.gethostname()
-    return _PEERS[key]
+def _prove(group: Any, ranks: tuple[int, ...]) -> ShmGroup | None:
+    me, size, timeout = ranks.index(dist.get_rank()), len(ranks), group_timeout(group)
+    nbytes = size * LINE * 8
+    fd, seg, why, nonce = None, None, "", secrets.randbits(62)
+    if me == 0 and _ORDERED:
+        try:
+            fd = create(nbytes)
+            seg = mapped(fd, nbytes)
+            seg.view(torch.int64)[3] = nonce
+        except ShmUnavailable as e:
+            why = str(e)
+    infos: list[Any] = [None] * size
+    dist.all_gather_object(infos, (_ORDERED, os.getpid(), fd, nonce, why), group=group)
+    if not all(i[0] for i in infos):
+        why = "a processor without total store order"
+    elif infos[0][2] is None:
+        why = f"rank {ranks[0]} could not make a segment: {infos[0][4]}"
+    elif me != 0:
+        try:
+            fd = open_peer(infos[0][1], infos[0][2], nbytes)
+            seg = mapped(fd, nbytes)
+            if int(seg.view(torch.int64)[3]) != infos[0][3]:
+                why = f"rank {dist.get_rank()} opened another segment than rank {ranks[0]}'s"
+        except (OSError, BackendError) as e:
+            why = f"rank {dist.get_rank()} could not open rank {ranks[0]}'s segment ({getattr(e, 'strerror', e)})"
+    agreed: list[Any] = [None] * size
+    dist.all_gather_object(agreed, (why, os.getpid(), fd), group=group)
+    whys = [w for w, _, _ in agreed if w]
+    if whys or seg is None or fd is None:
+        if fd is not None:
+            os.close(fd)
+        _WHY[ranks] = whys[0] if whys else why
+        return None
+    g = ShmGroup(ranks, seg, fd, [(pid, pfd) for _, pid, pfd in agreed], timeout)
+    # no rank leaves before every rank proved the others' PIDs: a peer that dies from here on is noticed by its PID
+    dist.all_gather_object([None] * size, None, group=group)
+    return g
 
 
 class ShmBuffers:
@@ -191,6 +326,7 @@ class ShmBuffers:
     def __init__(self) -> None:
         self.slots: dict[Any, list[torch.Tensor]] = {}
         self.commons: dict[Any, list[torch.Tensor]] = {}
+        self.failed: dict[Any, ShmUnavailable] = {}  # (key, numel, dtype) with no segment: the same on every rank
 
     def get(self, g: ShmGroup, key: Any, numel: int, dtype: torch.dtype, common: bool = False) -> list[torch.Tensor]:
         """The slots of `key` (made on first use, or when the size or dtype changed); with `common`, one tensor in
@@ -198,7 +334,13 @@ class ShmBuffers:
         store = self.commons if common else self.slots
         s = store.get(key)
         if s is None or s[0].numel() != numel or s[0].dtype != dtype:
-            s = store[key] = g.slots(str(key), numel, dtype, 1 if common else None)
+            if (key, numel, dtype) in self.failed:
+                raise self.failed[key, numel, dtype]
+            try:
+                s = store[key] = g.slots(str(key), numel, dtype, 1 if common else None)
+            except ShmUnavailable as e:
+                self.failed[key, numel, dtype] = e
+                raise
         return s
 
 
@@ -289,26 +431,63 @@ def gather_common(g: ShmGroup, whole: torch.Tensor, bounds: list[tuple[int, int]
 
 class Pair:
     """Point-to-point through shared memory between a sender and a receiver of one host: the sender writes its slot
-    and raises `sent`, the receiver copies and raises `taken`; the sender writes again only after `taken`."""
+    and raises `sent`, the receiver copies and raises `taken`; the sender writes again only after `taken`. Made by
+    `Pair.make`, which proves that the two share memory."""
 
-    def __init__(self, sender: int, receiver: int, key: str, numel: int, dtype: torch.dtype):
-        ranks = [sender, receiver]
-        itemsize = dtype.itemsize
-        seg = _map(_unique(f"p2p-{sender}-{receiver}/{key}"), 128 + max(numel * itemsize, 1), ranks)
+    def __init__(self, seg: torch.Tensor, numel: int, dtype: torch.dtype, pid: int, timeout: float):
         lines = seg[:128].view(torch.int64).view(2, LINE)
-        self.flags, self.pids = lines[:, 0], lines[:, 1]  # [sent, taken] and [sender's pid, receiver's pid]
-        self.pids[ranks.index(dist.get_rank())] = os.getpid()
-        self.data = seg[128:128 + numel * itemsize].view(dtype)
+        self.flags = lines[:, 0]  # [sent, taken]
+        self.data = seg[128:128 + numel * dtype.itemsize].view(dtype)
+        self.peer_pid, self.timeout = pid, timeout  # the peer's PID where proven, else 0
         self.epoch = 0
+
+    @staticmethod
+    def make(sender: int, receiver: int, key: str, numel: int, dtype: torch.dtype) -> Pair | None:
+        """The pair of `sender` and `receiver` (both call it for the same `key`), or None on both when they do not
+        share memory (the library's send then): the sender makes the segment with a nonce, the receiver must open
+        it and read the nonce, and says so through the store."""
+        store, timeout, me = _store(), group_timeout(), dist.get_rank()
+        name = f"cocoweave/shm/{_unique(f'p2p-{sender}-{receiver}/{key}')}"
+        nbytes = 128 + max(numel * dtype.itemsize, 1)
+        if me == sender:
+            nonce = secrets.randbits(62)
+            try:
+                fd = create(nbytes)
+            except ShmUnavailable as e:
+                store.set(name, f"none:{e}")
+                return None
+            seg = mapped(fd, nbytes)
+            seg[:128].view(torch.int64)[3] = nonce
+            store.set(name, f"{os.getpid()}:{fd}:{nonce}")
+            answer = _published(store, f"{name}/ok", timeout, f"rank {receiver} to map a shared-memory send")
+            ok, pid, rfd = map(int, answer.split(":"))
+            pid = _proven(pid, rfd, fd) if ok else 0
+            os.close(fd)
+            return Pair(seg, numel, dtype, pid, timeout) if ok else None
+        where = _published(store, name, timeout, f"rank {sender} to make a shared-memory send")
+        if where.startswith("none:"):
+            return None
+        pid, fd, nonce = map(int, where.split(":"))
+        try:
+            mine = open_peer(pid, fd, nbytes)
+        except (OSError, BackendError):
+            store.set(f"{name}/ok", "0:0:0")
+            return None
+        seg = mapped(mine, nbytes)
+        ok = int(seg[:128].view(torch.int64)[3]) == nonce
+        store.set(f"{name}/ok", f"{int(ok)}:{os.getpid()}:{mine}")  # kept open: the sender proves our PID with it
+        if not ok:
+            os.close(mine)
+        return Pair(seg, numel, dtype, pid, timeout) if ok else None
 
     def _wait(self, i: int, what: str) -> None:
         def check(waited: float) -> None:
-            if not _alive(int(self.pids[i])):  # flag 0 is raised by the sender (pid 0), flag 1 by the receiver
+            if not _alive(self.peer_pid):
                 raise BackendError(f"rank {dist.get_rank()}: its peer exited while it waited for it to {what} a "
                                    "shared-memory send")
-            if waited > _timeout():
-                raise BackendError(f"rank {dist.get_rank()}: waited {_timeout():g} s for its peer to {what} a "
-                                   "shared-memory send")
+            if waited > self.timeout:
+                raise BackendError(f"rank {dist.get_rank()}: waited {self.timeout:g} s (the process group's timeout) "
+                                   f"for its peer to {what} a shared-memory send")
 
         _wait_until(lambda: int(self.flags[i]) >= self.epoch, check)
 
