@@ -12,7 +12,7 @@ from .functional import (
     reduce_from_parallel,
     scatter_to_parallel,
 )
-from .groups import new_group, parallel_groups
+from .groups import mesh_coords, new_group, parallel_groups, parallel_mesh
 from .layers import ColumnParallelLinear, RowParallelLinear, full_linear_weights
 from .pipeline import PipelineBoundary
 from .transformer import ReferenceBlock, TransformerBlock, block_seeds
@@ -20,5 +20,6 @@ from .transformer import ReferenceBlock, TransformerBlock, block_seeds
 __all__ = [
     "ColumnParallelLinear", "PipelineBoundary", "ReferenceBlock", "RowParallelLinear", "TransformerBlock",
     "bias_dropout_residual", "block_seeds", "copy_to_parallel", "full_linear_weights", "gather_from_parallel",
-    "mix_seed", "new_group", "parallel_groups", "reduce_from_parallel", "scatter_to_parallel",
+    "mesh_coords", "mix_seed", "new_group", "parallel_groups", "parallel_mesh", "reduce_from_parallel",
+    "scatter_to_parallel",
 ]
