@@ -1,6 +1,7 @@
 """cocoweave.nn.Pipeline on live Gloo ranks: a model cut into pipeline stages (tensor-parallel inside, data-parallel
-across) under torch.distributed.pipelining's schedules computes the loss and every parameter's gradient of one
-process running the whole batch, with the same dropout masks; only 1/tp of each activation crosses a boundary."""
+across with DistributedAdamW) under torch.distributed.pipelining's schedules computes the loss, every parameter's
+gradient and every parameter after one AdamW step of one process running the whole batch, with the same dropout
+masks; only 1/tp of each activation crosses a boundary."""
 
 from __future__ import annotations
 
@@ -14,6 +15,7 @@ from cocoweave.errors import ParallelConfigError
 from cocoweave.nn import ReferenceBlock, TransformerBlock, parallel_mesh
 from cocoweave.nn.functional import group_rank, part
 from cocoweave.nn.pipeline import Pipeline, stage_blocks
+from cocoweave.optim import DistributedAdamW
 
 V, D, H, T, BLOCKS = 11, 16, 4, 8, 4
 
@@ -50,19 +52,28 @@ def batch(n: int) -> tuple[torch.Tensor, torch.Tensor]:
     return torch.randint(0, V, (n, T), generator=g), torch.randint(0, V, (n, T), generator=g)
 
 
-def reference_grads(n: int, step: int) -> tuple[float, dict[str, torch.Tensor]]:
+LR, EPS = 1e-2, 1e-3  # an eps above float noise: the key bias's gradient is zero up to rounding
+
+
+def named(embed: nn.Module, blocks: list[nn.Module], head: nn.Module) -> dict[str, nn.Parameter]:
+    params = {f"first.{k}": p for k, p in embed.named_parameters()}
+    params |= {f"last.{k}": p for k, p in head.named_parameters()}
+    return params | {f"block{i}.{k}": p for i, b in enumerate(blocks) for k, p in b.named_parameters()}
+
+
+def reference_step(n: int, step: int) -> tuple[float, dict[str, torch.Tensor], dict[str, torch.Tensor]]:
+    """The whole batch in one process: its loss, every parameter's gradient, every parameter after one AdamW step."""
     embed, blocks, head = reference()
+    params = named(embed, blocks, head)
     x, y = batch(n)
     h = embed(x)
     for b in blocks:
         h = b(h, step=step)
     loss = ce(head(h), y)
     loss.backward()
-    loss = loss.detach()
-    grads = {f"first.{k}": p.grad for k, p in embed.named_parameters()}
-    grads |= {f"last.{k}": p.grad for k, p in head.named_parameters()}
-    grads |= {f"block{i}.{k}": p.grad for i, b in enumerate(blocks) for k, p in b.named_parameters()}
-    return loss.item(), grads
+    grads = {k: p.grad.clone() for k, p in params.items()}
+    torch.optim.AdamW(params.values(), lr=LR, eps=EPS).step()
+    return loss.item(), grads, {k: p.detach() for k, p in params.items()}
 
 
 def pipeline_case(rank: int, world_size: int, tp: int, pp: int, schedule: str, m: int, n: int,
@@ -80,8 +91,10 @@ def pipeline_case(rank: int, world_size: int, tp: int, pp: int, schedule: str, m
     x, y = batch(n)
     share = n // dp
     mine = slice(dp_rank * share, (dp_rank + 1) * share)
-    loss = pipe.step(x[mine], y[mine], step=3, positions=torch.arange(n)[mine])
-    grads = {}
+    opt = DistributedAdamW(list(pipe.parameters()), lr=LR, eps=EPS, process_group=mesh.get_group("dp"))
+    opt.zero_grad()
+    loss = pipe.step(x[mine], y[mine], step=3, positions=torch.arange(n)[mine], no_sync=opt.no_sync)
+    grads, params = {}, {}
     for s, mod in zip(pipe.stage_ids, pipe.modules):
         blocks_of = list(stage_blocks(BLOCKS, pipe.num_stages, s))
         for k, p in mod.named_parameters():
@@ -89,26 +102,29 @@ def pipeline_case(rank: int, world_size: int, tp: int, pp: int, schedule: str, m
             if kind == "blocks":
                 j, _, rest = rest.partition(".")
                 k = f"block{blocks_of[int(j)]}.{rest}"
-            grads[k] = p.grad.clone()
-            if dp > 1:  # what a data-parallel optimizer does: the mean over the replicas
+            grads[k], params[k] = p.grad.clone(), p
+            if dp > 1:  # the gradient the optimizer's step reduces to: the mean over the replicas
                 dist.all_reduce(grads[k], group=mesh.get_group("dp"))
                 grads[k] /= dp
-    return {"loss": loss, "grads": grads, "tp_rank": group_rank(tp_group), "dp": dp,
+    opt.step()
+    return {"loss": loss, "grads": grads, "params": {k: p.detach().clone() for k, p in params.items()},
+            "tp_rank": group_rank(tp_group), "dp": dp,
             "bytes": pipe.boundary_bytes(), "messages": pipe.boundary_messages()}
 
 
 def check(results: list[dict[str, object]], n: int, tp: int) -> None:
-    loss, ref = reference_grads(n, 3)
+    loss, ref_grads, ref_params = reference_step(n, 3)
     seen: set[str] = set()
     for r in results:
         assert abs(r["loss"] - loss) < 1e-5, (r["loss"], loss)
-        for k, g in r["grads"].items():
-            full = ref[k]
-            dims = [d for d in range(full.dim()) if full.shape[d] != g.shape[d]]
-            want = part(full, dims[0], tp, r["tp_rank"]) if dims else full
-            assert (g - want).abs().max() < 1e-5, k
-            seen.add(k)
-    assert seen == set(ref)
+        for what, ref, tol in (("grads", ref_grads, 1e-5), ("params", ref_params, 1e-4)):
+            for k, got in r[what].items():
+                full = ref[k]
+                dims = [d for d in range(full.dim()) if full.shape[d] != got.shape[d]]
+                want = part(full, dims[0], tp, r["tp_rank"]) if dims else full
+                assert (got - want).abs().max() < tol, (what, k)
+                seen.add(k)
+    assert seen == set(ref_grads)
 
 
 @pytest.mark.parametrize("tp,pp,schedule", [(2, 2, "1f1b"), (1, 4, "gpipe"), (1, 2, "interleaved1f1b")])

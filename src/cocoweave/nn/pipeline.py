@@ -232,9 +232,16 @@ class Pipeline:
             self.modules.append(mod)
             self.stages.append(CountingStage(mod, s, self.num_stages, self.device, group=self.pp_group))
         stage_arg = self.stages if per_rank > 1 else self.stages[0]
-        self.schedule = cls(stage_arg, microbatches, loss_fn=loss_fn)
+        # The loss of each micro-batch is divided by their number instead of the engine dividing the gradients
+        # after the backwards (scale_grads): a data-parallel optimizer that reduces gradients as they arrive
+        # (DistributedAdamW) refuses gradients changed after backward, and the sum is the batch's mean either way.
+        self.loss_fn = loss_fn
+        self.schedule = cls(stage_arg, microbatches, loss_fn=self._scaled_loss, scale_grads=False)
         self.has_first = 0 in self.stage_ids
         self.has_last = self.num_stages - 1 in self.stage_ids
+
+    def _scaled_loss(self, output: torch.Tensor, target: torch.Tensor) -> torch.Tensor:
+        return self.loss_fn(output, target) / self.microbatches
 
     def parameters(self) -> Iterator[nn.Parameter]:
         """This rank's parameters (all its stages)."""
@@ -280,7 +287,7 @@ class Pipeline:
                   "step": int(step), "positions": positions.to(self.device)}
         with (no_sync() if no_sync is not None else contextlib.nullcontext()):
             self.schedule.step(*args, **kwargs)
-        total = torch.stack([x.detach().double() for x in losses]).mean() if losses else \
+        total = torch.stack([x.detach().double() for x in losses]).sum() if losses else \
             torch.zeros((), dtype=torch.float64, device=self.device)
         if self.pp_size > 1:
             dist.all_reduce(total, group=self.pp_group)  # the last stage's loss, everywhere in the pipeline
