@@ -232,11 +232,14 @@ class _RowProgram(torch.autograd.Function):
         x2 = x.reshape(-1, x.shape[-1])
         d_out = weight.shape[0]
         prog = P.row_backward(x2.shape[0], ctx.d_in, d_out, _dtype(x), ctx.p, ctx.has_bias, ctx.sp)
-        inputs = {"g": grad.reshape(-1, d_out), "w": weight, "xt": x2.t(), **_scalars(ctx.p, ctx.seed, ctx.offset)}
-        names = ("gx", "gwt", "gb") if ctx.has_bias else ("gx", "gwt")
-        got = ctx.programs.run("backward", prog, inputs, x.device, names)
-        gb = got[2] if ctx.has_bias else None
-        return (got[0].view(x.shape), got[1].t(), gb, grad if ctx.has_residual else None,
+        g = grad.reshape(-1, d_out)
+        inputs = {"g": g, "w": weight, **_scalars(ctx.p, ctx.seed, ctx.offset)}
+        names = ("gx", "gb") if ctx.has_bias else ("gx",)
+        if any(n == "gy" for n, _ in prog.outputs):
+            names += ("gy",)
+        got = dict(zip(names, ctx.programs.run("backward", prog, inputs, x.device, names), strict=True))
+        gw = got.get("gy", g).t() @ x2  # (out, in): the weight gradient's own layout, no copy in autograd
+        return (got["gx"].view(x.shape), gw, got.get("gb"), grad if ctx.has_residual else None,
                 None, None, None, None, None, None)
 
 
@@ -277,9 +280,10 @@ class _ColumnProgram(torch.autograd.Function):
             gx = exe.release(exe.run({"g": partial}).outputs["gx"])
         else:
             prog = P.column_backward(rows, d_in, ctx.out_features, _dtype(xg), ctx.has_bias, ctx.sp)
-            names = ("gx", "gwt", "gb") if ctx.has_bias else ("gx", "gwt")
-            got = ctx.programs.run("backward", prog, {"gy": gy, "w": weight, "xt": xg.t()}, xg.device, names)
-            gx, gw, gb = got[0], got[1].t(), got[2] if ctx.has_bias else None
+            names = ("gx", "gw", "gb") if ctx.has_bias else ("gx", "gw")
+            got = ctx.programs.run("backward", prog, {"gy": gy, "gyt": gy.t(), "w": weight, "x": xg}, xg.device,
+                                   names)
+            gx, gw, gb = got[0], got[1], got[2] if ctx.has_bias else None
         return gx.view(ctx.shape), gw, gb, None, None, None, None
 
 
