@@ -35,7 +35,8 @@ from .functional import Group, group_size
 
 AS_WRITTEN = "as written"
 ASYNC = "MM-AR||MMw"  # the column backward's input-gradient all-reduce in flight during the weight-gradient matmul
-AUTO_REPEATS = 3  # timed runs per candidate when "auto" measures (after one warm-up run)
+AUTO_ROUNDS = 7  # interleaved timed rounds (one run of every candidate each) when "auto" measures
+AUTO_MARGIN = 0.03  # a later (less simple) candidate must be this much faster to be chosen
 
 _SCHEDULES: dict[str, list[Schedule]] = {}
 _CHOSEN: dict[tuple, str] = {}  # "auto"'s measured choice, by (program fingerprint, group size, device)
@@ -65,10 +66,12 @@ def _fused(s: Schedule) -> bool:
 
 
 def candidates(program: Program, shared_host: bool) -> list[Schedule]:
-    """What "auto" measures: the fused schedules on the library's collectives, and on shared memory where the
-    group shares this host."""
-    fused = [s for s in schedules(program) if _fused(s)]
-    return [s for s in fused if "@shm" not in s.name or shared_host] or schedules(program)[:1]
+    """What "auto" measures, in order of preference: the fused schedules on shared memory where the group shares
+    this host, then on the library's collectives (the program as written among them)."""
+    fused = [s for s in schedules(program) if _fused(s) and ("@shm" not in s.name or shared_host)]
+    # shared memory first where it applies, then the simplest: one collective before a split one before a fused one
+    return sorted(fused, key=lambda s: ("@shm" not in s.name, "fuse(" in s.name, s.name.count("-"))) or \
+        schedules(program)[:1]
 
 
 def named(program: Program, name: str, shared_host: bool) -> Schedule:
@@ -166,25 +169,28 @@ class Programs:
 
     def _measure(self, kind: str, program: Program, options: list[Schedule], inputs: Mapping[str, Any],
                  device: torch.device) -> Schedule:
-        """Time each candidate on these inputs (one warm-up, then AUTO_REPEATS runs, median); the slowest rank's
-        time counts (one all-reduce of the times, so every rank picks the same)."""
-        times = []
-        for s in options:
-            exe = self._compiled(kind, program, s, device)
+        """Time the candidates on these inputs, interleaved (one warm-up each, then AUTO_ROUNDS rounds, median); the
+        slowest rank's time counts (one all-reduce of the times, so every rank picks the same). A candidate is
+        chosen over a simpler one only when it is AUTO_MARGIN faster."""
+        exes = [self._compiled(kind, program, s, device) for s in options]
+        for exe in exes:
             exe.run(inputs)
-            runs = []
-            for _ in range(AUTO_REPEATS):
+        runs: list[list[float]] = [[] for _ in exes]
+        for _ in range(AUTO_ROUNDS):
+            for exe, r in zip(exes, runs, strict=True):
                 t0 = time.perf_counter()
                 exe.run(inputs)
                 if device.type == "cuda":
                     torch.cuda.synchronize(device)
-                runs.append(time.perf_counter() - t0)
-            times.append(statistics.median(runs))
-        t = torch.tensor(times, dtype=torch.float64)
+                r.append(time.perf_counter() - t0)
+        t = torch.tensor([statistics.median(r) for r in runs], dtype=torch.float64)
         if self.size > 1:
             dist.all_reduce(t, op=dist.ReduceOp.MAX, group=self.group)
-        return options[int(torch.argmin(t))]
-
+        best = 0
+        for i in range(1, len(options)):
+            if t[i] < t[best] * (1 - AUTO_MARGIN):
+                best = i
+        return options[best]
 
 def _library(program: Program) -> Schedule:
     """The program as written with its computation fused, on the library's collectives (what `launch` issues)."""

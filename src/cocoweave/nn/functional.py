@@ -303,3 +303,26 @@ def column_parallel(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | 
                     out_features: int, rows: int = 0, sequence_parallel: bool = False) -> torch.Tensor:
     """x Wᵀ + b with the input gradient reduced by the layer's compiled programs (see ColumnParallelLinear)."""
     return _ColumnProgram.apply(x, weight, bias, programs, out_features, rows, sequence_parallel)
+
+
+class _SumGrads(torch.autograd.Function):
+    """Identity forward on several tensors; the backward sums their gradients over the group in ONE program run
+    (the gradients side by side): LayerNorm parameters that see only this rank's tokens under sequence parallelism."""
+
+    @staticmethod
+    def forward(ctx: Any, programs: Any, *ts: torch.Tensor) -> tuple[torch.Tensor, ...]:
+        ctx.programs, ctx.shapes = programs, [t.shape for t in ts]
+        return tuple(t.view_as(t) for t in ts)
+
+    @staticmethod
+    def backward(ctx: Any, *grads: torch.Tensor) -> tuple[Any, ...]:
+        flat = torch.cat([g.reshape(1, -1) for g in grads], dim=1)
+        prog = P.grad_all_reduce(1, flat.shape[1], _dtype(flat))
+        summed, = ctx.programs.run("parameter grads", prog, {"g": flat}, flat.device, ("gx",))
+        return (None, *(s.view(shape) for s, shape in zip(summed.split([g.numel() for g in grads], dim=1),
+                                                            ctx.shapes, strict=True)))
+
+
+def sum_grads(programs: Any, *ts: torch.Tensor) -> tuple[torch.Tensor, ...]:
+    """`ts` unchanged; their gradients summed over the layer's group by its compiled programs (one collective)."""
+    return _SumGrads.apply(programs, *ts)
