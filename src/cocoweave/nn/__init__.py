@@ -15,12 +15,12 @@ from .functional import (
 from .groups import mesh_coords, new_group, parallel_groups, parallel_mesh
 from .layers import ColumnParallelLinear, RowParallelLinear, full_linear_weights
 from .pipeline import Pipeline, PipelineBoundary, StageModule
-from .transformer import ReferenceBlock, TransformerBlock, block_seeds
+from .transformer import ReferenceBlock, TransformerBlock, block_seeds, sequence_gather, sequence_slice
 
 __all__ = [
     "ColumnParallelLinear", "Pipeline", "PipelineBoundary", "ReferenceBlock", "RowParallelLinear", "StageModule",
     "TransformerBlock",
     "bias_dropout_residual", "block_seeds", "copy_to_parallel", "full_linear_weights", "gather_from_parallel",
     "mesh_coords", "mix_seed", "new_group", "parallel_groups", "parallel_mesh", "reduce_from_parallel",
-    "scatter_to_parallel",
+    "scatter_to_parallel", "sequence_gather", "sequence_slice",
 ]
