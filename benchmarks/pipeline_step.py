@@ -9,8 +9,11 @@ each tp rank sending 1/tp of the activation and the next stage all-gathering it)
 
 Variants: "torch-tp:full" (DTensor TP, full sends, one fused torch AdamW per kind of parameter since torch's fused
 kernel refuses a mix of DTensor and plain tensors), "cocoweave:full" (cocoweave's stages with the full send: the
-boundary's A/B) and "cocoweave:sliced" (the sliced boundary), each with DistributedAdamW over the (size-1)
-data-parallel group. Every variant and schedule lives in the same rank processes; each round times every one
+boundary's A/B), "cocoweave:sliced" (the sliced boundary) and "cocoweave:sp" (sequence-parallel blocks: the stage's
+last matmul reduce-scatters, its epilogue runs on the slice, the slice crosses, the next stage all-gathers before its
+first matmul: RS-C-P2P-AG), the cocoweave.nn layers with schedule=--layers (default "auto": measured on the first
+step, in the warm-up), each with DistributedAdamW over the (size-1) data-parallel group. Every variant and
+schedule lives in the same rank processes; each round times every one
 for --steps steps after a warm-up (the first round's warm-up also infers the engine's shapes), in a rotated
 order. A step's time is the slowest rank's (each step starts after a barrier); the table gives the median, the
 ratio to the torch variant of the same schedule, the bytes each rank sends across the boundary per
@@ -43,7 +46,7 @@ from schedules import machine  # noqa: E402 - the benchmarks' one description of
 
 CONFIG = {"blocks": 8, "d_model": 512, "heads": 8, "seq": 128, "batch": 16, "microbatches": 8, "vocab": 64,
           "tp": 2, "pp": 2, "lr": 3e-4}
-VARIANTS = ("torch-tp:full", "cocoweave:full", "cocoweave:sliced")
+VARIANTS = ("torch-tp:full", "cocoweave:full", "cocoweave:sliced", "cocoweave:sp")
 
 
 class Embed(nn.Module):
@@ -111,7 +114,7 @@ def _loss(vocab: int) -> Any:
 class Run:
     """One variant under one schedule on this rank: step() runs zero_grad, the schedule and the optimizer."""
 
-    def __init__(self, variant: str, schedule: str, cfg: dict[str, Any], dropout: float) -> None:
+    def __init__(self, variant: str, schedule: str, cfg: dict[str, Any], dropout: float, layers: str) -> None:
         from cocoweave.nn import Pipeline, TransformerBlock, parallel_mesh
         from cocoweave.nn.pipeline import SCHEDULES, CountingStage, stage_blocks
         from cocoweave.optim import DistributedAdamW
@@ -123,11 +126,14 @@ class Run:
         is_first, is_last = pp_rank == 0, pp_rank == cfg["pp"] - 1
         torch.manual_seed(0)  # every rank alike: the tp ranks of a stage draw the same nn.Dropout masks
         if variant.startswith("cocoweave"):
+            sp = variant.endswith(":sp")
             self.pipe = Pipeline(mesh, n_blocks=cfg["blocks"],
                                  block=lambda i: TransformerBlock(d, cfg["heads"], dropout=dropout, group=tp_group,
-                                                                  seed=100 * i),
+                                                                  seed=100 * i, schedule=layers,
+                                                                  sequence_parallel=sp),
                                  first=lambda: Embed(V, d, cfg["seq"]), last=lambda: Head(V, d), loss_fn=_loss(V),
-                                 microbatches=m, schedule=schedule, sliced=variant.endswith("sliced"))
+                                 microbatches=m, schedule=schedule, sliced=not variant.endswith(":full"),
+                                 sequence_parallel=sp)
             self.stages, self.modules = self.pipe.stages, self.pipe.modules
             self.opt = DistributedAdamW(list(self.pipe.parameters()), lr=cfg["lr"], process_group=mesh.get_group("dp"))
             self.schedule = self.pipe.schedule
@@ -184,14 +190,14 @@ def _status(field: str) -> int:
 
 
 def timings(rank: int, world_size: int, cfg: dict[str, Any], names: list[str], schedules: list[str], rounds: int,
-            steps: int, dropout: float) -> dict[str, Any]:
+            steps: int, dropout: float, layers: str) -> dict[str, Any]:
     """Every (variant, schedule)'s step times on this rank (ms), rounds interleaved; bytes sent per micro-batch,
     peak RSS growth during its steps and busy fraction of its steps."""
     from cocoweave.backends.torch.worker import timed_steps
 
     torch.set_num_threads(1)
     keys = [f"{v}/{s}" for s in schedules for v in names]
-    runs = {k: Run(*k.split("/"), cfg, dropout) for k in keys}
+    runs = {k: Run(*k.split("/"), cfg, dropout, layers) for k in keys}
     gen = torch.Generator().manual_seed(0)
     x = torch.randint(0, cfg["vocab"], (cfg["batch"], cfg["seq"]), generator=gen)
     y = torch.randint(0, cfg["vocab"], (cfg["batch"], cfg["seq"]), generator=gen)
@@ -231,6 +237,8 @@ def main() -> None:
     ap.add_argument("--rounds", type=int, default=3)
     ap.add_argument("--steps", type=int, default=2)
     ap.add_argument("--dropout", type=float, default=0.1)
+    ap.add_argument("--layers", default="auto",
+                    help="cocoweave.nn layers' schedule= (auto, 'as written', a name; sequence parallel: auto)")
     ap.add_argument("--d-model", type=int, default=CONFIG["d_model"])
     ap.add_argument("--seq", type=int, default=CONFIG["seq"])
     ap.add_argument("--out", type=Path, default=Path(__file__).parent / "results")
@@ -242,11 +250,12 @@ def main() -> None:
     world = cfg["tp"] * cfg["pp"]
     names, schedules = args.variants.split(","), args.schedules.split(",")
     doc: dict[str, Any] = {"command": "benchmarks/pipeline_step.py " + " ".join(sys.argv[1:]),
-                           "machine": machine("cpu", world), "config": cfg | {"dropout": args.dropout},
+                           "machine": machine("cpu", world),
+                           "config": cfg | {"dropout": args.dropout, "layers": args.layers},
                            "date": datetime.datetime.now(datetime.UTC).isoformat(timespec="seconds"), "rows": []}
     print(f"load average at start: {os.getloadavg()[0]:.2f}")
     with LocalWorld(world, timeout_s=1800) as lw:
-        per_rank = lw.run(timings, cfg, names, schedules, args.rounds, args.steps, args.dropout)
+        per_rank = lw.run(timings, cfg, names, schedules, args.rounds, args.steps, args.dropout, args.layers)
     p, m = cfg["pp"], cfg["microbatches"]
     activation = cfg["batch"] // m * cfg["seq"] * cfg["d_model"] * 4
     print(f"\nGPT {cfg['blocks']} blocks d{cfg['d_model']}, seq {cfg['seq']}, batch {cfg['batch']} in {m} "
@@ -281,8 +290,8 @@ def main() -> None:
         doc["rows"] += rows
     doc["machine"]["load_average_end"] = os.getloadavg()
     args.out.mkdir(parents=True, exist_ok=True)
-    options = ("schedules", "variants", "dropout", "d_model", "seq")
-    tag = "".join(f"-{k}-{getattr(args, k)}".replace(",", "+") for k in options
+    options = ("schedules", "variants", "dropout", "d_model", "seq", "layers")
+    tag = "".join(f"-{k}-{getattr(args, k)}".replace(",", "+").replace(" ", "_") for k in options
                   if getattr(args, k) != ap.get_default(k))
     path = args.out / f"pipeline_step{tag}-cpu{os.cpu_count()}-{datetime.date.today().isoformat()}.json"
     path.write_text(json.dumps(doc, indent=1))

@@ -3,23 +3,19 @@ checkpoint and resumed, gives the loss curve of the same model trained in one pr
 
 from __future__ import annotations
 
-import importlib.util
-import sys
 from dataclasses import asdict
 from pathlib import Path
 
 import pytest
+
+from cocoweave.loader import import_module_file
 
 SCRIPT = Path(__file__).resolve().parents[2] / "examples" / "train_gpt_pipeline.py"
 
 
 @pytest.fixture(scope="module")
 def example():
-    spec = importlib.util.spec_from_file_location("cocoweave_example_train_gpt_pipeline", SCRIPT)
-    module = importlib.util.module_from_spec(spec)
-    sys.modules[spec.name] = module
-    spec.loader.exec_module(module)
-    return module
+    return import_module_file("cocoweave_example_train_gpt_pipeline", str(SCRIPT))
 
 
 def test_a_resumed_pipeline_run_trains_the_one_process_curve(example, world4, tmp_path):

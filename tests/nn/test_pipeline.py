@@ -77,16 +77,16 @@ def reference_step(n: int, step: int) -> tuple[float, dict[str, torch.Tensor], d
 
 
 def pipeline_case(rank: int, world_size: int, tp: int, pp: int, schedule: str, m: int, n: int,
-                  sliced: bool = True) -> dict[str, object]:
+                  sliced: bool = True, sp: bool = False) -> dict[str, object]:
     mesh = parallel_mesh(tensor_parallel=tp, pipeline_parallel=pp)
     tp_group = mesh.get_group("tp")
     embed, blocks, head = reference()
 
     def block(i: int) -> TransformerBlock:
-        return TransformerBlock(D, H, dropout=0.2, group=tp_group).load_reference(blocks[i])
+        return TransformerBlock(D, H, dropout=0.2, group=tp_group, sequence_parallel=sp).load_reference(blocks[i])
 
     pipe = Pipeline(mesh, n_blocks=BLOCKS, block=block, first=lambda: embed, last=lambda: head, loss_fn=ce,
-                    microbatches=m, schedule=schedule, sliced=sliced)
+                    microbatches=m, schedule=schedule, sliced=sliced, sequence_parallel=sp)
     dp, dp_rank = mesh.size(0), group_rank(mesh.get_group("dp"))
     x, y = batch(n)
     share = n // dp
@@ -127,10 +127,12 @@ def check(results: list[dict[str, object]], n: int, tp: int) -> None:
     assert seen == set(ref_grads)
 
 
-@pytest.mark.parametrize("tp,pp,schedule", [(2, 2, "1f1b"), (1, 4, "gpipe"), (1, 2, "interleaved1f1b")])
-def test_pipeline_equals_one_process(world4, tp: int, pp: int, schedule: str) -> None:
-    """pp 2 x tp 2, pp 4, and pp 2 x dp 2 (interleaved: two stages per rank) against the whole batch in one process."""
-    check(world4.run(pipeline_case, tp, pp, schedule, 4, 8), 8, tp)
+@pytest.mark.parametrize("tp,pp,schedule,sp", [(2, 2, "1f1b", False), (2, 2, "gpipe", True), (1, 4, "gpipe", False),
+                                               (1, 2, "interleaved1f1b", False)])
+def test_pipeline_equals_one_process(world4, tp: int, pp: int, schedule: str, sp: bool) -> None:
+    """pp 2 x tp 2 (with and without sequence parallelism), pp 4, and pp 2 x dp 2 (interleaved: two stages per rank)
+    against the whole batch in one process."""
+    check(world4.run(pipeline_case, tp, pp, schedule, 4, 8, sp=sp), 8, tp)
 
 
 def test_only_a_slice_crosses_each_boundary(world4) -> None:

@@ -35,7 +35,8 @@ from torch.distributed.pipelining import (
 
 from ..errors import ParallelConfigError
 from ..ir.layout import slice_bounds
-from .functional import Group, all_gather_cat, gather_from_parallel, group_rank, group_size, part, scatter_to_parallel
+from .functional import Group, all_gather_cat, group_rank, group_size, part
+from .transformer import sequence_gather, sequence_slice
 
 # name -> (schedule class, stages per rank it runs: 1 = one stage per rank, 2 = interleaved virtual stages)
 SCHEDULES: dict[str, tuple[type, int]] = {
@@ -127,37 +128,68 @@ def stage_blocks(n_blocks: int, stages: int, index: int) -> range:
 class StageModule(nn.Module):
     """One pipeline stage: `first` (the model's input module, first stage only), `blocks` called as
     block(x, step=step, index_offset=...), `last` (the output module, last stage only). With `sliced` and a
-    tensor-parallel `group`, a stage that receives begins by all-gathering its input over `group` along
-    `seq_dim` and a stage that sends ends by keeping this rank's 1/t slice of its output: only slices cross.
+    tensor-parallel `group`, a stage that sends ends by keeping this rank's 1/t token slice of its (batch, seq, d)
+    output (`sequence_slice`: rows of its (batch * seq, d) view) and a stage that receives begins by all-gathering
+    the slices over `group` (`sequence_gather`): only slices cross. With `sequence_parallel` the blocks themselves
+    take and return token slices (Megatron-SP: the last row-parallel matmul of a stage reduce-scatters and runs its
+    epilogue on the slice, the next stage all-gathers before its first column-parallel matmul): the first stage
+    slices the embeddings, the slice crosses as it is, the last stage gathers before `last`.
 
     forward(x, step=, positions=): `positions` are the micro-batch's samples' positions in the global batch
     (the engine chunks them with the batch), so each block draws the dropout mask of those samples."""
 
     def __init__(self, blocks: Sequence[nn.Module], *, first: nn.Module | None = None, last: nn.Module | None = None,
                  receives: bool = False, sends: bool = False, group: Group = None, sliced: bool = True,
-                 seq_dim: int = 1) -> None:
+                 sequence_parallel: bool = False) -> None:
         super().__init__()
+        for i, blk in enumerate(blocks):
+            if bool(getattr(blk, "sequence_parallel", False)) != sequence_parallel:
+                raise ParallelConfigError(f"block {i} of a stage has sequence_parallel="
+                                          f"{getattr(blk, 'sequence_parallel', False)} but the stage was built with "
+                                          f"sequence_parallel={sequence_parallel}; build both alike")
+        if sequence_parallel and not sliced:
+            raise ParallelConfigError("sequence-parallel stages hold token slices: they cannot send whole activations "
+                                      "(sliced=False)")
         self.first, self.blocks, self.last = first, nn.ModuleList(blocks), last
-        self.receives, self.sends, self.group, self.seq_dim = receives, sends, group, seq_dim
-        self.sliced = sliced and group_size(group) > 1
+        self.receives, self.sends, self.group = receives, sends, group
+        self.tp = group_size(group)
+        self.sliced, self.sequence_parallel = sliced and self.tp > 1, sequence_parallel
+
+    def _batch(self, positions: torch.Tensor | None) -> int:
+        if positions is None:
+            raise ParallelConfigError("a stage that receives token slices needs positions= (the micro-batch's "
+                                      "samples) to know the batch it gathers")
+        return positions.numel()
+
+    def _even(self, rows: int) -> None:
+        if rows % self.tp:
+            raise ParallelConfigError(f"the sliced stage boundary splits {rows} tokens over {self.tp} tensor-parallel "
+                                      "ranks, which does not divide them; use a batch x sequence length it divides "
+                                      "or sliced=False")
 
     def forward(self, x: torch.Tensor, *, step: int = 0, positions: torch.Tensor | None = None) -> torch.Tensor:
-        if self.receives and self.sliced:
-            x = gather_from_parallel(x, self.seq_dim, self.group)
+        shape: tuple[int, int] | None = None  # (batch, seq) of the micro-batch while x holds token slices
+        if self.receives and (self.sliced or self.sequence_parallel):
+            b = self._batch(positions)
+            shape = (b, x.shape[0] * self.tp // b)
+            if not self.sequence_parallel:
+                x, shape = sequence_gather(x, shape, self.group), None
         if self.first is not None:
             x = self.first(x)
+            if self.sequence_parallel:
+                shape = (x.shape[0], x.shape[1])
+                self._even(shape[0] * shape[1])
+                x = sequence_slice(x, self.group)
         start = int(positions[0]) if positions is not None and positions.numel() else 0
+        per_sample = shape[1] * x.shape[-1] if shape is not None else x[0].numel()
         for blk in self.blocks:
-            x = blk(x, step=step, index_offset=start * (x[0].numel() if x.dim() else 1))
+            kw = {"batch_shape": shape} if self.sequence_parallel else {}
+            x = blk(x, step=step, index_offset=start * per_sample, **kw)
         if self.last is not None:
-            x = self.last(x)
-        if self.sends and self.sliced:
-            t = group_size(self.group)
-            if x.shape[self.seq_dim] % t:
-                raise ParallelConfigError(f"the sliced stage boundary splits dim {self.seq_dim} of the activation "
-                                          f"{list(x.shape)} over {t} tensor-parallel ranks, which does not divide "
-                                          "it; use a length it divides or sliced=False")
-            x = scatter_to_parallel(x, self.seq_dim, self.group)
+            x = self.last(sequence_gather(x, shape, self.group) if self.sequence_parallel else x)
+        if self.sends and self.sliced and not self.sequence_parallel:
+            self._even(x.shape[0] * x.shape[1])
+            x = sequence_slice(x, self.group)
         return x
 
 
@@ -206,12 +238,14 @@ class Pipeline:
     """This rank's part of a model cut into pipeline stages over `mesh` (parallel_mesh's dims "dp", "pp", "tp"),
     run by a torch.distributed.pipelining schedule. `block(i)` builds block i (called only for this rank's
     blocks), `first()` the input module of stage 0, `last()` the output module of the last stage; `loss_fn(output,
-    target)` is the mean loss of a micro-batch. `sliced` sends 1/tp of each activation between stages."""
+    target)` is the mean loss of a micro-batch. `sliced` sends 1/tp of each activation between stages;
+    `sequence_parallel` says the blocks were built with sequence_parallel=True (see StageModule)."""
 
     def __init__(self, mesh: Any, *, n_blocks: int, block: Callable[[int], nn.Module],
                  first: Callable[[], nn.Module] | None = None, last: Callable[[], nn.Module] | None = None,
                  loss_fn: Callable[[torch.Tensor, torch.Tensor], torch.Tensor], microbatches: int,
-                 schedule: str = "1f1b", sliced: bool = True, device: torch.device | None = None) -> None:
+                 schedule: str = "1f1b", sliced: bool = True, sequence_parallel: bool = False,
+                 device: torch.device | None = None) -> None:
         pp = mesh.size(mesh.mesh_dim_names.index("pp"))
         cls, per_rank = _check_schedule(schedule, microbatches, pp)
         self.mesh, self.microbatches, self.schedule_name = mesh, microbatches, schedule
@@ -228,7 +262,7 @@ class Pipeline:
             blocks = [block(i) for i in stage_blocks(n_blocks, self.num_stages, s)]
             mod = StageModule(blocks, first=first() if is_first and first else None,
                               last=last() if is_last and last else None, receives=not is_first, sends=not is_last,
-                              group=self.tp_group, sliced=sliced).to(self.device)
+                              group=self.tp_group, sliced=sliced, sequence_parallel=sequence_parallel).to(self.device)
             self.modules.append(mod)
             self.stages.append(CountingStage(mod, s, self.num_stages, self.device, group=self.pp_group))
         stage_arg = self.stages if per_rank > 1 else self.stages[0]
