@@ -17,11 +17,13 @@ schedule lives in the same rank processes; each round times every one
 for --steps steps after a warm-up (the first round's warm-up also infers the engine's shapes), in a rotated
 order. A step's time is the slowest rank's (each step starts after a barrier); the table gives the median, the
 ratio to the torch variant of the same schedule, the bytes each rank sends across the boundary per
-micro-batch (activations forward, gradients backward; counted on the engine's own sends), the peak RSS growth
-during the variant's steps (rank max; activations and gradients above the built models), and the bubble: the
+micro-batch (activations forward, gradients backward; counted on the engine's own sends) and the bubble: the
 fraction of a rank's step outside its stage's forward and backward chunks (mean over ranks) beside the
-schedule's theoretical (p - 1) / (m + p - 1). JSON goes to benchmarks/results/pipeline_step-<device>-<date>.json
-with the machine, versions, date and load average.
+schedule's theoretical (p - 1) / (m + p - 1). --memory instead runs each (variant, schedule) in fresh ranks and
+reports each rank's peak RSS during a first step and --steps more above its RSS with the model built (activations
+in flight, gradients, optimizer state, and for cocoweave the compiled programs and "auto"'s measurement).
+JSON goes to benchmarks/results/pipeline_step-<device>-<date>.json (pipeline_memory-... with --memory) with the
+machine, versions, date and load average.
 """
 
 from __future__ import annotations
@@ -192,7 +194,7 @@ def _status(field: str) -> int:
 def timings(rank: int, world_size: int, cfg: dict[str, Any], names: list[str], schedules: list[str], rounds: int,
             steps: int, dropout: float, layers: str) -> dict[str, Any]:
     """Every (variant, schedule)'s step times on this rank (ms), rounds interleaved; bytes sent per micro-batch,
-    peak RSS growth during its steps and busy fraction of its steps."""
+    and busy fraction of its steps."""
     from cocoweave.backends.torch.worker import timed_steps
 
     torch.set_num_threads(1)
@@ -201,15 +203,12 @@ def timings(rank: int, world_size: int, cfg: dict[str, Any], names: list[str], s
     gen = torch.Generator().manual_seed(0)
     x = torch.randint(0, cfg["vocab"], (cfg["batch"], cfg["seq"]), generator=gen)
     y = torch.randint(0, cfg["vocab"], (cfg["batch"], cfg["seq"]), generator=gen)
-    out: dict[str, Any] = {k: {"times": [], "peak_rss": 0, "busy": [], "bytes": None} for k in keys}
+    out: dict[str, Any] = {k: {"times": [], "busy": [], "bytes": None} for k in keys}
     counter = [0]
     for r in range(rounds):
         for k in keys[r % len(keys):] + keys[:r % len(keys)]:
             run = runs[k]
             warm = 2 if r == 0 else 1
-            base = _status("VmRSS")
-            with open("/proc/self/clear_refs", "w") as f:  # VmHWM from here on
-                f.write("5")
             busy: list[float] = []
 
             def step(run: Run = run, busy: list[float] = busy) -> None:
@@ -224,10 +223,30 @@ def timings(rank: int, world_size: int, cfg: dict[str, Any], names: list[str], s
             after = run.sent()
             out[k]["times"] += times
             out[k]["busy"] += busy[warm:]
-            out[k]["peak_rss"] = max(out[k]["peak_rss"], _status("VmHWM") - base)
             per_mb = {d: (after[d] - before[d]) / ((steps + warm) * cfg["microbatches"]) for d in after}
             out[k]["bytes"] = per_mb
     return out
+
+
+def memory(rank: int, world_size: int, cfg: dict[str, Any], key: str, steps: int, dropout: float,
+           layers: str) -> dict[str, int]:
+    """Peak RSS of one (variant, schedule) in fresh ranks during a first step and `steps` more, above this rank's
+    memory with the model built: activations in flight, gradients, optimizer state, compiled programs."""
+    import gc
+
+    torch.set_num_threads(1)
+    run = Run(*key.split("/"), cfg, dropout, layers)
+    gen = torch.Generator().manual_seed(0)
+    x = torch.randint(0, cfg["vocab"], (cfg["batch"], cfg["seq"]), generator=gen)
+    y = torch.randint(0, cfg["vocab"], (cfg["batch"], cfg["seq"]), generator=gen)
+    gc.collect()
+    dist.barrier()
+    base = _status("VmRSS")
+    with open("/proc/self/clear_refs", "w") as f:  # VmHWM from here on
+        f.write("5")
+    for i in range(steps + 1):  # the first also infers shapes, measures "auto" and allocates optimizer state
+        run.step(x, y, i)
+    return {"peak_rss_bytes": _status("VmHWM") - base, "base_rss_bytes": base}
 
 
 def main() -> None:
@@ -239,6 +258,8 @@ def main() -> None:
     ap.add_argument("--dropout", type=float, default=0.1)
     ap.add_argument("--layers", default="auto",
                     help="cocoweave.nn layers' schedule= (auto, 'as written', a name; sequence parallel: auto)")
+    ap.add_argument("--memory", action="store_true",
+                    help="peak RSS per variant and schedule, each in a fresh world, instead of step times")
     ap.add_argument("--d-model", type=int, default=CONFIG["d_model"])
     ap.add_argument("--seq", type=int, default=CONFIG["seq"])
     ap.add_argument("--out", type=Path, default=Path(__file__).parent / "results")
@@ -254,6 +275,19 @@ def main() -> None:
                            "config": cfg | {"dropout": args.dropout, "layers": args.layers},
                            "date": datetime.datetime.now(datetime.UTC).isoformat(timespec="seconds"), "rows": []}
     print(f"load average at start: {os.getloadavg()[0]:.2f}")
+    if args.memory:
+        print(f"peak RSS above the built model over 1 + {args.steps} steps, fresh ranks per variant")
+        for s in schedules:
+            for v in names:
+                with LocalWorld(world, timeout_s=1800) as lw:
+                    got = lw.run(memory, cfg, f"{v}/{s}", args.steps, args.dropout, args.layers)
+                row = {"variant": v, "schedule": s, "peak_rss_bytes": [g["peak_rss_bytes"] for g in got],
+                       "base_rss_bytes": [g["base_rss_bytes"] for g in got]}
+                doc["rows"].append(row)
+                print(f"  {v + ' ' + s:<28} per rank MiB: "
+                      + " ".join(f"{b / 2**20:6.1f}" for b in row["peak_rss_bytes"]))
+        _write(doc, args, ap, "pipeline_memory")
+        return
     with LocalWorld(world, timeout_s=1800) as lw:
         per_rank = lw.run(timings, cfg, names, schedules, args.rounds, args.steps, args.dropout, args.layers)
     p, m = cfg["pp"], cfg["microbatches"]
@@ -263,7 +297,7 @@ def main() -> None:
           f"pp {p} x tp {cfg['tp']} on {world} Gloo CPU ranks, {os.cpu_count()} cores, dropout {args.dropout}, "
           f"{args.rounds} rounds x {args.steps} steps; activation {activation / 1024:.0f} KiB per micro-batch")
     print(f"{'variant':<28} {'median ms':>10} {'vs torch':>9} {'KiB/mb fwd':>11} {'KiB/mb bwd':>11} "
-          f"{'peak MiB':>9} {'bubble':>7} {'theory':>7}")
+          f"{'bubble':>7} {'theory':>7}")
     for s in schedules:
         rows = []
         for v in names:
@@ -275,7 +309,6 @@ def main() -> None:
                                             "backward": max(b["backward"] for b in senders)},
                    "bytes_per_rank": senders, "activation_bytes": activation,
                    "boundary_bytes_per_microbatch": sum(b["forward"] for b in senders) / (p - 1),
-                   "peak_rss_bytes": max(r[k]["peak_rss"] for r in per_rank),
                    "bubble": 1 - statistics.mean(statistics.median(r[k]["busy"]) for r in per_rank),
                    "bubble_theory": (p - 1) / (m + p - 1)}
             rows.append(row)
@@ -285,15 +318,19 @@ def main() -> None:
             print(f"{r['variant'] + ' ' + s:<28} {r['median_ms']:>10.1f} "
                   f"{r['ratio_to_torch'] if base else float('nan'):>9.2f} "
                   f"{r['bytes_per_microbatch']['forward'] / 1024:>11.0f} "
-                  f"{r['bytes_per_microbatch']['backward'] / 1024:>11.0f} {r['peak_rss_bytes'] / 2**20:>9.0f} "
+                  f"{r['bytes_per_microbatch']['backward'] / 1024:>11.0f} "
                   f"{r['bubble']:>7.1%} {r['bubble_theory']:>7.1%}")
         doc["rows"] += rows
+    _write(doc, args, ap, "pipeline_step")
+
+
+def _write(doc: dict[str, Any], args: argparse.Namespace, ap: argparse.ArgumentParser, kind: str) -> None:
     doc["machine"]["load_average_end"] = os.getloadavg()
     args.out.mkdir(parents=True, exist_ok=True)
     options = ("schedules", "variants", "dropout", "d_model", "seq", "layers")
     tag = "".join(f"-{k}-{getattr(args, k)}".replace(",", "+").replace(" ", "_") for k in options
                   if getattr(args, k) != ap.get_default(k))
-    path = args.out / f"pipeline_step{tag}-cpu{os.cpu_count()}-{datetime.date.today().isoformat()}.json"
+    path = args.out / f"{kind}{tag}-cpu{os.cpu_count()}-{datetime.date.today().isoformat()}.json"
     path.write_text(json.dumps(doc, indent=1))
     print(f"wrote {path}")
 

@@ -162,3 +162,8 @@ def bad_case(rank: int, world_size: int, schedule: str, m: int, n: int) -> str:
 ])
 def test_a_layout_the_engine_cannot_run_is_one_sentence(world4, schedule: str, m: int, n: int, said: str) -> None:
     assert said in world4.run(bad_case, schedule, m, n)[0]
+
+
+def test_a_mesh_without_the_pipeline_dims_is_one_sentence() -> None:
+    with pytest.raises(ParallelConfigError, match="Pipeline needs a DeviceMesh with dims 'dp', 'pp' and 'tp'"):
+        Pipeline(object(), n_blocks=2, block=lambda i: nn.Identity(), loss_fn=ce, microbatches=2)

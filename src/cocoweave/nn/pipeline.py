@@ -246,7 +246,11 @@ class Pipeline:
                  loss_fn: Callable[[torch.Tensor, torch.Tensor], torch.Tensor], microbatches: int,
                  schedule: str = "1f1b", sliced: bool = True, sequence_parallel: bool = False,
                  device: torch.device | None = None) -> None:
-        pp = mesh.size(mesh.mesh_dim_names.index("pp"))
+        names = tuple(getattr(mesh, "mesh_dim_names", None) or ())
+        if not {"dp", "pp", "tp"} <= set(names):
+            raise ParallelConfigError(f"Pipeline needs a DeviceMesh with dims 'dp', 'pp' and 'tp' "
+                                      f"(cocoweave.nn.parallel_mesh), got dims {names}")
+        pp = mesh.size(names.index("pp"))
         cls, per_rank = _check_schedule(schedule, microbatches, pp)
         self.mesh, self.microbatches, self.schedule_name = mesh, microbatches, schedule
         self.tp_group, self.pp_group, self.dp_group = (mesh.get_group(d) for d in ("tp", "pp", "dp"))
