@@ -167,3 +167,22 @@ def test_a_layout_the_engine_cannot_run_is_one_sentence(world4, schedule: str, m
 def test_a_mesh_without_the_pipeline_dims_is_one_sentence() -> None:
     with pytest.raises(ParallelConfigError, match="Pipeline needs a DeviceMesh with dims 'dp', 'pp' and 'tp'"):
         Pipeline(object(), n_blocks=2, block=lambda i: nn.Identity(), loss_fn=ce, microbatches=2)
+
+
+def missing_case(rank: int, world_size: int) -> list[str]:
+    mesh = parallel_mesh(tensor_parallel=2, pipeline_parallel=2)
+    pipe = Pipeline(mesh, n_blocks=2, block=lambda i: TransformerBlock(D, H, group=mesh.get_group("tp")),
+                    first=Embed, last=Head, loss_fn=ce, microbatches=2)
+    said = []
+    for args in ((None, None), (None, batch(4)[1]) if pipe.has_first else (batch(4)[0], None)):
+        with pytest.raises(ParallelConfigError) as e:
+            pipe.step(*args)
+        said.append(str(e.value))
+    return said
+
+
+def test_a_step_without_its_batch_is_one_sentence(world4) -> None:
+    for rank, said in enumerate(world4.run(missing_case)):
+        assert "needs the batch's inputs, targets or positions" in said[0]
+        assert said[1].endswith("the first stage and needs the batch's inputs" if rank < 2 else
+                                "the last stage and needs the batch's targets")

@@ -313,10 +313,19 @@ class Pipeline:
         stage reads inputs, only the last reads targets). `positions` (default 0..batch-1) are the samples'
         positions in the global batch (dropout masks); `no_sync` (an optimizer's no_sync) holds the data-parallel
         reduction until the optimizer steps. Returns the global batch's mean loss (all replicas), on every rank."""
-        batch = (inputs if inputs is not None else targets).shape[0]
+        given = next((t for t in (inputs, targets, positions) if t is not None), None)
+        if given is None:
+            raise ParallelConfigError("Pipeline.step needs the batch's inputs, targets or positions on every rank "
+                                      "(they say how many samples the micro-batches split)")
+        batch = given.shape[0]
         if batch % self.microbatches:
             raise ParallelConfigError(f"a batch of {batch} samples cannot be split into {self.microbatches} "
                                       "equal micro-batches")
+        for needed, stage, what, value in ((self.has_first, "first", "inputs", inputs),
+                                           (self.has_last, "last", "targets", targets)):
+            if needed and value is None:
+                raise ParallelConfigError(f"Pipeline.step: this rank holds the {stage} stage and needs the batch's "
+                                          f"{what}")
         if positions is None:
             positions = torch.arange(batch)
         args = (inputs.to(self.device),) if self.has_first else ()
