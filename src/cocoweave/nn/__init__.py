@@ -12,13 +12,15 @@ from .functional import (
     reduce_from_parallel,
     scatter_to_parallel,
 )
-from .groups import new_group, parallel_groups
+from .groups import mesh_coords, new_group, parallel_groups, parallel_mesh
 from .layers import ColumnParallelLinear, RowParallelLinear, full_linear_weights
-from .pipeline import PipelineBoundary
-from .transformer import ReferenceBlock, TransformerBlock, block_seeds
+from .pipeline import Pipeline, PipelineBoundary, StageModule
+from .transformer import ReferenceBlock, TransformerBlock, block_seeds, sequence_gather, sequence_slice
 
 __all__ = [
-    "ColumnParallelLinear", "PipelineBoundary", "ReferenceBlock", "RowParallelLinear", "TransformerBlock",
+    "ColumnParallelLinear", "Pipeline", "PipelineBoundary", "ReferenceBlock", "RowParallelLinear", "StageModule",
+    "TransformerBlock",
     "bias_dropout_residual", "block_seeds", "copy_to_parallel", "full_linear_weights", "gather_from_parallel",
-    "mix_seed", "new_group", "parallel_groups", "reduce_from_parallel", "scatter_to_parallel",
+    "mesh_coords", "mix_seed", "new_group", "parallel_groups", "parallel_mesh", "reduce_from_parallel",
+    "scatter_to_parallel", "sequence_gather", "sequence_slice",
 ]

@@ -1,6 +1,9 @@
-"""Process groups of a data x tensor parallel layout (Megatron's order: tensor-parallel ranks adjacent).
+"""Process groups of a data x pipeline x tensor parallel layout, as a torch DeviceMesh in Megatron's order
+(tensor-parallel ranks adjacent, then pipeline stages, then data-parallel replicas).
 
-    tp_group, dp_group = parallel_groups(tensor_parallel=2)     # world 4: tp {0,1} {2,3}, dp {0,2} {1,3}
+    mesh = parallel_mesh(tensor_parallel=2, pipeline_parallel=2)   # world 8: dims ("dp", "pp", "tp") = (2, 2, 2)
+    tp, pp, dp = (mesh.get_group(d) for d in ("tp", "pp", "dp"))   # rank r = (dp * pp_size + pp) * tp_size + tp
+    tp_group, dp_group = parallel_groups(tensor_parallel=2)        # world 4: tp {0,1} {2,3}, dp {0,2} {1,3}
 """
 
 from __future__ import annotations
@@ -8,10 +11,13 @@ from __future__ import annotations
 from typing import Any
 
 import torch.distributed as dist
+from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
 
 from ..errors import ParallelConfigError
 
+MESH_DIMS = ("dp", "pp", "tp")
 _CACHE: dict[tuple[int, ...], Any] = {}
+_MESHES: dict[tuple[Any, ...], DeviceMesh] = {}
 
 
 def new_group(ranks: list[int]) -> Any:
@@ -22,19 +28,51 @@ def new_group(ranks: list[int]) -> Any:
     return _CACHE[key]
 
 
-def parallel_groups(tensor_parallel: int) -> tuple[Any, Any]:
-    """(tensor-parallel group, data-parallel group) of this rank: world ranks r = dp * t + tp."""
-    world = dist.get_world_size() if dist.is_initialized() else 1
-    if tensor_parallel < 1 or world % tensor_parallel:
-        raise ParallelConfigError(f"tensor_parallel={tensor_parallel} does not divide the world size {world}")
+def _world() -> int:
+    return dist.get_world_size() if dist.is_available() and dist.is_initialized() else 1
+
+
+def mesh_shape(world_size: int, tensor_parallel: int = 1, pipeline_parallel: int = 1) -> tuple[int, int, int]:
+    """(dp, pp, tp) sizes of a world of `world_size` ranks, or ParallelConfigError saying why it does not divide."""
+    for name, size in (("tensor_parallel", tensor_parallel), ("pipeline_parallel", pipeline_parallel)):
+        if not isinstance(size, int) or size < 1:
+            raise ParallelConfigError(f"{name} must be a positive integer, got {size!r}")
+    cell = tensor_parallel * pipeline_parallel
+    if world_size % cell:
+        raise ParallelConfigError(f"tensor_parallel={tensor_parallel} x pipeline_parallel={pipeline_parallel} = "
+                                  f"{cell} ranks does not divide the world size {world_size}")
+    return world_size // cell, pipeline_parallel, tensor_parallel
+
+
+def mesh_coords(rank: int, tensor_parallel: int = 1, pipeline_parallel: int = 1) -> tuple[int, int, int]:
+    """(dp, pp, tp) coordinates of global `rank`: rank = (dp * pipeline_parallel + pp) * tensor_parallel + tp."""
+    cell, tp = divmod(rank, tensor_parallel)
+    dp, pp = divmod(cell, pipeline_parallel)
+    return dp, pp, tp
+
+
+def parallel_mesh(tensor_parallel: int = 1, pipeline_parallel: int = 1, device_type: str | None = None
+                  ) -> DeviceMesh:
+    """This world as a DeviceMesh with dims ("dp", "pp", "tp") in Megatron's order (tp ranks adjacent), built once
+    per process and layout. `device_type` defaults to "cuda" under NCCL, else "cpu"."""
+    if not dist.is_available() or not dist.is_initialized():
+        raise ParallelConfigError("parallel_mesh needs an initialised torch.distributed process group "
+                                  "(torchrun + cocoweave.launch.init_from_env, or a cocoweave LocalWorld)")
+    shape = mesh_shape(dist.get_world_size(), tensor_parallel, pipeline_parallel)
+    if device_type is None:
+        device_type = "cuda" if "nccl" in str(dist.get_backend()).lower() else "cpu"
+    key = (id(dist.group.WORLD), shape, device_type)  # a new default group (a restarted world) gets new meshes
+    if key not in _MESHES:
+        _MESHES[key] = init_device_mesh(device_type, shape, mesh_dim_names=MESH_DIMS)
+    return _MESHES[key]
+
+
+def parallel_groups(tensor_parallel: int, pipeline_parallel: int = 1) -> tuple[Any, Any]:
+    """(tensor-parallel group, data-parallel group) of this rank in parallel_mesh's layout; (None, None) in a world
+    of one rank (None means the world to cocoweave.nn)."""
+    world = _world()
+    mesh_shape(world, tensor_parallel, pipeline_parallel)
     if world == 1:
         return None, None
-    rank, t = dist.get_rank(), tensor_parallel
-    tp = dp = None
-    for d in range(world // t):  # every rank creates every group, in the same order
-        g = new_group([d * t + i for i in range(t)])
-        tp = g if rank // t == d else tp
-    for i in range(t):
-        g = new_group([d * t + i for d in range(world // t)])
-        dp = g if rank % t == i else dp
-    return tp, dp
+    mesh = parallel_mesh(tensor_parallel, pipeline_parallel)
+    return mesh.get_group("tp"), mesh.get_group("dp")
