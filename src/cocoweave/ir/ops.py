@@ -321,11 +321,14 @@ def where(cond: Any, a: Any, b: Any) -> Value:
     return _elementwise("where", vals, dtype=_result_dtype(vals[1:]))
 
 
-@operation("dropout", R.RANDOM, ("p", "seed"),
-           rebuild=lambda p, args, a: dropout(args[0], a["p"], a["seed"] if a["seed"] is not None else args[1]))
-def dropout(x: Value, p: float, seed: int | Value = 0) -> Value:
+@operation("dropout", R.RANDOM, ("p", "seed", "offset"),
+           rebuild=lambda p, args, a: dropout(args[0], a["p"], a["seed"] if a["seed"] is not None else args[1],
+                                              args[2] if a.get("offset") else None))
+def dropout(x: Value, p: float, seed: int | Value = 0, offset: Value | None = None) -> Value:
     """Zero each element with probability p, scale the rest by 1/(1-p). The mask depends only on
-    (seed, the element's index in the logical tensor) and, for Local tensors, the rank."""
+    (seed, the element's index in the logical tensor) and, for Local tensors, the rank. `offset`, a runtime
+    integer scalar (with a runtime seed), is added to every index: the tensor is a part of a larger logical one
+    that starts there (a micro-batch of a batch)."""
     program = _program_of(x)
     x = lift(x, program)
     if not isinstance(p, int | float) or not 0.0 <= float(p) < 1.0:
@@ -333,11 +336,15 @@ def dropout(x: Value, p: float, seed: int | Value = 0) -> Value:
     _float_only("dropout", (x,))
     if x.is_scalar:
         raise _fail("dropout", (x,), "needs a tensor operand")
+    if offset is not None and (not isinstance(offset, Value) or not isinstance(seed, Value) or
+                               not offset.is_scalar or offset.dtype not in ("int32", "int64")):
+        raise _fail("dropout", (x,), "the index offset must be a runtime integer scalar, with a runtime seed")
     if isinstance(seed, Value):
         if not seed.is_scalar or seed.dtype not in ("int32", "int64", "float32"):
             raise _fail("dropout", (x, seed), "the seed must be an int or a runtime scalar")
-        return program._add("dropout", (x, seed), {"p": float(p), "seed": None}, x.dtype, x.shape,
-                            x.layout, x.group)
+        args, attrs = ((x, seed), {}) if offset is None else ((x, seed, offset), {"offset": True})
+        return program._add("dropout", args, {"p": float(p), "seed": None, **attrs}, x.dtype, x.shape, x.layout,
+                            x.group)
     if not isinstance(seed, int):
         raise _fail("dropout", (x,), f"the seed must be an int or a runtime scalar, got {seed!r}")
     return program._add("dropout", (x,), {"p": float(p), "seed": seed}, x.dtype, x.shape, x.layout, x.group)

@@ -127,6 +127,8 @@ def _dropout(v: Value, a: list, place: Place) -> Any:
     x = a[0]
     rank = local_rank(v.args[0].layout, place.pos)
     idx = dropout_index(v, tuple(x.shape), place, x.device)
+    if v.attrs.get("offset"):
+        idx = idx + int(a[2])
     return _finish(v, rng.dropout(_up(x), idx, v.attrs["p"], seed, rank))
 
 

@@ -326,6 +326,8 @@ class _Gen:
         p = v.attrs["p"]
         if p == 0.0:
             return x
+        if v.attrs.get("offset"):
+            raise NoKernel(f"`{v.name}` draws its mask at an index offset known only at run time")
         src = v.args[0]
         k = len(self.dropouts)
         full = bind_shape(src.shape, self.view.sizes)

@@ -15,10 +15,11 @@ from .functional import (
 from .groups import new_group, parallel_groups
 from .layers import ColumnParallelLinear, RowParallelLinear, full_linear_weights
 from .pipeline import PipelineBoundary
-from .transformer import ReferenceBlock, TransformerBlock, block_seeds
+from .transformer import ReferenceBlock, TransformerBlock, block_seeds, sequence_gather, sequence_slice
 
 __all__ = [
     "ColumnParallelLinear", "PipelineBoundary", "ReferenceBlock", "RowParallelLinear", "TransformerBlock",
     "bias_dropout_residual", "block_seeds", "copy_to_parallel", "full_linear_weights", "gather_from_parallel",
-    "mix_seed", "new_group", "parallel_groups", "reduce_from_parallel", "scatter_to_parallel",
+    "mix_seed", "new_group", "parallel_groups", "reduce_from_parallel", "scatter_to_parallel", "sequence_gather",
+    "sequence_slice",
 ]

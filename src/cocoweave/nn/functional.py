@@ -15,9 +15,12 @@ from typing import Any
 
 import torch
 import torch.distributed as dist
+import torch.nn.functional as F
 
 from .. import rng
 from ..ir.layout import slice_bounds
+from ..ir.types import canonical_dtype
+from . import programs as P
 
 Group = dist.ProcessGroup | None
 
@@ -190,3 +193,109 @@ def bias_dropout_residual(y: torch.Tensor, bias: torch.Tensor | None = None, res
     if not 0.0 <= p < 1.0:
         raise ValueError(f"dropout probability must be in [0, 1), got {p}")
     return _BiasDropoutResidual.apply(y, bias, residual, p if training else 0.0, int(seed), int(offset))
+
+
+# ---------------------------------------------------------------------------------------------------------
+# The layers as cocoweave programs (nn/programs.py), run by a layer's compiled executables (nn/compiled.py)
+# ---------------------------------------------------------------------------------------------------------
+
+
+def _scalars(p: float, seed: int, offset: int) -> dict[str, int]:
+    return {"seed": seed, "offset": offset} if p > 0 else {}
+
+
+class _RowProgram(torch.autograd.Function):
+    """The row-parallel layer through its forward and backward programs (with `sp`, its output and residual are
+    this rank's token slice)."""
+
+    @staticmethod
+    def forward(ctx: Any, x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None,
+                residual: torch.Tensor | None, p: float, seed: int, offset: int, programs: Any, d_in: int,
+                sp: bool) -> torch.Tensor:
+        x2 = x.reshape(-1, x.shape[-1])
+        d_out = weight.shape[0]
+        prog = P.row_forward(x2.shape[0], d_in, d_out, _dtype(x), p, bias is not None, residual is not None, sp)
+        inputs = {"x": x2, "w": weight.t(), **_scalars(p, seed, offset)}
+        if bias is not None:
+            inputs["b"] = bias
+        if residual is not None:
+            inputs["r"] = residual.reshape(-1, d_out)
+        out, = programs.run("forward", prog, inputs, x.device, ("out",))
+        ctx.save_for_backward(x, weight)
+        ctx.p, ctx.seed, ctx.offset, ctx.programs, ctx.d_in, ctx.sp = p, seed, offset, programs, d_in, sp
+        ctx.has_bias, ctx.has_residual = bias is not None, residual is not None
+        return out if sp else out.view(*x.shape[:-1], d_out)
+
+    @staticmethod
+    def backward(ctx: Any, grad: torch.Tensor) -> tuple[Any, ...]:
+        x, weight = ctx.saved_tensors
+        x2 = x.reshape(-1, x.shape[-1])
+        d_out = weight.shape[0]
+        prog = P.row_backward(x2.shape[0], ctx.d_in, d_out, _dtype(x), ctx.p, ctx.has_bias, ctx.sp)
+        inputs = {"g": grad.reshape(-1, d_out), "w": weight, "xt": x2.t(), **_scalars(ctx.p, ctx.seed, ctx.offset)}
+        names = ("gx", "gwt", "gb") if ctx.has_bias else ("gx", "gwt")
+        got = ctx.programs.run("backward", prog, inputs, x.device, names)
+        gb = got[2] if ctx.has_bias else None
+        return (got[0].view(x.shape), got[1].t(), gb, grad if ctx.has_residual else None,
+                None, None, None, None, None, None)
+
+
+class _ColumnProgram(torch.autograd.Function):
+    """The column-parallel layer: forward x Wᵀ + b (with `sp`, this rank's token slice all-gathered first, by a
+    program); backward through the input-gradient program (all-reduce, or with `sp` reduce-scatter), or with the
+    ASYNC schedule the reduction launched and the weight gradient computed while it is in flight."""
+
+    @staticmethod
+    def forward(ctx: Any, x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, programs: Any,
+                out_features: int, rows: int, sp: bool) -> torch.Tensor:
+        if sp:
+            prog = P.column_forward_sp(rows, weight.shape[1], out_features, _dtype(x))
+            y, xg = programs.run("forward", prog, {"x": x.reshape(-1, weight.shape[1]), "w": weight.t()}, x.device,
+                                 ("y", "xg"))
+            y = y if bias is None else y.add_(bias)
+        else:
+            xg = x.reshape(-1, weight.shape[1])
+            y = F.linear(xg, weight, bias)
+        ctx.save_for_backward(xg, weight)
+        ctx.programs, ctx.out_features, ctx.sp, ctx.has_bias, ctx.shape = programs, out_features, sp, \
+            bias is not None, x.shape
+        return y if sp else y.view(*x.shape[:-1], weight.shape[0])
+
+    @staticmethod
+    def backward(ctx: Any, grad: torch.Tensor) -> tuple[Any, ...]:
+        from .compiled import ASYNC
+
+        xg, weight = ctx.saved_tensors
+        gy = grad.reshape(-1, weight.shape[0])
+        rows, d_in = xg.shape
+        if ctx.programs.schedule == ASYNC:
+            prog = P.grad_all_reduce(rows, d_in, _dtype(xg), ctx.sp)
+            partial = gy @ weight
+            exe = ctx.programs.launch("backward", prog, {"g": partial}, xg.device)
+            gw = gy.t() @ xg  # while the input gradient's reduction is in flight
+            gb = gy.sum(0) if ctx.has_bias else None
+            gx = exe.release(exe.run({"g": partial}).outputs["gx"])
+        else:
+            prog = P.column_backward(rows, d_in, ctx.out_features, _dtype(xg), ctx.has_bias, ctx.sp)
+            names = ("gx", "gwt", "gb") if ctx.has_bias else ("gx", "gwt")
+            got = ctx.programs.run("backward", prog, {"gy": gy, "w": weight, "xt": xg.t()}, xg.device, names)
+            gx, gw, gb = got[0], got[1].t(), got[2] if ctx.has_bias else None
+        return gx.view(ctx.shape), gw, gb, None, None, None, None
+
+
+def _dtype(t: torch.Tensor) -> str:
+    return canonical_dtype(t.dtype)
+
+
+def row_parallel(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, residual: torch.Tensor | None,
+                 p: float, seed: int, offset: int, programs: Any, in_features: int,
+                 sequence_parallel: bool = False) -> torch.Tensor:
+    """dropout(all_reduce(x Wᵀ) + b) + residual through the layer's compiled programs (see RowParallelLinear)."""
+    return _RowProgram.apply(x, weight, bias, residual, p, int(seed), int(offset), programs, in_features,
+                             sequence_parallel)
+
+
+def column_parallel(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, programs: Any,
+                    out_features: int, rows: int = 0, sequence_parallel: bool = False) -> torch.Tensor:
+    """x Wᵀ + b with the input gradient reduced by the layer's compiled programs (see ColumnParallelLinear)."""
+    return _ColumnProgram.apply(x, weight, bias, programs, out_features, rows, sequence_parallel)

@@ -22,8 +22,10 @@ from torch import nn
 
 from ..errors import ParallelConfigError
 from ..ir.layout import slice_bounds
+from .compiled import Programs, check_schedule
 from .functional import (
     Group,
+    column_parallel,
     copy_to_parallel,
     epilogue_forward,
     epilogue_grad,
@@ -32,6 +34,7 @@ from .functional import (
     group_size,
     mix_seed,
     part,
+    row_parallel,
     scatter_to_parallel,
 )
 
@@ -67,6 +70,19 @@ class _ParallelLinear(nn.Module):
         self.bias = nn.Parameter(torch.empty(self._bias_size(), device=device, dtype=dtype)) if bias else None
         self.load_full(*full_linear_weights(in_features, out_features, bias, seed))
 
+    def _programs(self, schedule: str | None, sequence_parallel: bool) -> None:
+        """The cocoweave programs this layer runs (nn/compiled.py), None for the hand-written path."""
+        schedule = check_schedule(schedule, type(self).__name__)
+        if sequence_parallel and schedule is None:
+            schedule = "auto"  # sequence parallelism is a program schedule
+        self.sequence_parallel = bool(sequence_parallel)
+        self.programs = Programs(schedule, self.group, self.tp_size, self.tp_rank) if schedule else None
+
+    @property
+    def schedule(self) -> str:
+        """The schedule each of the layer's programs runs (or 'as written': the hand-written path)."""
+        return "as written" if self.programs is None else self.programs.describe()
+
     def _bias_size(self) -> int:
         return self.stop - self.start if self.sliced_dim == 0 else self.out_features
 
@@ -92,7 +108,8 @@ class _ParallelLinear(nn.Module):
 
     def extra_repr(self) -> str:
         return (f"in_features={self.in_features}, out_features={self.out_features}, bias={self.bias is not None}, "
-                f"part={self.tp_rank}/{self.tp_size} [{self.start}:{self.stop}]")
+                f"part={self.tp_rank}/{self.tp_size} [{self.start}:{self.stop}], schedule={self.schedule}"
+                + (", sequence_parallel=True" if self.sequence_parallel else ""))
 
 
 class ColumnParallelLinear(_ParallelLinear):
@@ -103,15 +120,26 @@ class ColumnParallelLinear(_ParallelLinear):
 
     def __init__(self, in_features: int, out_features: int, bias: bool = True, *, group: Group = None,
                  gather_output: bool = False, seed: int = 0, device: Any = None,
-                 dtype: torch.dtype | None = None) -> None:
+                 dtype: torch.dtype | None = None, schedule: str | None = None,
+                 sequence_parallel: bool = False) -> None:
         super().__init__(in_features, out_features, bias, group, seed, device, dtype)
         if gather_output and out_features % self.tp_size:
             raise ParallelConfigError(f"ColumnParallelLinear: gather_output needs out_features ({out_features}) "
                                       f"divisible by the group size ({self.tp_size})")
         self.gather_output = gather_output
+        self._programs(schedule, sequence_parallel)
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        y = F.linear(copy_to_parallel(x, self.group), self.weight, self.bias)
+    def forward(self, x: torch.Tensor, *, tokens: int | None = None) -> torch.Tensor:
+        """x Wᵀ + b. With sequence parallelism x is this rank's slice of the (tokens, in_features) input
+        (torch.tensor_split rows) and `tokens` the whole count; the output is every token's slice of features."""
+        if self.programs is None:
+            y = F.linear(copy_to_parallel(x, self.group), self.weight, self.bias)
+        else:
+            if self.sequence_parallel and tokens is None:
+                raise ParallelConfigError("ColumnParallelLinear: with sequence_parallel=True, forward needs "
+                                          "tokens= (the number of rows of the whole input)")
+            y = column_parallel(x, self.weight, self.bias, self.programs, self.out_features, tokens or 0,
+                                self.sequence_parallel)
         return gather_from_parallel(y, -1, self.group) if self.gather_output else y
 
 
@@ -172,7 +200,8 @@ class RowParallelLinear(_ParallelLinear):
 
     def __init__(self, in_features: int, out_features: int, bias: bool = True, *, group: Group = None,
                  input_is_parallel: bool = True, dropout: float = 0.0, overlap_chunks: int = 1, seed: int = 0,
-                 device: Any = None, dtype: torch.dtype | None = None) -> None:
+                 device: Any = None, dtype: torch.dtype | None = None, schedule: str | None = None,
+                 sequence_parallel: bool = False) -> None:
         super().__init__(in_features, out_features, bias, group, seed, device, dtype)
         if not 0.0 <= dropout < 1.0:
             raise ParallelConfigError(f"RowParallelLinear: dropout must be in [0, 1), got {dropout}")
@@ -184,6 +213,7 @@ class RowParallelLinear(_ParallelLinear):
         self.input_is_parallel, self.p, self.overlap_chunks = input_is_parallel, dropout, overlap_chunks
         self.seed = seed
         self.dropout_step = 0  # training forwards without a dropout_seed so far: the next one's mask
+        self._programs(schedule, sequence_parallel)
 
     def forward(self, x: torch.Tensor, residual: torch.Tensor | None = None, *, dropout_seed: int | None = None,
                 index_offset: int = 0) -> torch.Tensor:
@@ -192,14 +222,20 @@ class RowParallelLinear(_ParallelLinear):
         if x.shape[-1] != self.weight.shape[1]:
             raise ParallelConfigError(f"RowParallelLinear: input has {x.shape[-1]} features on rank "
                                       f"{self.tp_rank}, its weight part expects {self.weight.shape[1]}")
-        if residual is not None and residual.shape != (*x.shape[:-1], self.out_features):
+        want = (*x.shape[:-1], self.out_features)
+        if self.sequence_parallel and residual is not None:
+            want = (self.programs.part_rows(x.reshape(-1, x.shape[-1]).shape[0]), self.out_features)
+        if residual is not None and tuple(residual.shape) != tuple(want):
             raise ParallelConfigError(f"RowParallelLinear: residual has shape {list(residual.shape)}, expected "
-                                      f"{[*x.shape[:-1], self.out_features]}")
+                                      f"{list(want)}")
         p = self.p if self.training else 0.0
         seed = dropout_seed
         if seed is None:
             seed = mix_seed(self.seed, self.dropout_step)
             self.dropout_step += p > 0  # a fresh mask for the next training forward
+        if self.programs is not None:
+            return row_parallel(x, self.weight, self.bias, residual, p, int(seed), int(index_offset), self.programs,
+                                self.in_features, self.sequence_parallel)
         return _RowParallel.apply(x, self.weight, self.bias, residual, p, int(seed), int(index_offset),
                                   self.overlap_chunks, self.group)
 

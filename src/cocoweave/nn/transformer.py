@@ -21,7 +21,15 @@ from torch import nn
 
 from .. import rng
 from ..errors import ParallelConfigError
-from .functional import Group, group_rank, group_size, mix_seed
+from .functional import (
+    Group,
+    copy_to_parallel,
+    gather_from_parallel,
+    group_rank,
+    group_size,
+    mix_seed,
+    scatter_to_parallel,
+)
 from .layers import ColumnParallelLinear, RowParallelLinear
 
 
@@ -92,22 +100,28 @@ class TransformerBlock(nn.Module):
 
     def __init__(self, d_model: int, n_heads: int, d_ff: int | None = None, dropout: float = 0.0, *,
                  group: Group = None, causal: bool = True, overlap_chunks: int = 1, seed: int = 0,
-                 device: Any = None, dtype: torch.dtype | None = None) -> None:
+                 device: Any = None, dtype: torch.dtype | None = None, schedule: str | dict[str, str] | None = None,
+                 sequence_parallel: bool = False) -> None:
+        """`schedule`: one for every layer (None / "as written": the hand-written path; "auto"; a schedule's name)
+        or a dict by layer name ("qkv", "proj", "fc1", "fc2"). `sequence_parallel`: the block takes and returns
+        this rank's token slice (see forward), its LayerNorms and epilogues work on slices (Megatron-SP)."""
         super().__init__()
         tp = group_size(group)
         self.head_dim = _check_heads(d_model, n_heads, tp)
         self.local_heads, self.causal, self.seed, self.group = n_heads // tp, causal, seed, group
         self.dropout_step = 0  # training forwards without a `step` so far (see _next_step)
         d_ff = d_ff or 4 * d_model
-        kw: dict[str, Any] = {"group": group, "device": device, "dtype": dtype}
+        self.sequence_parallel, self.d_model = bool(sequence_parallel), d_model
+        per = schedule if isinstance(schedule, dict) else dict.fromkeys(("qkv", "proj", "fc1", "fc2"), schedule)
+        kw: dict[str, Any] = {"group": group, "device": device, "dtype": dtype, "sequence_parallel": sequence_parallel}
         self.ln1 = nn.LayerNorm(d_model, device=device, dtype=dtype)
         self.ln2 = nn.LayerNorm(d_model, device=device, dtype=dtype)
-        self.qkv = ColumnParallelLinear(d_model, 3 * d_model, seed=seed, **kw)
+        self.qkv = ColumnParallelLinear(d_model, 3 * d_model, seed=seed, schedule=per.get("qkv"), **kw)
         self.proj = RowParallelLinear(d_model, d_model, dropout=dropout, overlap_chunks=overlap_chunks,
-                                      seed=seed + 1, **kw)
-        self.fc1 = ColumnParallelLinear(d_model, d_ff, seed=seed + 2, **kw)
+                                      seed=seed + 1, schedule=per.get("proj"), **kw)
+        self.fc1 = ColumnParallelLinear(d_model, d_ff, seed=seed + 2, schedule=per.get("fc1"), **kw)
         self.fc2 = RowParallelLinear(d_ff, d_model, dropout=dropout, overlap_chunks=overlap_chunks,
-                                     seed=seed + 3, **kw)
+                                     seed=seed + 3, schedule=per.get("fc2"), **kw)
 
     @torch.no_grad()
     def load_reference(self, ref: ReferenceBlock) -> TransformerBlock:
@@ -120,13 +134,53 @@ class TransformerBlock(nn.Module):
         self.seed, self.dropout_step = ref.seed, ref.dropout_step
         return self
 
-    def forward(self, x: torch.Tensor, *, step: int | None = None, index_offset: int = 0) -> torch.Tensor:
+    def forward(self, x: torch.Tensor, *, step: int | None = None, index_offset: int = 0,
+                batch_shape: tuple[int, int] | None = None) -> torch.Tensor:
+        """The block on replicated (batch, seq, d_model) input; with sequence parallelism on this rank's token slice
+        (rows of the (batch * seq, d_model) input, torch.tensor_split parts: `sequence_slice`) given its
+        `batch_shape` (batch, seq), returning the output's slice."""
         s_attn, s_mlp = block_seeds(self.seed, _next_step(self, step))
-        a = _attend(self.qkv(self.ln1(x)), self.local_heads, self.head_dim, self.causal)
+        if not self.sequence_parallel:
+            a = _attend(self.qkv(self.ln1(x)), self.local_heads, self.head_dim, self.causal)
+            x = self.proj(a, residual=x, dropout_seed=s_attn, index_offset=index_offset)
+            h = F.gelu(self.fc1(self.ln2(x)))
+            return self.fc2(h, residual=x, dropout_seed=s_mlp, index_offset=index_offset)
+        if batch_shape is None:
+            raise ParallelConfigError("TransformerBlock: with sequence_parallel=True, forward takes this rank's token "
+                                      "slice and needs batch_shape=(batch, seq)")
+        B, T = batch_shape
+        rows = B * T
+        want = (self.qkv.programs.part_rows(rows), self.d_model)
+        if tuple(x.shape) != want:
+            raise ParallelConfigError(f"TransformerBlock: sequence-parallel input has shape {list(x.shape)}, expected "
+                                      f"{list(want)} (rank {group_rank(self.group)}'s part of {rows} tokens)")
+        qkv = self.qkv(self._norm(self.ln1, x), tokens=rows)
+        a = _attend(qkv.view(B, T, -1), self.local_heads, self.head_dim, self.causal).reshape(rows, -1)
         x = self.proj(a, residual=x, dropout_seed=s_attn, index_offset=index_offset)
-        h = F.gelu(self.fc1(self.ln2(x)))
+        h = F.gelu(self.fc1(self._norm(self.ln2, x), tokens=rows))
         return self.fc2(h, residual=x, dropout_seed=s_mlp, index_offset=index_offset)
+
+    def _norm(self, ln: nn.LayerNorm, x: torch.Tensor) -> torch.Tensor:
+        """LayerNorm of a token slice: its parameters' gradients are summed over the group (Megatron-SP)."""
+        return F.layer_norm(x, ln.normalized_shape, copy_to_parallel(ln.weight, self.group),
+                            copy_to_parallel(ln.bias, self.group), ln.eps)
 
     def extra_repr(self) -> str:
         return f"heads={self.local_heads} of {self.local_heads * group_size(self.group)} on rank " \
-               f"{group_rank(self.group)}"
+               f"{group_rank(self.group)}" + (", sequence_parallel=True" if self.sequence_parallel else "")
+
+
+def sequence_slice(x: torch.Tensor, group: Group = None) -> torch.Tensor:
+    """This rank's token slice of a replicated (batch, seq, d) tensor: rows of its (batch * seq, d) view, in
+    torch.tensor_split parts (the input of a sequence-parallel block); the backward all-gathers the gradient."""
+    return scatter_to_parallel(x.reshape(-1, x.shape[-1]), 0, group)
+
+
+def sequence_gather(x: torch.Tensor, batch_shape: tuple[int, int], group: Group = None) -> torch.Tensor:
+    """The replicated (batch, seq, d) tensor from every rank's token slice (equal slices: batch * seq divisible by
+    the group size); the backward keeps this rank's slice of the gradient."""
+    rows = batch_shape[0] * batch_shape[1]
+    if rows % group_size(group):
+        raise ParallelConfigError(f"sequence_gather: {rows} tokens do not split evenly over {group_size(group)} "
+                                  "ranks; gather uneven slices with the next block's programs instead")
+    return gather_from_parallel(x, 0, group).view(*batch_shape, x.shape[-1])

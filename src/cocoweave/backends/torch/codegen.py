@@ -148,8 +148,11 @@ class Emitter:
             else:  # the key of a runtime seed is hashed on the host, before the call
                 key = f"{self.var(v)}_key"
                 self.extra[key] = f"rt.dropout_key(int({a[1]}), {rank})"
-            return f"rt.dropout({a[0]}, {self.logical_index(v.args[0], a[0])}, {p!r}, {key})"
+            shift = f" + {a[2]}" if v.attrs.get("offset") else ""
+            return f"rt.dropout({a[0]}, {self.logical_index(v.args[0], a[0])}{shift}, {p!r}, {key})"
         bits = f'ctx.keep("{v.name}", {p!r}, {key})' if v.attrs["seed"] is not None else f'ctx.index("{v.name}")'
+        if v.attrs.get("offset"):
+            bits = f"({bits} + int({a[2]}))"
         if self.chunk is not None:
             dim, nd, se = self.chunk
             bits = f"{bits}.narrow({dim - (nd - v.ndim)}, *{se})"

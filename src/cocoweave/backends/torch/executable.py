@@ -212,6 +212,19 @@ class Executable:
         self._launch(self.ctx, inputs)
         return True
 
+    def release(self, t: torch.Tensor) -> torch.Tensor:
+        """Hand output `t` of the last step to the caller for good (an activation autograd keeps): the buffer it
+        lives in is dropped, the next step allocates another; a result in shared memory is copied out."""
+        ptr = t.untyped_storage().data_ptr()
+        for key, b in list(self.ctx.buffers.items()):
+            if b.untyped_storage().data_ptr() == ptr:
+                del self.ctx.buffers[key]
+                return t
+        for slots in (*self.ctx.shm_buffers.slots.values(), *self.ctx.shm_buffers.commons.values()):
+            if any(s.untyped_storage().data_ptr() == ptr for s in slots):
+                return t.clone()
+        return t
+
     def provide(self, value: str, result: torch.Tensor) -> None:
         """Give the result of collective `value` (by value name) for the coming or paused step: it does not
         communicate, it returns `result`."""

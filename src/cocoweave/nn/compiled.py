@@ -1,0 +1,192 @@
+"""How a tensor-parallel layer runs its programs (nn/programs.py): the schedule it asked for resolved per program
+(a name, "auto", or the program as written), one executable per program and shape, compiled on first use.
+
+    schedule=None or "as written"   the hand-written autograd path (torch ops, library collectives)
+    schedule="<name>"               that schedule of the program that has it (e.g. "MM-RS@shm-C-AG@shm" for a
+                                    row-parallel forward); the layer's other programs take the same collective
+                                    algorithm ("@shm" or the library's) with their computation fused
+    schedule="auto"                 the tuner's cached choice (`cocoweave tune`), else measured here on the
+                                    layer's first inputs: every candidate timed on every rank (the slowest rank
+                                    counts), the fastest kept for every layer of that shape
+
+`ASYNC` is Megatron's asynchronous input-gradient all-reduce as a column-parallel backward schedule: the
+reduction is launched (library algorithm, asynchronously: a CUDA stream on GPUs, Gloo's thread on CPUs) and the
+weight-gradient matmul runs while it is in flight.
+"""
+
+from __future__ import annotations
+
+import statistics
+import time
+from collections.abc import Mapping
+from typing import Any
+
+import torch
+import torch.distributed as dist
+
+from ..backends.torch import shm
+from ..compiler import compile as compile_schedule
+from ..errors import ParallelConfigError
+from ..ir.graph import Program
+from ..ir.layout import slice_bounds
+from ..schedule.enumerate import enumerate_schedules
+from ..schedule.schedule import Schedule
+from .functional import Group, group_size
+
+AS_WRITTEN = "as written"
+ASYNC = "MM-AR||MMw"  # the column backward's input-gradient all-reduce in flight during the weight-gradient matmul
+AUTO_REPEATS = 3  # timed runs per candidate when "auto" measures (after one warm-up run)
+
+_SCHEDULES: dict[str, list[Schedule]] = {}
+_CHOSEN: dict[tuple, str] = {}  # "auto"'s measured choice, by (program fingerprint, group size, device)
+
+
+def check_schedule(schedule: str | None, who: str) -> str | None:
+    """The schedule a layer was given, None for the hand-written path (None or "as written")."""
+    if schedule is None or schedule == AS_WRITTEN:
+        return None
+    if not isinstance(schedule, str) or not schedule:
+        raise ParallelConfigError(f"{who}: schedule must be None, 'as written', 'auto' or a schedule's name, "
+                                  f"got {schedule!r}")
+    return schedule
+
+
+def schedules(program: Program) -> list[Schedule]:
+    """Every schedule of `program` (enumerate_schedules), memoised by fingerprint."""
+    key = program.fingerprint()
+    if key not in _SCHEDULES:
+        _SCHEDULES[key] = enumerate_schedules(program)
+    return _SCHEDULES[key]
+
+
+def _fused(s: Schedule) -> bool:
+    """Every computation one compiled loop, no ring algorithm (slow on CPU and GPU alike for these sizes)."""
+    return "@ring" not in s.name and not any(st.kind == "compute" and not st.fused for st in s.stages)
+
+
+def candidates(program: Program, shared_host: bool) -> list[Schedule]:
+    """What "auto" measures: the fused schedules on the library's collectives, and on shared memory where the
+    group shares this host."""
+    fused = [s for s in schedules(program) if _fused(s)]
+    return [s for s in fused if "@shm" not in s.name or shared_host] or schedules(program)[:1]
+
+
+def named(program: Program, name: str, shared_host: bool) -> Schedule:
+    """Schedule `name` of `program`, or, for a name another of the layer's programs has, this program's fused
+    schedule on the same collective algorithm."""
+    every = schedules(program)
+    for s in every:
+        if s.name == name:
+            return s
+    fused = [s for s in every if _fused(s)]
+    want_shm = "@shm" in name and shared_host
+    same = [s for s in fused if ("@shm" in s.name) == want_shm and "fuse(" not in s.name]
+    if same:
+        return same[0]
+    if not fused:
+        raise ParallelConfigError(f"schedule {name!r} is not available for `{program.name}`; choose one of: auto, "
+                                  f"{AS_WRITTEN!r}, {', '.join(s.name for s in every)}")
+    return fused[0]
+
+
+def one_host(group: Group) -> bool:
+    """Whether every rank of `group` shares this host's memory (the shared-memory collectives apply)."""
+    return group_size(group) > 1 and shm.group_for(group) is not None
+
+
+class Programs:
+    """One layer's compiled programs: executables by (program fingerprint, schedule), the schedule each program
+    runs (for print(model)), and "auto"'s measurement."""
+
+    def __init__(self, schedule: str, group: Group, size: int, rank: int) -> None:
+        self.schedule, self.group, self.size, self.rank = schedule, group, size, rank
+        self.chosen: dict[str, str] = {}  # program kind ("forward", "backward") -> the schedule it runs
+        self._exes: dict[tuple, Any] = {}
+
+    def part_rows(self, rows: int) -> int:
+        """How many of `rows` tokens this rank holds under sequence parallelism (torch.tensor_split sizes)."""
+        start, stop = slice_bounds(rows, self.size, self.rank)
+        return stop - start
+
+    def describe(self) -> str:
+        if not self.chosen:
+            return f"{self.schedule} (resolved on the first call)"
+        return ", ".join(f"{k}: {v}" for k, v in self.chosen.items())
+
+    def run(self, kind: str, program: Program, inputs: Mapping[str, Any], device: torch.device,
+            outputs: tuple[str, ...]) -> tuple[torch.Tensor, ...]:
+        """Run `program` (this layer's `kind` program) on `inputs`; the named outputs, owned by the caller."""
+        exe = self._executable(kind, program, inputs, device)
+        res = exe.run(inputs).outputs
+        return tuple(exe.release(res[n]) for n in outputs)
+
+    def launch(self, kind: str, program: Program, inputs: Mapping[str, Any], device: torch.device) -> Any:
+        """Issue `program`'s opening collective asynchronously (library algorithm); returns its executable, whose
+        `run(inputs)` later completes it."""
+        exe = self._compiled(kind, program, _library(program), device)
+        exe.launch(inputs)
+        return exe
+
+    def _executable(self, kind: str, program: Program, inputs: Mapping[str, Any], device: torch.device) -> Any:
+        shared = device.type == "cpu" and one_host(self.group)
+        name = self.schedule
+        if name == "auto":
+            s = self._auto(kind, program, inputs, device, shared)
+        else:
+            s = named(program, name, shared)
+        return self._compiled(kind, program, s, device)
+
+    def _compiled(self, kind: str, program: Program, s: Schedule, device: torch.device) -> Any:
+        self.chosen[kind] = s.name
+        key = (program.fingerprint(), s.name, device)
+        exe = self._exes.get(key)
+        if exe is None:
+            exe = self._exes[key] = compile_schedule(s, "torch", device=device, rank=self.rank,
+                                                     world_size=self.size, group=self.group)
+        return exe
+
+    def _auto(self, kind: str, program: Program, inputs: Mapping[str, Any], device: torch.device,
+              shared: bool) -> Schedule:
+        size = self.size
+        key = (program.fingerprint(), size, device.type, shared)
+        if key in _CHOSEN:
+            return next(s for s in schedules(program) if s.name == _CHOSEN[key])
+        found = None
+        if size > 1:
+            try:
+                from ..tune import cached_schedule
+            except ImportError:  # the tuner is optional
+                cached_schedule = None
+            found = cached_schedule(program, {}, size, "torch", device.type) if cached_schedule else None
+        if found is None:
+            options = candidates(program, shared)
+            found = options[0] if len(options) == 1 else self._measure(kind, program, options, inputs, device)
+        _CHOSEN[key] = found.name
+        return found
+
+    def _measure(self, kind: str, program: Program, options: list[Schedule], inputs: Mapping[str, Any],
+                 device: torch.device) -> Schedule:
+        """Time each candidate on these inputs (one warm-up, then AUTO_REPEATS runs, median); the slowest rank's
+        time counts (one all-reduce of the times, so every rank picks the same)."""
+        times = []
+        for s in options:
+            exe = self._compiled(kind, program, s, device)
+            exe.run(inputs)
+            runs = []
+            for _ in range(AUTO_REPEATS):
+                t0 = time.perf_counter()
+                exe.run(inputs)
+                if device.type == "cuda":
+                    torch.cuda.synchronize(device)
+                runs.append(time.perf_counter() - t0)
+            times.append(statistics.median(runs))
+        t = torch.tensor(times, dtype=torch.float64)
+        if self.size > 1:
+            dist.all_reduce(t, op=dist.ReduceOp.MAX, group=self.group)
+        return options[int(torch.argmin(t))]
+
+
+def _library(program: Program) -> Schedule:
+    """The program as written with its computation fused, on the library's collectives (what `launch` issues)."""
+    return next((s for s in schedules(program) if _fused(s) and "@" not in s.name), schedules(program)[0])
+
