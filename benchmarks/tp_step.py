@@ -18,7 +18,8 @@ weights (cocoweave.nn.ReferenceBlock, seed 0) in every variant. Variants:
   torch-tp-sp     the same with SequenceParallel on the LayerNorms (torch's recommended TP + SP plan: the row
                   outputs reduce-scattered along the sequence, the column inputs all-gathered)
   cocoweave[:S]   cocoweave.nn.TransformerBlock, schedule=S passed through when the layers take `schedule=`
-                  (names from --schedules; without the keyword the layers run as they are, once)
+                  (names from --schedules: "as-written", "auto", a schedule's name; S+sp adds
+                  sequence_parallel=True; without the keyword the layers run as they are, once)
   floor           the hand-written block with its all-reduces skipped: the same sharded compute with no
                   communication. A limit, not a peer: it computes something else (partial sums).
 
@@ -32,15 +33,16 @@ hand-written one's (`same_work`, the largest difference, is in the table and the
 Each round times every variant for --steps steps after a warm-up step (3 in the first round), in a rotated order;
 a variant's step time is the median over its steps of the slowest rank's time (each step starts after a barrier).
 Then one profiled step per variant gives its communication share (time of the Gloo collectives on the rank's
-collective threads over the step's wall time, the largest rank's) and its peak memory: the largest running sum, in
-time order, of the net bytes each op of the step allocated (the largest rank's), beside the parameters, gradients
-and optimizer state a rank holds. JSON goes to benchmarks/results/tp_step-<options>-cpu<cores>-<date>.json with
-the machine, versions, date and load average.
+collective thread and of cocoweave's shared-memory ones, over the step's wall time, the largest rank's) and its
+peak memory: the largest running sum, in time order, of the net bytes each op of the step allocated (the largest
+rank's), beside the parameters, gradients and optimizer state a rank holds. JSON goes to
+benchmarks/results/tp_step-<options>-cpu<cores>-<date>.json with the machine, versions, date and load average.
 """
 
 from __future__ import annotations
 
 import argparse
+import contextlib
 import copy
 import datetime
 import inspect
@@ -187,7 +189,8 @@ def torch_tp(refs: list[nn.Module], p: float, mesh: Any, sequence_parallel: bool
 
 
 def cocoweave_block_kwargs(schedule: str | None) -> dict[str, Any] | None:
-    """TransformerBlock's keywords for `schedule` (None: as the layers are); None if the layers cannot take it."""
+    """TransformerBlock's keywords for `schedule` (None: as the layers are; NAME+sp: with sequence parallelism);
+    None if the layers cannot take it."""
     from cocoweave.nn import TransformerBlock
 
     params = inspect.signature(TransformerBlock).parameters
@@ -196,8 +199,8 @@ def cocoweave_block_kwargs(schedule: str | None) -> dict[str, Any] | None:
     name, _, sp = schedule.partition("+")
     kw: dict[str, Any] = {}
     if "schedule" in params:
-        kw["schedule"] = name
-    elif name != "as-written":
+        kw["schedule"] = "as written" if name in ("as-written", "as written") else name
+    elif name not in ("as-written", "as written"):
         return None
     if sp:
         if sp != "sp" or "sequence_parallel" not in params:
@@ -206,12 +209,23 @@ def cocoweave_block_kwargs(schedule: str | None) -> dict[str, Any] | None:
     return kw
 
 
-def cocoweave_model(refs: list[nn.Module], p: float, group: Any, kwargs: dict[str, Any]) -> nn.Module:
-    from cocoweave.nn import TransformerBlock
+class CocoweaveStack(nn.Module):
+    """cocoweave.nn.TransformerBlocks; under sequence parallelism they take and give this rank's token slice."""
 
-    d = refs[0].ln1.normalized_shape[0]
-    return nn.Sequential(*[TransformerBlock(d, HEADS, dropout=p, group=group, **kwargs).load_reference(r)
-                           for r in refs])
+    def __init__(self, refs: list[nn.Module], p: float, group: Any, kwargs: dict[str, Any]) -> None:
+        from cocoweave.nn import TransformerBlock
+
+        super().__init__()
+        d = refs[0].ln1.normalized_shape[0]
+        self.blocks = nn.ModuleList(TransformerBlock(d, HEADS, dropout=p, group=group, **kwargs).load_reference(r)
+                                    for r in refs)
+        self.sequence_parallel = bool(kwargs.get("sequence_parallel"))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        kw = {"batch_shape": (BATCH, SEQ)} if self.sequence_parallel else {}
+        for blk in self.blocks:
+            x = blk(x, **kw)
+        return x
 
 
 # ---------------------------------------------------------------------------------------------------------
@@ -254,7 +268,8 @@ class Variant:
         elif kind.startswith("torch-tp"):
             self.model = torch_tp(refs, p, mesh["tp"], self.sequence_parallel)
         else:
-            self.model = cocoweave_model(refs, p, self.tp, cocoweave_block_kwargs(schedule or None) or {})
+            self.model = CocoweaveStack(refs, p, self.tp, cocoweave_block_kwargs(schedule or None) or {})
+            self.sequence_parallel = self.model.sequence_parallel
         self.model.train()
         self.params = [q for q in self.model.parameters() if q.requires_grad]
         kinds: dict[bool, list[Any]] = {}
@@ -264,8 +279,13 @@ class Variant:
         self.sync_dp = self.dp is not None and dist.get_world_size(self.dp) > 1 and kind != "floor"
 
     def inputs(self, x: torch.Tensor) -> torch.Tensor:
+        """This rank's input: the whole batch, or its sequence slice (torch: along seq; cocoweave: token rows)."""
         if not self.sequence_parallel:
             return x
+        if isinstance(self.model, CocoweaveStack):
+            from cocoweave.nn.transformer import sequence_slice
+
+            return sequence_slice(x, self.tp)
         from cocoweave.nn.functional import part
 
         return part(x, 1, dist.get_world_size(self.tp), dist.get_rank(self.tp)).contiguous()
@@ -309,19 +329,47 @@ def average_gradients(params: list[Any], group: Any) -> None:
         i += g.numel()
 
 
+SHM_COLLECTIVES = ("all_reduce", "reduce_scatter", "all_gather", "gather_in_place", "gather_common")
+
+
+@contextlib.contextmanager
+def shm_labels() -> Any:
+    """cocoweave's shared-memory collectives (backends/torch/shm.py) labelled "shm:NAME" for the profiler while
+    inside; the library's (Gloo) are labelled by torch itself ("gloo:NAME", on its collective thread)."""
+    from cocoweave.backends.torch import shm
+
+    saved = {n: getattr(shm, n) for n in SHM_COLLECTIVES if hasattr(shm, n)}
+
+    def labelled(name: str, fn: Any) -> Any:
+        def call(*a: Any, **k: Any) -> Any:
+            with torch.profiler.record_function(f"shm:{name}"):
+                return fn(*a, **k)
+        return call
+
+    try:
+        for n, fn in saved.items():
+            setattr(shm, n, labelled(n, fn))
+        yield
+    finally:
+        for n, fn in saved.items():
+            setattr(shm, n, fn)
+
+
 def profile_step(v: Variant, x: torch.Tensor) -> dict[str, float]:
-    """One profiled step: its wall ms, the ms of its Gloo collectives, the peak of its allocations above its start."""
+    """One profiled step: its wall ms, the ms of its collectives (Gloo's and cocoweave's shared-memory ones), the
+    peak of its allocations above its start."""
     from torch.profiler import ProfilerActivity, profile
 
     dist.barrier()
-    with warnings.catch_warnings(), profile(activities=[ProfilerActivity.CPU], profile_memory=True) as prof:
+    with shm_labels(), warnings.catch_warnings(), \
+            profile(activities=[ProfilerActivity.CPU], profile_memory=True) as prof:
         warnings.simplefilter("ignore")
         t0 = time.perf_counter()
         v.step(x)
         wall = (time.perf_counter() - t0) * 1e3
     comm, events = 0.0, []
     for e in prof.events():
-        if e.name.startswith(("gloo:", "nccl:")):
+        if e.name.startswith(("gloo:", "nccl:", "shm:")):
             comm += e.cpu_time_total / 1e3
         if e.self_cpu_memory_usage:  # net bytes an op allocated itself (children excluded), at its start
             events.append((e.time_range.start, e.self_cpu_memory_usage))
@@ -369,7 +417,7 @@ def timings(rank: int, world_size: int, d: int, p: float, dp: int, names: list[s
     profiled = {v: profile_step(built[v], x) for v in names}
     return {"times": times, "same_work": same, "profile": profiled,
             "held_bytes": {v: built[v].held_bytes() for v in names},
-            "repr": {v: repr(built[v].model[0]) for v in names if v.startswith("cocoweave")}}
+            "repr": {v: repr(built[v].model.blocks[0]) for v in names if v.startswith("cocoweave")}}
 
 
 def layouts(spec: str) -> list[tuple[str, int, int]]:
