@@ -11,8 +11,9 @@ ROOT = Path(__file__).resolve().parents[2]
 
 def test_tp_step_quick_times_every_variant_doing_the_same_work(tmp_path: Path) -> None:
     env = dict(os.environ, PYTHONPATH=os.pathsep.join([str(ROOT / "src"), os.environ.get("PYTHONPATH", "")]))
-    run = subprocess.run([sys.executable, str(ROOT / "benchmarks" / "tp_step.py"), "--quick", "--schedules", "as-written,auto", "--out", str(tmp_path)],
-                         env=env, capture_output=True, text=True, timeout=180)
+    command = [sys.executable, str(ROOT / "benchmarks" / "tp_step.py"), "--quick", "--schedules", "as-written,auto",
+               "--out", str(tmp_path)]
+    run = subprocess.run(command, env=env, capture_output=True, text=True, timeout=180)
     assert run.returncode == 0, run.stdout[-3000:] + run.stderr[-3000:]
     doc = json.loads(next(tmp_path.glob("tp_step-*.json")).read_text())
     assert {"cpu", "torch", "cocoweave", "date", "load_average"} <= doc["machine"].keys()
