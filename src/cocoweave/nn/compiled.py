@@ -16,6 +16,7 @@ weight-gradient matmul runs while it is in flight.
 
 from __future__ import annotations
 
+import functools
 import statistics
 import time
 from collections.abc import Mapping
@@ -81,15 +82,24 @@ def named(program: Program, name: str, shared_host: bool) -> Schedule:
     for s in every:
         if s.name == name:
             return s
+    if name not in layer_schedule_names():
+        raise ParallelConfigError(f"schedule {name!r} is not available for the tensor-parallel layers; choose one "
+                                  f"of: auto, {AS_WRITTEN!r}, {', '.join(sorted(layer_schedule_names()))}")
     fused = [s for s in every if _fused(s)]
     want_shm = "@shm" in name and shared_host
     same = [s for s in fused if ("@shm" in s.name) == want_shm and "fuse(" not in s.name]
-    if same:
-        return same[0]
-    if not fused:
-        raise ParallelConfigError(f"schedule {name!r} is not available for `{program.name}`; choose one of: auto, "
-                                  f"{AS_WRITTEN!r}, {', '.join(s.name for s in every)}")
-    return fused[0]
+    return (same or fused or every)[0]
+
+
+@functools.lru_cache(maxsize=1)
+def layer_schedule_names() -> frozenset[str]:
+    """The name of every schedule of the layers' programs (at any size the same names), and ASYNC."""
+    from . import programs as P
+
+    tiny = [P.row_forward(4, 4, 4, drop=0.1, sp=sp) for sp in (False, True)]
+    tiny += [P.row_backward(4, 4, 4, drop=0.1, sp=sp) for sp in (False, True)]
+    tiny += [P.column_backward(4, 4, 4, sp=sp) for sp in (False, True)] + [P.column_forward_sp(4, 4, 4)]
+    return frozenset({s.name for p in tiny for s in schedules(p)} | {ASYNC})
 
 
 def one_host(group: Group) -> bool:
