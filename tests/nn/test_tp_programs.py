@@ -161,3 +161,46 @@ def test_bad_schedules_and_sequence_parallel_inputs_get_a_sentence():
         blk(torch.randn(5, 16), batch_shape=(2, 3))
     with pytest.raises(ParallelConfigError, match="is not available"):
         TransformerBlock(16, 4, schedule="no-such-schedule")(torch.randn(1, 2, 16))
+
+
+def bf16_case(rank: int, world_size: int, schedule: str, sp: bool) -> dict[str, float]:
+    """The block in bfloat16 on `schedule` against the single-process block in bfloat16: errors relative to the
+    largest value (bf16 keeps 8 bits: a loose tolerance)."""
+    old = os.environ.get("COCOWEAVE_KERNELS")
+    os.environ["COCOWEAVE_KERNELS"] = "torch"
+    try:
+        torch.manual_seed(1)
+        ref = ReferenceBlock(16, 4, dropout=0.2, seed=3).to(torch.bfloat16)
+        x = torch.randn(2, 6, 16, dtype=torch.bfloat16)
+        xr = x.clone().requires_grad_(True)
+        y_ref = ref(xr, step=1)
+        y_ref.float().square().sum().backward()
+        blk = TransformerBlock(16, 4, dropout=0.2, schedule=schedule, sequence_parallel=sp,
+                               dtype=torch.bfloat16).load_reference(ref)
+        if sp:
+            xp = part(x.reshape(-1, 16), 0, world_size, rank).clone().requires_grad_(True)
+            y = blk(xp, step=1, batch_shape=(2, 6))
+            want, want_grad = part(y_ref.detach().reshape(-1, 16), 0, world_size, rank), \
+                part(xr.grad.reshape(-1, 16), 0, world_size, rank)
+        else:
+            xp = x.clone().requires_grad_(True)
+            y = blk(xp, step=1)
+            want, want_grad = y_ref, xr.grad
+        y.float().square().sum().backward()
+
+        def rel(a: torch.Tensor, b: torch.Tensor) -> float:
+            return ((a.float() - b.float()).abs().max() / b.float().abs().max()).item()
+
+        return {"out": rel(y, want), "x.grad": rel(xp.grad, want_grad),
+                "fc2": rel(blk.fc2.weight.grad, part(ref.fc2.weight.grad, 1, world_size, rank))}
+    finally:
+        if old is None:
+            os.environ.pop("COCOWEAVE_KERNELS")
+        else:
+            os.environ["COCOWEAVE_KERNELS"] = old
+
+
+@pytest.mark.parametrize("schedule,sp", [("MM-RS@shm-C-AG@shm", False), ("MM-RS@shm-C", True)])
+def test_bfloat16_block_is_close_to_the_single_process_block(local_world, schedule, sp):
+    for r, errs in enumerate(local_world(2).run(bf16_case, schedule, sp)):
+        assert all(v < 0.05 for v in errs.values()), f"rank {r}: {errs}"

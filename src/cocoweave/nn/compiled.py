@@ -19,7 +19,7 @@ from __future__ import annotations
 import functools
 import statistics
 import time
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 from typing import Any
 
 import torch
@@ -33,9 +33,9 @@ from ..ir.layout import slice_bounds
 from ..schedule.enumerate import enumerate_schedules
 from ..schedule.schedule import Schedule
 from .functional import Group, group_size
+from .programs import ASYNC
 
 AS_WRITTEN = "as written"
-ASYNC = "MM-AR||MMw"  # the column backward's input-gradient all-reduce in flight during the weight-gradient matmul
 AUTO_ROUNDS = 7  # interleaved timed rounds (one run of every candidate each) when "auto" measures
 AUTO_MARGIN = 0.03  # a later (less simple) candidate must be this much faster to be chosen
 
@@ -179,28 +179,53 @@ class Programs:
 
     def _measure(self, kind: str, program: Program, options: list[Schedule], inputs: Mapping[str, Any],
                  device: torch.device) -> Schedule:
-        """Time the candidates on these inputs, interleaved (one warm-up each, then AUTO_ROUNDS rounds, median); the
-        slowest rank's time counts (one all-reduce of the times, so every rank picks the same). A candidate is
-        chosen over a simpler one only when it is AUTO_MARGIN faster."""
+        """The fastest candidate on these inputs (`fastest`)."""
         exes = [self._compiled(kind, program, s, device) for s in options]
-        for exe in exes:
-            exe.run(inputs)
-        runs: list[list[float]] = [[] for _ in exes]
+        best = options[self.fastest([lambda exe=exe: exe.run(inputs) for exe in exes], device)]
+        for s in options:  # the others' buffers (and shared-memory slots) go
+            if s is not best:
+                self._exes.pop((program.fingerprint(), s.name, device), None)
+        return best
+
+    def fastest(self, runs: list[Callable[[], Any]], device: torch.device) -> int:
+        """Index of the fastest of `runs` (each computing the same thing), timed interleaved: one warm-up each, then
+        AUTO_ROUNDS rounds, median; the slowest rank's time counts (one all-reduce of the times, so every rank picks
+        the same). A later (less simple) one is chosen only when it is AUTO_MARGIN faster."""
+        for run in runs:
+            run()
+        times: list[list[float]] = [[] for _ in runs]
         for _ in range(AUTO_ROUNDS):
-            for exe, r in zip(exes, runs, strict=True):
+            for run, r in zip(runs, times, strict=True):
                 t0 = time.perf_counter()
-                exe.run(inputs)
+                run()
                 if device.type == "cuda":
                     torch.cuda.synchronize(device)
                 r.append(time.perf_counter() - t0)
-        t = torch.tensor([statistics.median(r) for r in runs], dtype=torch.float64)
+        t = torch.tensor([statistics.median(r) for r in times], dtype=torch.float64)
         if self.size > 1:
             dist.all_reduce(t, op=dist.ReduceOp.MAX, group=self.group)
         best = 0
-        for i in range(1, len(options)):
+        for i in range(1, len(runs)):
             if t[i] < t[best] * (1 - AUTO_MARGIN):
                 best = i
-        return options[best]
+        return best
+
+    def route(self, kind: str, key: Any, routes: dict[str, Callable[[], Any]], device: torch.device) -> str:
+        """Which of several whole routes of `kind` to take (e.g. a backward program, or ASYNC): the one named by
+        the layer's schedule, else for "auto" the fastest (`fastest`, once per `key` and group size)."""
+        if self.schedule in routes:
+            name = self.schedule
+        elif self.schedule != "auto" or self.size == 1:
+            name = next(iter(routes))
+        else:
+            k = ("route", key, self.size, device.type)
+            if k not in _CHOSEN:
+                names = list(routes)
+                _CHOSEN[k] = names[self.fastest([routes[n] for n in names], device)]
+            name = _CHOSEN[k]
+        if name == ASYNC:
+            self.chosen[kind] = name
+        return name
 
 def _library(program: Program) -> Schedule:
     """The program as written with its computation fused, on the library's collectives (what `launch` issues)."""
