@@ -136,7 +136,7 @@ class Programs:
     def launch(self, kind: str, program: Program, inputs: Mapping[str, Any], device: torch.device) -> Any:
         """Issue `program`'s opening collective asynchronously (library algorithm); returns its executable, whose
         `run(inputs)` later completes it."""
-        exe = self._compiled(kind, program, _library(program), device)
+        exe = self._compiled(kind, program, _library(program), device, record=False)  # the route's name stays
         exe.launch(inputs)
         return exe
 
@@ -149,8 +149,9 @@ class Programs:
             s = named(program, name, shared)
         return self._compiled(kind, program, s, device)
 
-    def _compiled(self, kind: str, program: Program, s: Schedule, device: torch.device) -> Any:
-        self.chosen[kind] = s.name
+    def _compiled(self, kind: str, program: Program, s: Schedule, device: torch.device, record: bool = True) -> Any:
+        if record:
+            self.chosen[kind] = s.name
         key = (program.fingerprint(), s.name, device)
         exe = self._exes.get(key)
         if exe is None:
