@@ -37,7 +37,10 @@ from .programs import ASYNC
 
 AS_WRITTEN = "as written"
 AUTO_ROUNDS = 7  # interleaved timed rounds (one run of every candidate each) when "auto" measures
-AUTO_MARGIN = 0.03  # a later (less simple) candidate must be this much faster to be chosen
+# A later (less simple) candidate must be this much faster, measured alone, to be chosen: alone, a schedule with more
+# barriers looks faster than it is inside a step where every rank is busy (tp_step at d512: the split MM-RS-C-AG
+# chosen alone by 3% ran the step no faster than MM-AR@shm-C).
+AUTO_MARGIN = 0.10
 
 _SCHEDULES: dict[str, list[Schedule]] = {}
 _CHOSEN: dict[tuple, str] = {}  # "auto"'s measured choice, by (program fingerprint, group size, device)
@@ -217,6 +220,11 @@ class Programs:
         if self.schedule in routes:
             name = self.schedule
         elif self.schedule != "auto" or self.size == 1:
+            name = next(iter(routes))
+        elif device.type == "cpu" and one_host(self.group):
+            # ASYNC's reduction runs on Gloo's thread, which on one host takes the core the weight-gradient matmul
+            # needs (one core per rank): alone it measured faster (the other rank's core idle), in the step slower
+            # (tp_step d512: 468 ms against 410 for MM-AR@shm-C). It is a choice where the wait is the network's.
             name = next(iter(routes))
         else:
             k = ("route", key, self.size, device.type)
