@@ -21,6 +21,7 @@ from .. import rng
 from ..ir.layout import slice_bounds
 from ..ir.types import canonical_dtype
 from . import programs as P
+from .programs import ASYNC
 
 Group = dist.ProcessGroup | None
 
@@ -232,11 +233,14 @@ class _RowProgram(torch.autograd.Function):
         x2 = x.reshape(-1, x.shape[-1])
         d_out = weight.shape[0]
         prog = P.row_backward(x2.shape[0], ctx.d_in, d_out, _dtype(x), ctx.p, ctx.has_bias, ctx.sp)
-        inputs = {"g": grad.reshape(-1, d_out), "w": weight, "xt": x2.t(), **_scalars(ctx.p, ctx.seed, ctx.offset)}
-        names = ("gx", "gwt", "gb") if ctx.has_bias else ("gx", "gwt")
-        got = ctx.programs.run("backward", prog, inputs, x.device, names)
-        gb = got[2] if ctx.has_bias else None
-        return (got[0].view(x.shape), got[1].t(), gb, grad if ctx.has_residual else None,
+        g = grad.reshape(-1, d_out)
+        inputs = {"g": g, "w": weight, **_scalars(ctx.p, ctx.seed, ctx.offset)}
+        names = ("gx", "gb") if ctx.has_bias else ("gx",)
+        if any(n == "gy" for n, _ in prog.outputs):
+            names += ("gy",)
+        got = dict(zip(names, ctx.programs.run("backward", prog, inputs, x.device, names), strict=True))
+        gw = got.get("gy", g).t() @ x2  # (out, in): the weight gradient's own layout, no copy in autograd
+        return (got["gx"].view(x.shape), gw, got.get("gb"), grad if ctx.has_residual else None,
                 None, None, None, None, None, None)
 
 
@@ -263,23 +267,28 @@ class _ColumnProgram(torch.autograd.Function):
 
     @staticmethod
     def backward(ctx: Any, grad: torch.Tensor) -> tuple[Any, ...]:
-        from .compiled import ASYNC
 
         xg, weight = ctx.saved_tensors
         gy = grad.reshape(-1, weight.shape[0])
         rows, d_in = xg.shape
-        if ctx.programs.schedule == ASYNC:
-            prog = P.grad_all_reduce(rows, d_in, _dtype(xg), ctx.sp)
+        programs = ctx.programs
+        prog = P.column_backward(rows, d_in, ctx.out_features, _dtype(xg), ctx.has_bias, ctx.sp)
+
+        def as_program() -> tuple[Any, ...]:
+            names = ("gx", "gw", "gb") if ctx.has_bias else ("gx", "gw")
+            got = programs.run("backward", prog, {"gy": gy, "gyt": gy.t(), "w": weight, "x": xg}, xg.device, names)
+            return got[0], got[1], got[2] if ctx.has_bias else None
+
+        def overlapped() -> tuple[Any, ...]:  # Megatron's asynchronous input-gradient all-reduce
             partial = gy @ weight
-            exe = ctx.programs.launch("backward", prog, {"g": partial}, xg.device)
+            exe = programs.launch("backward", P.grad_all_reduce(rows, d_in, _dtype(xg), ctx.sp), {"g": partial},
+                                  xg.device)
             gw = gy.t() @ xg  # while the input gradient's reduction is in flight
             gb = gy.sum(0) if ctx.has_bias else None
-            gx = exe.release(exe.run({"g": partial}).outputs["gx"])
-        else:
-            prog = P.column_backward(rows, d_in, ctx.out_features, _dtype(xg), ctx.has_bias, ctx.sp)
-            names = ("gx", "gwt", "gb") if ctx.has_bias else ("gx", "gwt")
-            got = ctx.programs.run("backward", prog, {"gy": gy, "w": weight, "xt": xg.t()}, xg.device, names)
-            gx, gw, gb = got[0], got[1].t(), got[2] if ctx.has_bias else None
+            return exe.release(exe.run({"g": partial}).outputs["gx"]), gw, gb
+
+        routes = {"program": as_program, ASYNC: overlapped}
+        gx, gw, gb = routes[programs.route("backward", prog.fingerprint(), routes, xg.device)]()
         return gx.view(ctx.shape), gw, gb, None, None, None, None
 
 
@@ -299,3 +308,26 @@ def column_parallel(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | 
                     out_features: int, rows: int = 0, sequence_parallel: bool = False) -> torch.Tensor:
     """x Wᵀ + b with the input gradient reduced by the layer's compiled programs (see ColumnParallelLinear)."""
     return _ColumnProgram.apply(x, weight, bias, programs, out_features, rows, sequence_parallel)
+
+
+class _SumGrads(torch.autograd.Function):
+    """Identity forward on several tensors; the backward sums their gradients over the group in ONE program run
+    (the gradients side by side): LayerNorm parameters that see only this rank's tokens under sequence parallelism."""
+
+    @staticmethod
+    def forward(ctx: Any, programs: Any, *ts: torch.Tensor) -> tuple[torch.Tensor, ...]:
+        ctx.programs, ctx.shapes = programs, [t.shape for t in ts]
+        return tuple(t.view_as(t) for t in ts)
+
+    @staticmethod
+    def backward(ctx: Any, *grads: torch.Tensor) -> tuple[Any, ...]:
+        flat = torch.cat([g.reshape(1, -1) for g in grads], dim=1)
+        prog = P.grad_all_reduce(1, flat.shape[1], _dtype(flat))
+        summed, = ctx.programs.run("parameter grads", prog, {"g": flat}, flat.device, ("gx",))
+        return (None, *(s.view(shape) for s, shape in zip(summed.split([g.numel() for g in grads], dim=1),
+                                                            ctx.shapes, strict=True)))
+
+
+def sum_grads(programs: Any, *ts: torch.Tensor) -> tuple[torch.Tensor, ...]:
+    """`ts` unchanged; their gradients summed over the layer's group by its compiled programs (one collective)."""
+    return _SumGrads.apply(programs, *ts)

@@ -19,6 +19,8 @@ from ..ir import Local, Program, Replicated, Sliced
 from ..ir.ops import all_gather, all_reduce, dropout, matmul, reduce_scatter
 from ..ir.ops import sum as reduce_sum
 
+ASYNC = "MM-AR||MMw"  # the column backward's input-gradient all-reduce in flight during the weight-gradient matmul
+
 
 def _epilogue(p: Program, y, bias: bool, drop: float, residual, d_out: int, dtype: str):  # noqa: ANN001, ANN202
     """dropout(y + b, seed, offset) + residual on `y`'s layout (the bias replicated)."""
@@ -47,18 +49,18 @@ def row_forward(rows: int, d_in: int, d_out: int, dtype: str = "float32", drop: 
 @functools.lru_cache(maxsize=256)
 def row_backward(rows: int, d_in: int, d_out: int, dtype: str = "float32", drop: float = 0.0, bias: bool = True,
                  sp: bool = False) -> Program:
-    """The row-parallel layer's gradients from its output's `g`: the dropout mask recomputed (gy), then
-    gx = gy W (sliced like x), gwt = xᵀ gy (Wᵀ's slice), gb = Σ gy; with `sp`, g is a token slice and gy is
-    all-gathered first."""
+    """The row-parallel layer's gradients from its output's `g`: the dropout mask recomputed (gy, output for the
+    weight gradient gyᵀ x, which the caller multiplies), gx = gy W (sliced like x), gb = Σ gy; with `sp`, g is a
+    token slice and gy is all-gathered first."""
     p = Program("row_parallel_backward" + ("_sp" if sp else ""))
     g = p.tensor("g", (rows, d_out), dtype, Sliced(0) if sp else Replicated)
     w = p.tensor("w", (d_out, d_in), dtype, Sliced(1))
-    xt = p.tensor("xt", (d_in, rows), dtype, Sliced(0))
     gy = dropout(g, drop, seed=p.scalar("seed", "int64"), offset=p.scalar("offset", "int64")) if drop > 0 else g
     if sp:
         gy = all_gather(gy, 0)
+    if gy is not g:
+        p.output(gy, "gy")
     p.output(matmul(gy, w), "gx")
-    p.output(matmul(xt, gy), "gwt")
     if bias:
         p.output(reduce_sum(gy, 0), "gb")
     return p
@@ -81,15 +83,16 @@ def column_forward_sp(rows: int, d_in: int, d_out: int, dtype: str = "float32") 
 def column_backward(rows: int, d_in: int, d_out: int, dtype: str = "float32", bias: bool = True,
                     sp: bool = False) -> Program:
     """The column-parallel layer's gradients: gx = all_reduce(gy W) (Megatron's f backward; with `sp` a
-    reduce-scatter over tokens), gwt = xᵀ gy (Wᵀ's slice), gb = Σ gy; gy sliced on features, W on its rows, x the
-    whole input (with `sp`: the gathered one)."""
+    reduce-scatter over tokens), gw = gyᵀ x (gyt: gy's transposed view), gb = Σ gy; gy sliced on features, W on
+    its rows, x the whole input (with `sp`: the gathered one)."""
     p = Program("column_parallel_backward" + ("_sp" if sp else ""))
     gy = p.tensor("gy", (rows, d_out), dtype, Sliced(1))
+    gyt = p.tensor("gyt", (d_out, rows), dtype, Sliced(0))
     w = p.tensor("w", (d_out, d_in), dtype, Sliced(0))
-    xt = p.tensor("xt", (d_in, rows), dtype, Replicated)
+    x = p.tensor("x", (rows, d_in), dtype, Replicated)
     gx = matmul(gy, w)
     p.output(reduce_scatter(gx, "sum", 0) if sp else all_reduce(gx, "sum"), "gx")
-    p.output(matmul(xt, gy), "gwt")
+    p.output(matmul(gyt, x), "gw")
     if bias:
         p.output(reduce_sum(gy, 0), "gb")
     return p

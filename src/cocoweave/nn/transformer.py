@@ -23,12 +23,12 @@ from .. import rng
 from ..errors import ParallelConfigError
 from .functional import (
     Group,
-    copy_to_parallel,
     gather_from_parallel,
     group_rank,
     group_size,
     mix_seed,
     scatter_to_parallel,
+    sum_grads,
 )
 from .layers import ColumnParallelLinear, DropoutCounter, RowParallelLinear, full_linear_weights, resolve_group
 
@@ -183,9 +183,11 @@ class TransformerBlock(DropoutCounter, nn.Module):
         return self.fc2(h, residual=x, dropout_seed=s_mlp, index_offset=index_offset)
 
     def _norm(self, ln: nn.LayerNorm, x: torch.Tensor) -> torch.Tensor:
-        """LayerNorm of a token slice: its parameters' gradients are summed over the group (Megatron-SP)."""
-        return F.layer_norm(x, ln.normalized_shape, copy_to_parallel(ln.weight, self.group),
-                            copy_to_parallel(ln.bias, self.group), ln.eps)
+        """LayerNorm of a token slice: its parameters' gradients are summed over the group (Megatron-SP), by the
+        programs of the layer after it."""
+        after = self.qkv if ln is self.ln1 else self.fc1
+        w, b = sum_grads(after.programs, ln.weight, ln.bias)
+        return F.layer_norm(x, ln.normalized_shape, w, b, ln.eps)
 
     def extra_repr(self) -> str:
         return f"heads={self.local_heads} of {self.local_heads * group_size(self.group)} on rank " \
