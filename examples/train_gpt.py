@@ -84,6 +84,7 @@ class Config:
     lr_rule: str | None = None  # scale: linear (the default) | sqrt | adascale
     base_world: int | None = None  # scale: the data-parallel size `batch` and `lr` are for (None: where it starts)
     micro_batch: int | None = None  # the most sequences a rank runs forward at once (gradient accumulation)
+    schedule: str | None = None  # the blocks' schedule= (None: as written; "auto"; a schedule's name)
 
     @property
     def data_parallel(self) -> int:
@@ -210,8 +211,8 @@ def reference_model(vocab: int, cfg: Config) -> GPT:
 
 def parallel_model(vocab: int, cfg: Config, tp_group: Any) -> GPT:
     """The tensor-parallel model: each rank draws only its part of the reference model's block weights."""
-    blocks = [TransformerBlock(cfg.d_model, cfg.heads, dropout=cfg.dropout, group=tp_group, seed=block_seed(cfg, i))
-              for i in range(cfg.layers)]
+    blocks = [TransformerBlock(cfg.d_model, cfg.heads, dropout=cfg.dropout, group=tp_group, seed=block_seed(cfg, i),
+                               schedule=cfg.schedule) for i in range(cfg.layers)]
     return GPT(vocab, cfg, blocks)
 
 
@@ -521,6 +522,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     ap.add_argument("--micro-batch", type=int, default=None,
                     help="the most sequences a rank runs forward at once (gradient accumulation beyond)")
     ap.add_argument("--corpus-chars", type=int, default=Config.corpus_chars, help="size of the training text")
+    ap.add_argument("--schedule", default=Config.schedule,
+                    help="the blocks' schedule: 'as written' (the default), 'auto' (measured) or a schedule's name")
     return ap.parse_args(argv)
 
 
@@ -528,7 +531,7 @@ def config_from(args: argparse.Namespace, world_size: int) -> Config:
     """The run's Config from the command line, for a world of `world_size` ranks (checked)."""
     return Config(steps=args.steps, tensor_parallel=args.tensor_parallel, world_size=world_size, seed=args.seed,
                   batch=args.batch, batch_policy=args.batch_policy, lr_rule=args.lr_rule, base_world=args.base_world,
-                  micro_batch=args.micro_batch, corpus_chars=args.corpus_chars).validate()
+                  micro_batch=args.micro_batch, corpus_chars=args.corpus_chars, schedule=args.schedule).validate()
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -95,3 +95,10 @@ def test_a_checkpoint_saved_at_tp2_resumes_at_tp1_and_tp4_on_the_same_curve(trai
         assert resumed["losses"][:2] == first["losses"]  # the first two steps come from the checkpoint
         result = train_gpt.compare(cfg, resumed)
         assert result["max_abs_diff"] < 1e-4, (tp, result)
+
+
+def test_blocks_running_cocoweave_programs_train_the_same_curve(train_gpt, world4):
+    """--schedule auto: every block layer runs its measured schedule of cocoweave programs; dp 2 x tp 2."""
+    result = train_gpt.run_local(train_gpt.Config(steps=4, tensor_parallel=2, world_size=4, schedule="auto"),
+                                 world=world4)
+    assert result["max_abs_diff"] < 1e-4, result
