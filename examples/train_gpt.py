@@ -7,9 +7,15 @@ curve equals the same model trained in one process with plain torch.
 
 World ranks r = dp * tp_size + tp: transformer blocks split their attention heads and MLP units over the
 tensor-parallel group (cocoweave.nn.TransformerBlock; fused bias + dropout + residual epilogues with
-cocoweave's counter-based dropout), the global batch is split over the data-parallel group and the
-gradients are averaged over it. The single-process reference (cocoweave.nn.ReferenceBlock: torch.nn layers
-and the same dropout hash) sees the whole global batch. Writes losses.json and loss.png to --out.
+cocoweave's counter-based dropout), the global batch is split over the data-parallel group and
+cocoweave.optim.DistributedAdamW(process_group=dp_group) averages the gradients over it. Each rank initialises
+only its part of every block (the values the single-process block holds). The single-process reference
+(cocoweave.nn.ReferenceBlock: torch.nn layers and the same dropout hash) sees the whole global batch. Writes
+losses.json and loss.png to --out.
+
+Checkpoints (--ckpt-dir) hold every tensor-parallel part once (cocoweave.nn.sharded_state_dict and
+sharded_optimizer_state_dict through cocoweave.checkpoint): a run saved at one --tensor-parallel size resumes at
+another, on the same curve.
 
 Elastic training (cocoweave.elastic): the samples are the corpus cut into windows, taken in a global order fixed
 by (seed, epoch) whose position is saved in every checkpoint, so a job restarted at another world size goes on
@@ -42,7 +48,14 @@ from torch import nn
 from cocoweave import checkpoint, faults
 from cocoweave.elastic import LR_RULES, MODES, AdaScale, BatchPolicy, ElasticSampler, StepPlan, gradient_moments
 from cocoweave.errors import CocoweaveError
-from cocoweave.nn import ReferenceBlock, TransformerBlock, parallel_groups
+from cocoweave.nn import (
+    ReferenceBlock,
+    TransformerBlock,
+    parallel_groups,
+    sharded_optimizer_state_dict,
+    sharded_state_dict,
+    unshard,
+)
 from cocoweave.nn.functional import group_rank, group_size
 
 # ---------------------------------------------------------------------------------------------------------
@@ -71,6 +84,7 @@ class Config:
     lr_rule: str | None = None  # scale: linear (the default) | sqrt | adascale
     base_world: int | None = None  # scale: the data-parallel size `batch` and `lr` are for (None: where it starts)
     micro_batch: int | None = None  # the most sequences a rank runs forward at once (gradient accumulation)
+    schedule: str | None = None  # the blocks' schedule= (None: as written; "auto"; a schedule's name)
 
     @property
     def data_parallel(self) -> int:
@@ -163,15 +177,18 @@ class CharData:
 
 class GPT(nn.Module):
     """Token and position embeddings, transformer blocks, a final LayerNorm and the vocabulary head.
-    `blocks` are ReferenceBlocks (one process) or tensor-parallel TransformerBlocks."""
+    `blocks` are ReferenceBlocks (one process) or tensor-parallel TransformerBlocks; the other layers are drawn
+    from cfg.seed (the same on every rank and in the reference)."""
 
     def __init__(self, vocab: int, cfg: Config, blocks: list[nn.Module]) -> None:
         super().__init__()
-        self.tok = nn.Embedding(vocab, cfg.d_model)
-        self.pos = nn.Embedding(cfg.block, cfg.d_model)
         self.blocks = nn.ModuleList(blocks)
-        self.ln = nn.LayerNorm(cfg.d_model)
-        self.head = nn.Linear(cfg.d_model, vocab)
+        with torch.random.fork_rng(devices=[]):
+            torch.manual_seed(cfg.seed)
+            self.tok = nn.Embedding(vocab, cfg.d_model)
+            self.pos = nn.Embedding(cfg.block, cfg.d_model)
+            self.ln = nn.LayerNorm(cfg.d_model)
+            self.head = nn.Linear(cfg.d_model, vocab)
 
     def forward(self, idx: torch.Tensor, step: int = 0, index_offset: int = 0) -> torch.Tensor:
         x = self.tok(idx) + self.pos(torch.arange(idx.shape[1], device=idx.device))
@@ -180,24 +197,23 @@ class GPT(nn.Module):
         return self.head(self.ln(x))
 
 
+def block_seed(cfg: Config, i: int) -> int:
+    """The seed of block i: its weights and its dropout masks."""
+    return cfg.seed * 100 + i
+
+
 def reference_model(vocab: int, cfg: Config) -> GPT:
     """The single-process model, initialised from cfg.seed (every rank builds the same one)."""
-    torch.manual_seed(cfg.seed)
-    blocks = [ReferenceBlock(cfg.d_model, cfg.heads, dropout=cfg.dropout, seed=cfg.seed * 100 + i)
+    blocks = [ReferenceBlock(cfg.d_model, cfg.heads, dropout=cfg.dropout, seed=block_seed(cfg, i))
               for i in range(cfg.layers)]
     return GPT(vocab, cfg, blocks)
 
 
 def parallel_model(vocab: int, cfg: Config, tp_group: Any) -> GPT:
-    """The tensor-parallel model holding this rank's part of the reference model's weights."""
-    ref = reference_model(vocab, cfg)
-    blocks = [TransformerBlock(cfg.d_model, cfg.heads, dropout=cfg.dropout, group=tp_group).load_reference(b)
-              for b in ref.blocks]
-    model = GPT(vocab, cfg, blocks)
-    with torch.no_grad():
-        for name in ("tok", "pos", "ln", "head"):
-            getattr(model, name).load_state_dict(getattr(ref, name).state_dict())
-    return model
+    """The tensor-parallel model: each rank draws only its part of the reference model's block weights."""
+    blocks = [TransformerBlock(cfg.d_model, cfg.heads, dropout=cfg.dropout, group=tp_group, seed=block_seed(cfg, i),
+                               schedule=cfg.schedule) for i in range(cfg.layers)]
+    return GPT(vocab, cfg, blocks)
 
 
 def loss_of(model: GPT, x: torch.Tensor, y: torch.Tensor, step: int, index_offset: int = 0) -> torch.Tensor:
@@ -262,7 +278,7 @@ def train_parallel(rank: int, world_size: int, cfg_dict: dict[str, Any], ckpt_di
     optimizer, opt_name = make_optimizer(model, cfg, dp_group)
     state = TrainState(0, model, optimizer, [], data.sampler(),
                        adascale=AdaScale(cfg.batch) if cfg.lr_rule == "adascale" else None)
-    saved_policy = resume(state, ckpt_dir, tp_rank) if ckpt_dir is not None else None
+    saved_policy = resume(state, ckpt_dir) if ckpt_dir is not None else None
     policy = cfg.policy(saved_policy["base_world"] if saved_policy else dp_size)
     if saved_policy is not None and saved_policy != asdict(policy):
         raise CocoweaveError(f"the checkpoints in {ckpt_dir} were trained with batch policy "
@@ -293,7 +309,7 @@ def train_parallel(rank: int, world_size: int, cfg_dict: dict[str, Any], ckpt_di
                 f.write(f"{state.step} {state.losses[-1]!r}\n")
         state.step += 1
         if ckpt_dir is not None and ckpt_every > 0 and (state.step % ckpt_every == 0 or state.step == cfg.steps):
-            checkpoint.save(checkpoint.step_path(ckpt_dir, state.step), _ckpt_state(state, tp_rank, policy),
+            checkpoint.save(checkpoint.step_path(ckpt_dir, state.step), _ckpt_state(state, policy),
                             step=state.step)
     return {"losses": state.losses, "worlds": state.worlds, "lrs": state.lrs, "base_world": state.base_world,
             "adascale": state.adascale.state_dict() if state.adascale else None, "optimizer": opt_name,
@@ -338,26 +354,28 @@ def train_step(state: TrainState, data: CharData, cfg: Config, plan: StepPlan, d
     return float(total) / plan.global_batch, lr, used
 
 
-def _ckpt_state(state: TrainState, tp_rank: int, policy: BatchPolicy | None = None) -> dict[str, Any]:
-    """What a checkpoint holds. Model and optimizer state differ between tensor-parallel ranks and are equal
-    on the data-parallel replicas of one, which all write the same entry (DCP stores it once); the rest is plain
-    values, the same on every rank."""
-    return {f"tp{tp_rank}": {"model": state.model.state_dict(), "optim": state.optimizer.state_dict()},
+def _ckpt_state(state: TrainState, policy: BatchPolicy | None = None) -> dict[str, Any]:
+    """What a checkpoint holds. Each tensor-parallel part of the model and of its optimizer state is a Shard (its
+    place in the whole tensor: the checkpoint loads at another tensor-parallel size), written once by the
+    data-parallel replicas that hold it; the rest is replicated (stored once) or plain values, the same on every
+    rank."""
+    model, optim = sharded_state_dict(state.model), sharded_optimizer_state_dict(state.model, state.optimizer)
+    return {"model": model, "optim": optim,
             "step": state.step, "losses": json.dumps(state.losses), "worlds": json.dumps(state.worlds),
             "lrs": json.dumps(state.lrs), "sampler": state.sampler.state_dict(),
             "policy": json.dumps(asdict(policy) if policy else None),
             "adascale": json.dumps(state.adascale.state_dict() if state.adascale else None)}
 
 
-def resume(state: TrainState, ckpt_dir: str, tp_rank: int) -> dict[str, Any] | None:
+def resume(state: TrainState, ckpt_dir: str) -> dict[str, Any] | None:
     """Load the newest complete checkpoint of `ckpt_dir` into `state`, if there is one; returns the batch policy
     it was trained with (BatchPolicy's fields), None without a checkpoint."""
     path = checkpoint.latest(ckpt_dir)
     if path is None:
         return None
-    loaded = checkpoint.load(path, _ckpt_state(state, tp_rank))
-    state.model.load_state_dict(loaded[f"tp{tp_rank}"]["model"])
-    state.optimizer.load_state_dict(loaded[f"tp{tp_rank}"]["optim"])
+    loaded = checkpoint.load(path, _ckpt_state(state))
+    state.model.load_state_dict(unshard(loaded["model"]))
+    state.optimizer.load_state_dict(unshard(loaded["optim"]))
     state.step, state.losses = loaded["step"], json.loads(loaded["losses"])
     state.worlds, state.lrs = json.loads(loaded["worlds"]), json.loads(loaded["lrs"])
     state.sampler.load_state_dict(loaded["sampler"])
@@ -505,6 +523,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     ap.add_argument("--micro-batch", type=int, default=None,
                     help="the most sequences a rank runs forward at once (gradient accumulation beyond)")
     ap.add_argument("--corpus-chars", type=int, default=Config.corpus_chars, help="size of the training text")
+    ap.add_argument("--schedule", default=Config.schedule,
+                    help="the blocks' schedule: 'as written' (the default), 'auto' (measured) or a schedule's name")
     return ap.parse_args(argv)
 
 
@@ -512,7 +532,7 @@ def config_from(args: argparse.Namespace, world_size: int) -> Config:
     """The run's Config from the command line, for a world of `world_size` ranks (checked)."""
     return Config(steps=args.steps, tensor_parallel=args.tensor_parallel, world_size=world_size, seed=args.seed,
                   batch=args.batch, batch_policy=args.batch_policy, lr_rule=args.lr_rule, base_world=args.base_world,
-                  micro_batch=args.micro_batch, corpus_chars=args.corpus_chars).validate()
+                  micro_batch=args.micro_batch, corpus_chars=args.corpus_chars, schedule=args.schedule).validate()
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -96,3 +96,29 @@ def test_under_torchrun_the_model_goes_on_the_device_init_from_env_returns(train
     monkeypatch.setattr(train_gpt, "train_parallel", train_parallel)
     with pytest.raises(Started):
         train_gpt.main(["--steps", "1"])
+
+
+def test_a_checkpoint_saved_at_tp2_resumes_at_tp1_and_tp4_on_the_same_curve(train_gpt, local_world, world4,
+                                                                            tmp_path):
+    """dp 2 x tp 2 for 2 steps, then from that checkpoint: tp 4 (dp 1) and tp 1 (dp 2) for 2 more; every curve is
+    the one-process run's (weights, Adam's moments and the samples' order carried over; masks drawn by step)."""
+    import shutil
+
+    fields = dict(batch=8, corpus_chars=2000)
+    saved = tmp_path / "tp2"
+    first = world4.run(train_gpt.train_parallel, asdict(train_gpt.Config(steps=2, **fields)), str(saved), 2)[0]
+    for tp, world in ((4, world4), (1, local_world(2))):
+        ckpt = tmp_path / f"tp{tp}"
+        shutil.copytree(saved, ckpt)
+        cfg = train_gpt.Config(steps=4, tensor_parallel=tp, world_size=world.world_size, **fields)
+        resumed = world.run(train_gpt.train_parallel, asdict(cfg), str(ckpt))[0]
+        assert resumed["losses"][:2] == first["losses"]  # the first two steps come from the checkpoint
+        result = train_gpt.compare(cfg, resumed)
+        assert result["max_abs_diff"] < 1e-4, (tp, result)
+
+
+def test_blocks_running_cocoweave_programs_train_the_same_curve(train_gpt, world4):
+    """--schedule auto: every block layer runs its measured schedule of cocoweave programs; dp 2 x tp 2."""
+    result = train_gpt.run_local(train_gpt.Config(steps=4, tensor_parallel=2, world_size=4, schedule="auto"),
+                                 world=world4)
+    assert result["max_abs_diff"] < 1e-4, result

@@ -1,7 +1,8 @@
 """Drop-in tensor- and pipeline-parallel PyTorch modules built on cocoweave's collectives and dropout hash.
 
-Every module takes a `group` (a torch.distributed ProcessGroup, or None for the world) and computes what a
-single-process model with the same full weights and the same dropout seed computes, forward and backward.
+Every module takes a `group` (a torch.distributed ProcessGroup, None for the world, or a DeviceMesh: its "tp" dim)
+and computes what a single-process model with the same full weights and the same dropout seed computes, forward and
+backward. State dicts load whole or at another tensor-parallel size (nn/state.py).
 """
 
 from .functional import (
@@ -13,8 +14,9 @@ from .functional import (
     scatter_to_parallel,
 )
 from .groups import mesh_coords, new_group, parallel_groups, parallel_mesh
-from .layers import ColumnParallelLinear, RowParallelLinear, full_linear_weights
+from .layers import ColumnParallelLinear, RowParallelLinear, full_linear_weights, resolve_group
 from .pipeline import Pipeline, PipelineBoundary, StageModule
+from .state import full_state_dict, sharded_optimizer_state_dict, sharded_state_dict, unshard
 from .transformer import ReferenceBlock, TransformerBlock, block_seeds, sequence_gather, sequence_slice
 
 __all__ = [
@@ -24,3 +26,4 @@ __all__ = [
     "mesh_coords", "mix_seed", "new_group", "parallel_groups", "parallel_mesh", "reduce_from_parallel",
     "scatter_to_parallel", "sequence_gather", "sequence_slice",
 ]
+__all__ += ["full_state_dict", "resolve_group", "sharded_optimizer_state_dict", "sharded_state_dict", "unshard"]

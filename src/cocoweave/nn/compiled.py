@@ -16,9 +16,10 @@ weight-gradient matmul runs while it is in flight.
 
 from __future__ import annotations
 
+import functools
 import statistics
 import time
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 from typing import Any
 
 import torch
@@ -32,11 +33,14 @@ from ..ir.layout import slice_bounds
 from ..schedule.enumerate import enumerate_schedules
 from ..schedule.schedule import Schedule
 from .functional import Group, group_size
+from .programs import ASYNC
 
 AS_WRITTEN = "as written"
-ASYNC = "MM-AR||MMw"  # the column backward's input-gradient all-reduce in flight during the weight-gradient matmul
 AUTO_ROUNDS = 7  # interleaved timed rounds (one run of every candidate each) when "auto" measures
-AUTO_MARGIN = 0.03  # a later (less simple) candidate must be this much faster to be chosen
+# A later (less simple) candidate must be this much faster, measured alone, to be chosen: alone, a schedule with more
+# barriers looks faster than it is inside a step where every rank is busy (tp_step at d512: the split MM-RS-C-AG
+# chosen alone by 3% ran the step no faster than MM-AR@shm-C).
+AUTO_MARGIN = 0.10
 
 _SCHEDULES: dict[str, list[Schedule]] = {}
 _CHOSEN: dict[tuple, str] = {}  # "auto"'s measured choice, by (program fingerprint, group size, device)
@@ -81,15 +85,24 @@ def named(program: Program, name: str, shared_host: bool) -> Schedule:
     for s in every:
         if s.name == name:
             return s
+    if name not in layer_schedule_names():
+        raise ParallelConfigError(f"schedule {name!r} is not available for the tensor-parallel layers; choose one "
+                                  f"of: auto, {AS_WRITTEN!r}, {', '.join(sorted(layer_schedule_names()))}")
     fused = [s for s in every if _fused(s)]
     want_shm = "@shm" in name and shared_host
     same = [s for s in fused if ("@shm" in s.name) == want_shm and "fuse(" not in s.name]
-    if same:
-        return same[0]
-    if not fused:
-        raise ParallelConfigError(f"schedule {name!r} is not available for `{program.name}`; choose one of: auto, "
-                                  f"{AS_WRITTEN!r}, {', '.join(s.name for s in every)}")
-    return fused[0]
+    return (same or fused or every)[0]
+
+
+@functools.lru_cache(maxsize=1)
+def layer_schedule_names() -> frozenset[str]:
+    """The name of every schedule of the layers' programs (at any size the same names), and ASYNC."""
+    from . import programs as P
+
+    tiny = [P.row_forward(4, 4, 4, drop=0.1, sp=sp) for sp in (False, True)]
+    tiny += [P.row_backward(4, 4, 4, drop=0.1, sp=sp) for sp in (False, True)]
+    tiny += [P.column_backward(4, 4, 4, sp=sp) for sp in (False, True)] + [P.column_forward_sp(4, 4, 4)]
+    return frozenset({s.name for p in tiny for s in schedules(p)} | {ASYNC})
 
 
 def one_host(group: Group) -> bool:
@@ -126,7 +139,7 @@ class Programs:
     def launch(self, kind: str, program: Program, inputs: Mapping[str, Any], device: torch.device) -> Any:
         """Issue `program`'s opening collective asynchronously (library algorithm); returns its executable, whose
         `run(inputs)` later completes it."""
-        exe = self._compiled(kind, program, _library(program), device)
+        exe = self._compiled(kind, program, _library(program), device, record=False)  # the route's name stays
         exe.launch(inputs)
         return exe
 
@@ -139,8 +152,9 @@ class Programs:
             s = named(program, name, shared)
         return self._compiled(kind, program, s, device)
 
-    def _compiled(self, kind: str, program: Program, s: Schedule, device: torch.device) -> Any:
-        self.chosen[kind] = s.name
+    def _compiled(self, kind: str, program: Program, s: Schedule, device: torch.device, record: bool = True) -> Any:
+        if record:
+            self.chosen[kind] = s.name
         key = (program.fingerprint(), s.name, device)
         exe = self._exes.get(key)
         if exe is None:
@@ -169,28 +183,58 @@ class Programs:
 
     def _measure(self, kind: str, program: Program, options: list[Schedule], inputs: Mapping[str, Any],
                  device: torch.device) -> Schedule:
-        """Time the candidates on these inputs, interleaved (one warm-up each, then AUTO_ROUNDS rounds, median); the
-        slowest rank's time counts (one all-reduce of the times, so every rank picks the same). A candidate is
-        chosen over a simpler one only when it is AUTO_MARGIN faster."""
+        """The fastest candidate on these inputs (`fastest`)."""
         exes = [self._compiled(kind, program, s, device) for s in options]
-        for exe in exes:
-            exe.run(inputs)
-        runs: list[list[float]] = [[] for _ in exes]
+        best = options[self.fastest([lambda exe=exe: exe.run(inputs) for exe in exes], device)]
+        for s in options:  # the others' buffers (and shared-memory slots) go
+            if s is not best:
+                self._exes.pop((program.fingerprint(), s.name, device), None)
+        return best
+
+    def fastest(self, runs: list[Callable[[], Any]], device: torch.device) -> int:
+        """Index of the fastest of `runs` (each computing the same thing), timed interleaved: one warm-up each, then
+        AUTO_ROUNDS rounds, median; the slowest rank's time counts (one all-reduce of the times, so every rank picks
+        the same). A later (less simple) one is chosen only when it is AUTO_MARGIN faster."""
+        for run in runs:
+            run()
+        times: list[list[float]] = [[] for _ in runs]
         for _ in range(AUTO_ROUNDS):
-            for exe, r in zip(exes, runs, strict=True):
+            for run, r in zip(runs, times, strict=True):
                 t0 = time.perf_counter()
-                exe.run(inputs)
+                run()
                 if device.type == "cuda":
                     torch.cuda.synchronize(device)
                 r.append(time.perf_counter() - t0)
-        t = torch.tensor([statistics.median(r) for r in runs], dtype=torch.float64)
+        t = torch.tensor([statistics.median(r) for r in times], dtype=torch.float64)
         if self.size > 1:
             dist.all_reduce(t, op=dist.ReduceOp.MAX, group=self.group)
         best = 0
-        for i in range(1, len(options)):
+        for i in range(1, len(runs)):
             if t[i] < t[best] * (1 - AUTO_MARGIN):
                 best = i
-        return options[best]
+        return best
+
+    def route(self, kind: str, key: Any, routes: dict[str, Callable[[], Any]], device: torch.device) -> str:
+        """Which of several whole routes of `kind` to take (e.g. a backward program, or ASYNC): the one named by
+        the layer's schedule, else for "auto" the fastest (`fastest`, once per `key` and group size)."""
+        if self.schedule in routes:
+            name = self.schedule
+        elif self.schedule != "auto" or self.size == 1:
+            name = next(iter(routes))
+        elif device.type == "cpu" and one_host(self.group):
+            # ASYNC's reduction runs on Gloo's thread, which on one host takes the core the weight-gradient matmul
+            # needs (one core per rank): alone it measured faster (the other rank's core idle), in the step slower
+            # (tp_step d512: 468 ms against 410 for MM-AR@shm-C). It is a choice where the wait is the network's.
+            name = next(iter(routes))
+        else:
+            k = ("route", key, self.size, device.type)
+            if k not in _CHOSEN:
+                names = list(routes)
+                _CHOSEN[k] = names[self.fastest([routes[n] for n in names], device)]
+            name = _CHOSEN[k]
+        if name == ASYNC:
+            self.chosen[kind] = name
+        return name
 
 def _library(program: Program) -> Schedule:
     """The program as written with its computation fused, on the library's collectives (what `launch` issues)."""

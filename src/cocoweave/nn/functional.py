@@ -21,6 +21,7 @@ from .. import rng
 from ..ir.layout import slice_bounds
 from ..ir.types import canonical_dtype
 from . import programs as P
+from .programs import ASYNC
 
 Group = dist.ProcessGroup | None
 
@@ -266,24 +267,28 @@ class _ColumnProgram(torch.autograd.Function):
 
     @staticmethod
     def backward(ctx: Any, grad: torch.Tensor) -> tuple[Any, ...]:
-        from .compiled import ASYNC
 
         xg, weight = ctx.saved_tensors
         gy = grad.reshape(-1, weight.shape[0])
         rows, d_in = xg.shape
-        if ctx.programs.schedule == ASYNC:
-            prog = P.grad_all_reduce(rows, d_in, _dtype(xg), ctx.sp)
+        programs = ctx.programs
+        prog = P.column_backward(rows, d_in, ctx.out_features, _dtype(xg), ctx.has_bias, ctx.sp)
+
+        def as_program() -> tuple[Any, ...]:
+            names = ("gx", "gw", "gb") if ctx.has_bias else ("gx", "gw")
+            got = programs.run("backward", prog, {"gy": gy, "gyt": gy.t(), "w": weight, "x": xg}, xg.device, names)
+            return got[0], got[1], got[2] if ctx.has_bias else None
+
+        def overlapped() -> tuple[Any, ...]:  # Megatron's asynchronous input-gradient all-reduce
             partial = gy @ weight
-            exe = ctx.programs.launch("backward", prog, {"g": partial}, xg.device)
+            exe = programs.launch("backward", P.grad_all_reduce(rows, d_in, _dtype(xg), ctx.sp), {"g": partial},
+                                  xg.device)
             gw = gy.t() @ xg  # while the input gradient's reduction is in flight
             gb = gy.sum(0) if ctx.has_bias else None
-            gx = exe.release(exe.run({"g": partial}).outputs["gx"])
-        else:
-            prog = P.column_backward(rows, d_in, ctx.out_features, _dtype(xg), ctx.has_bias, ctx.sp)
-            names = ("gx", "gw", "gb") if ctx.has_bias else ("gx", "gw")
-            got = ctx.programs.run("backward", prog, {"gy": gy, "gyt": gy.t(), "w": weight, "x": xg}, xg.device,
-                                   names)
-            gx, gw, gb = got[0], got[1], got[2] if ctx.has_bias else None
+            return exe.release(exe.run({"g": partial}).outputs["gx"]), gw, gb
+
+        routes = {"program": as_program, ASYNC: overlapped}
+        gx, gw, gb = routes[programs.route("backward", prog.fingerprint(), routes, xg.device)]()
         return gx.view(ctx.shape), gw, gb, None, None, None, None
 
 

@@ -4,10 +4,19 @@
     row = RowParallelLinear(4 * d, d, group=tp, dropout=0.1)   # weight columns (input features) sliced
     y = row(gelu(col(x)), residual=x)                          # = dropout(x W1ᵀ ... W2ᵀ + b2) + x, replicated
 
-Slices follow the DSL's `Sliced` layout (torch.tensor_split sizes, rank r holds part r). Both layers build
-their full weight deterministically from `seed` (every rank draws the same one) and keep their part, or
-take it from a full-size `torch.nn.Linear` (`from_linear`), so a single-process model holding the full
-weights computes the same thing.
+Slices follow the DSL's `Sliced` layout (torch.tensor_split sizes, rank r holds part r). `group` is a
+ProcessGroup (None: the world) or a DeviceMesh (its "tp" dim, or its only one).
+
+They behave as torch.nn layers do:
+- Initialisation: each rank draws only its part of the weight (nn/init.py: tiles from a counter-seeded generator),
+  with the values of `full_linear_weights(in, out, bias, seed)`, the whole layer's (nn.Linear's distribution), at
+  every tensor-parallel size. `reset_parameters()` draws them again; `device="meta"` then `to_empty()` and
+  `reset_parameters()` gives the layer built directly. `from_linear` / `load_full` take a full-size nn.Linear's.
+- State dict: this rank's parts under nn.Linear's names. `load_state_dict` also takes the full (unsharded)
+  tensors, e.g. a single-process model's state dict, and keeps this rank's part; a checkpoint saved at another
+  tensor-parallel size loads through `cocoweave.nn.sharded_state_dict` and cocoweave.checkpoint (nn/state.py).
+  RowParallelLinear's dropout counter (seed, dropout_step) is its extra state, so a resumed run draws the same
+  masks; a state dict without it (nn.Linear's) leaves the counter as it is.
 """
 
 from __future__ import annotations
@@ -37,16 +46,62 @@ from .functional import (
     row_parallel,
     scatter_to_parallel,
 )
+from .init import partitioned_uniform_
+
+try:
+    from torch.distributed.device_mesh import DeviceMesh
+except ImportError:  # pragma: no cover - torch without torch.distributed
+    DeviceMesh = None  # type: ignore[assignment,misc]
+
+
+WEIGHT, BIAS = 0, 1  # the generator streams of a layer's weight and bias (nn/init.py)
 
 
 def full_linear_weights(in_features: int, out_features: int, bias: bool, seed: int
                         ) -> tuple[torch.Tensor, torch.Tensor | None]:
-    """torch.nn.Linear's default initialisation of the full weight and bias, drawn from `seed` (CPU, fp32)."""
-    gen = torch.Generator().manual_seed(seed)
-    bound = 1.0 / math.sqrt(in_features) if in_features else 0.0
-    w = torch.empty(out_features, in_features).uniform_(-bound, bound, generator=gen)
-    b = torch.empty(out_features).uniform_(-bound, bound, generator=gen) if bias else None
+    """The whole weight and bias (CPU, fp32) a layer built from `seed` holds parts of: torch.nn.Linear's
+    distribution, uniform(-1/sqrt(in_features), 1/sqrt(in_features)), drawn tile by tile (nn/init.py)."""
+    bound = _bound(in_features)
+    w = partitioned_uniform_(torch.empty(out_features, in_features), (out_features, in_features), (0, 0), bound,
+                             seed, WEIGHT)
+    b = partitioned_uniform_(torch.empty(out_features), (out_features,), (0,), bound, seed, BIAS) if bias else None
     return w, b
+
+
+def _bound(in_features: int) -> float:
+    return 1.0 / math.sqrt(in_features) if in_features else 0.0
+
+
+def resolve_group(group: Any) -> Group:
+    """The process group a layer splits over: a ProcessGroup or None (the world) as given, a DeviceMesh's "tp"
+    dim (or its only dim)."""
+    if DeviceMesh is None or not isinstance(group, DeviceMesh):
+        return group
+    names = group.mesh_dim_names or ()
+    if "tp" in names:
+        return group.get_group("tp")
+    if group.ndim == 1:
+        return group.get_group()
+    raise ParallelConfigError(f"a DeviceMesh with dims {list(names)} has no 'tp' dim for the tensor-parallel "
+                              "layers; name the tensor-parallel dim 'tp'")
+
+
+class DropoutCounter:
+    """The dropout counter (seed, dropout_step) of a module as its extra state, so that a resumed run draws the
+    same masks; a state dict without it (a torch.nn layer's, an older checkpoint's) leaves the counter as it is."""
+
+    seed: int
+    dropout_step: int
+
+    def get_extra_state(self) -> dict[str, int]:
+        return {"seed": int(self.seed), "dropout_step": int(self.dropout_step)}
+
+    def set_extra_state(self, state: Any) -> None:
+        self.seed, self.dropout_step = int(state["seed"]), int(state["dropout_step"])
+
+    def _load_from_state_dict(self, state_dict: dict[str, Any], prefix: str, *args: Any, **kwargs: Any) -> None:
+        state_dict.setdefault(prefix + "_extra_state", self.get_extra_state())
+        super()._load_from_state_dict(state_dict, prefix, *args, **kwargs)  # type: ignore[misc]
 
 
 class _ParallelLinear(nn.Module):
@@ -57,7 +112,8 @@ class _ParallelLinear(nn.Module):
     def __init__(self, in_features: int, out_features: int, bias: bool, group: Group, seed: int,
                  device: Any, dtype: torch.dtype | None) -> None:
         super().__init__()
-        self.in_features, self.out_features, self.group = in_features, out_features, group
+        group = resolve_group(group)
+        self.in_features, self.out_features, self.group, self.init_seed = in_features, out_features, group, seed
         self.tp_size, self.tp_rank = group_size(group), group_rank(group)
         full = (out_features, in_features)[self.sliced_dim]
         if full < self.tp_size:
@@ -68,7 +124,7 @@ class _ParallelLinear(nn.Module):
         shape[self.sliced_dim] = self.stop - self.start
         self.weight = nn.Parameter(torch.empty(shape, device=device, dtype=dtype))
         self.bias = nn.Parameter(torch.empty(self._bias_size(), device=device, dtype=dtype)) if bias else None
-        self.load_full(*full_linear_weights(in_features, out_features, bias, seed))
+        self.reset_parameters()
 
     def _programs(self, schedule: str | None, sequence_parallel: bool) -> None:
         """The cocoweave programs this layer runs (nn/compiled.py), None for the hand-written path."""
@@ -85,6 +141,50 @@ class _ParallelLinear(nn.Module):
 
     def _bias_size(self) -> int:
         return self.stop - self.start if self.sliced_dim == 0 else self.out_features
+
+    @torch.no_grad()
+    def reset_parameters(self) -> None:
+        """Draw this rank's part of the weight and bias of `full_linear_weights(..., seed)`, and only that part
+        (nothing on the meta device)."""
+        full = (self.out_features, self.in_features)
+        start = (self.start, 0) if self.sliced_dim == 0 else (0, self.start)
+        bound = _bound(self.in_features)
+        partitioned_uniform_(self.weight, full, start, bound, self.init_seed, WEIGHT)
+        if self.bias is not None:
+            partitioned_uniform_(self.bias, full[:1], start[:1], bound, self.init_seed, BIAS)
+
+    def sliced(self) -> dict[str, tuple[int, int]]:
+        """The parameters split across the group: name -> (dim, whole size along it)."""
+        out = {"weight": (self.sliced_dim, (self.out_features, self.in_features)[self.sliced_dim])}
+        if self.bias is not None and self.sliced_dim == 0:
+            out["bias"] = (0, self.out_features)
+        return out
+
+    def _load_from_state_dict(self, state_dict: dict[str, Any], prefix: str, *args: Any, **kwargs: Any) -> None:
+        """Take this rank's part of full (unsharded) tensors, and the part of a checkpoint.Shard for this rank."""
+        from ..checkpoint import Shard
+
+        for name, (dim, total) in self.sliced().items():
+            key = prefix + name
+            value = state_dict.get(key)
+            if isinstance(value, Shard):
+                if (value.dim, value.total, value.index, value.count) != (dim, total, self.tp_rank, self.tp_size):
+                    raise ParallelConfigError(f"{key}: the Shard is part {value.index} of {value.count} along dim "
+                                              f"{value.dim}, this rank holds part {self.tp_rank} of {self.tp_size} "
+                                              f"along dim {dim}")
+                value = state_dict[key] = value.part
+            local = getattr(self, name)
+            if not isinstance(value, torch.Tensor) or tuple(value.shape) == tuple(local.shape):
+                continue
+            whole = list(local.shape)
+            whole[dim] = total
+            if tuple(value.shape) != tuple(whole):
+                raise ParallelConfigError(
+                    f"{key} has shape {list(value.shape)}: this rank holds {list(local.shape)} of the whole "
+                    f"{whole}; load the whole tensor, or a checkpoint saved at another tensor-parallel size through "
+                    "cocoweave.nn.sharded_state_dict")
+            state_dict[key] = value.narrow(dim, self.start, self.stop - self.start)
+        super()._load_from_state_dict(state_dict, prefix, *args, **kwargs)
 
     @torch.no_grad()
     def load_full(self, weight: torch.Tensor, bias: torch.Tensor | None = None) -> None:
@@ -184,7 +284,7 @@ class _RowParallel(torch.autograd.Function):
         return gx, gw, gb, gr, None, None, None, None, None
 
 
-class RowParallelLinear(_ParallelLinear):
+class RowParallelLinear(DropoutCounter, _ParallelLinear):
     """out = dropout(x Wᵀ + b, p) + residual with W's columns (input features) split across `group`:
     the input is sliced on its last dim (or sliced here if `input_is_parallel=False`), the partial products
     are all-reduced (g) and the fused epilogue runs on the replicated sum. `overlap_chunks > 1` splits the
@@ -240,4 +340,5 @@ class RowParallelLinear(_ParallelLinear):
                                   self.overlap_chunks, self.group)
 
 
-__all__ = ["ColumnParallelLinear", "RowParallelLinear", "full_linear_weights", "part"]
+__all__ = ["ColumnParallelLinear", "DropoutCounter", "RowParallelLinear", "full_linear_weights", "part",
+           "resolve_group"]

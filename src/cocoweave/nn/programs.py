@@ -19,6 +19,8 @@ from ..ir import Local, Program, Replicated, Sliced
 from ..ir.ops import all_gather, all_reduce, dropout, matmul, reduce_scatter
 from ..ir.ops import sum as reduce_sum
 
+ASYNC = "MM-AR||MMw"  # the column backward's input-gradient all-reduce in flight during the weight-gradient matmul
+
 
 def _epilogue(p: Program, y, bias: bool, drop: float, residual, d_out: int, dtype: str):  # noqa: ANN001, ANN202
     """dropout(y + b, seed, offset) + residual on `y`'s layout (the bias replicated)."""

@@ -30,7 +30,7 @@ from .functional import (
     scatter_to_parallel,
     sum_grads,
 )
-from .layers import ColumnParallelLinear, RowParallelLinear
+from .layers import ColumnParallelLinear, DropoutCounter, RowParallelLinear, full_linear_weights, resolve_group
 
 
 def _check_heads(d_model: int, n_heads: int, tp: int) -> int:
@@ -64,7 +64,10 @@ def _next_step(block: nn.Module, step: int | None) -> int:
     return step
 
 
-class ReferenceBlock(nn.Module):
+LINEARS = ("qkv", "proj", "fc1", "fc2")  # a block's linear layers; layer i's weights are drawn from seed + i
+
+
+class ReferenceBlock(DropoutCounter, nn.Module):
     """The block in one process with full-size torch.nn layers; dropout uses cocoweave's counter-based
     mask at logical indices `index_offset + i`, like the parallel block."""
 
@@ -78,6 +81,19 @@ class ReferenceBlock(nn.Module):
         self.ln1, self.ln2 = nn.LayerNorm(d_model), nn.LayerNorm(d_model)
         self.qkv, self.proj = nn.Linear(d_model, 3 * d_model), nn.Linear(d_model, d_model)
         self.fc1, self.fc2 = nn.Linear(d_model, d_ff), nn.Linear(d_ff, d_model)
+        self.reset_parameters()
+
+    @torch.no_grad()
+    def reset_parameters(self) -> None:
+        """LayerNorms to ones and zeros, linear layer i to `full_linear_weights(..., seed + i)`: the weights a
+        TransformerBlock of the same seed holds parts of, at every tensor-parallel size."""
+        self.ln1.reset_parameters()
+        self.ln2.reset_parameters()
+        for i, name in enumerate(LINEARS):
+            lin = getattr(self, name)
+            w, b = full_linear_weights(lin.in_features, lin.out_features, True, self.seed + i)
+            lin.weight.copy_(w)
+            lin.bias.copy_(b)
 
     def _dropout(self, y: torch.Tensor, seed: int, offset: int) -> torch.Tensor:
         if not self.training or self.p == 0:
@@ -93,7 +109,7 @@ class ReferenceBlock(nn.Module):
         return self._dropout(self.fc2(h), s_mlp, index_offset) + x
 
 
-class TransformerBlock(nn.Module):
+class TransformerBlock(DropoutCounter, nn.Module):
     """The block with attention heads and MLP hidden units split across `group` (tensor parallelism):
     two all-reduces forward (after attention and after the MLP, fused with bias, dropout and residual)
     and two backward. Input and output are replicated over the group."""
@@ -106,6 +122,7 @@ class TransformerBlock(nn.Module):
         or a dict by layer name ("qkv", "proj", "fc1", "fc2"). `sequence_parallel`: the block takes and returns
         this rank's token slice (see forward), its LayerNorms and epilogues work on slices (Megatron-SP)."""
         super().__init__()
+        group = resolve_group(group)  # a DeviceMesh's "tp" dim
         tp = group_size(group)
         self.head_dim = _check_heads(d_model, n_heads, tp)
         self.local_heads, self.causal, self.seed, self.group = n_heads // tp, causal, seed, group
@@ -122,6 +139,11 @@ class TransformerBlock(nn.Module):
         self.fc1 = ColumnParallelLinear(d_model, d_ff, seed=seed + 2, schedule=per.get("fc1"), **kw)
         self.fc2 = RowParallelLinear(d_ff, d_model, dropout=dropout, overlap_chunks=overlap_chunks,
                                      seed=seed + 3, schedule=per.get("fc2"), **kw)
+
+    def reset_parameters(self) -> None:
+        """LayerNorms to ones and zeros, each linear layer to its part of the weights ReferenceBlock(seed) holds."""
+        for module in (self.ln1, self.ln2, *(getattr(self, name) for name in LINEARS)):
+            module.reset_parameters()
 
     @torch.no_grad()
     def load_reference(self, ref: ReferenceBlock) -> TransformerBlock:

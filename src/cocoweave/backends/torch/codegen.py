@@ -148,7 +148,10 @@ class Emitter:
             else:  # the key of a runtime seed is hashed on the host, before the call
                 key = f"{self.var(v)}_key"
                 self.extra[key] = f"rt.dropout_key(int({a[1]}), {rank})"
-            shift = f" + {a[2]}" if v.attrs.get("offset") else ""
+            shift = ""
+            if v.attrs.get("offset"):  # an integer on the host, like the key
+                shift = f" + {self.var(v)}_offset"
+                self.extra[shift[3:]] = f"int({a[2]})"
             return f"rt.dropout({a[0]}, {self.logical_index(v.args[0], a[0])}{shift}, {p!r}, {key})"
         bits = f'ctx.keep("{v.name}", {p!r}, {key})' if v.attrs["seed"] is not None else f'ctx.index("{v.name}")'
         if v.attrs.get("offset"):

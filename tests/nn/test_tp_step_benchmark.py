@@ -1,0 +1,28 @@
+"""benchmarks/tp_step.py's plumbing: `--quick` times every variant on a tiny model at tp 2 and writes its JSON."""
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[2]
+
+
+def test_tp_step_quick_times_every_variant_doing_the_same_work(tmp_path: Path) -> None:
+    env = dict(os.environ, PYTHONPATH=os.pathsep.join([str(ROOT / "src"), os.environ.get("PYTHONPATH", "")]))
+    command = [sys.executable, str(ROOT / "benchmarks" / "tp_step.py"), "--quick", "--schedules", "as-written,auto",
+               "--out", str(tmp_path)]
+    run = subprocess.run(command, env=env, capture_output=True, text=True, timeout=180)
+    assert run.returncode == 0, run.stdout[-3000:] + run.stderr[-3000:]
+    doc = json.loads(next(tmp_path.glob("tp_step-*.json")).read_text())
+    assert {"cpu", "torch", "cocoweave", "date", "load_average"} <= doc["machine"].keys()
+    rows = {r["variant"]: r for r in doc["rows"]}
+    assert {"megatron", "torch-tp", "torch-tp-sp", "floor"} <= rows.keys()
+    assert any(v.startswith("cocoweave") for v in rows)
+    for v, r in rows.items():
+        assert r["median_ms"] > 0 and r["held_bytes"] > 0 and r["ratio_to_floor"] > 0
+        assert (r["same_work_rel_diff"] is None) == (v == "floor")
+        assert v == "floor" or r["same_work_rel_diff"] < 1e-4  # every peer computes the same step
+    assert rows["floor"]["comm_share"] == 0 and rows["megatron"]["comm_share"] > 0
+    assert min(r["ratio_to_fastest_peer"] for r in rows.values() if r["kind"] == "peer") == 1.0
