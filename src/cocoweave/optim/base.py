@@ -193,6 +193,12 @@ class DistributedOptimizer(torch.optim.Optimizer):
         new.load_state_dict(self.state_dict())
         return new
 
+    def _store_prefix(self) -> str:
+        """This optimizer's keys in the job's store: its instance and its group's global ranks, so that optimizers over
+        different groups (one per pipeline stage or data-parallel line) never meet on one key."""
+        ranks = dist.get_process_group_ranks(self.process_group or dist.group.WORLD)
+        return f"cocoweave/optim/{self._instance}/g{'-'.join(map(str, ranks))}"
+
     def _check_same_model(self) -> None:
         """As DDP at construction: every rank's parameters must agree in count, order, shape, dtype and
         requires_grad, else one sentence names the first difference (through the store: no collective runs yet)."""
@@ -202,7 +208,7 @@ class DistributedOptimizer(torch.optim.Optimizer):
         mine = [[[list(p.shape), str(p.dtype).removeprefix("torch."), p.requires_grad] for p in g["params"]]
                 for g in self.param_groups]
         store = dist.distributed_c10d._get_default_store()
-        key = f"cocoweave/optim/{self._instance}/model"
+        key = f"{self._store_prefix()}/model"
         store.set(f"{key}/{rank}", json.dumps(mine))
         limit = group_timeout(self.process_group)
         difference = None
@@ -727,7 +733,7 @@ class DistributedOptimizer(torch.optim.Optimizer):
         rank, size = world(self.process_group)
         store = dist.distributed_c10d._get_default_store()
         self._sd_calls += 1
-        key = f"cocoweave/optim/{self._instance}/collective/{self._sd_calls}"
+        key = f"{self._store_prefix()}/collective/{self._sd_calls}"
         arrived = store.add(key, 1)
         limit = group_timeout(self.process_group)
         deadline = time.monotonic() + limit
