@@ -30,7 +30,7 @@ from ..compiler import compile as compile_schedule
 from ..errors import ParallelConfigError
 from ..ir.graph import Program
 from ..ir.layout import slice_bounds
-from ..schedule.enumerate import enumerate_schedules
+from ..schedule.enumerate import schedules_of
 from ..schedule.schedule import Schedule
 from .functional import Group, group_size
 from .programs import ASYNC
@@ -42,7 +42,6 @@ AUTO_ROUNDS = 7  # interleaved timed rounds (one run of every candidate each) wh
 # chosen alone by 3% ran the step no faster than MM-AR@shm-C).
 AUTO_MARGIN = 0.10
 
-_SCHEDULES: dict[str, list[Schedule]] = {}
 _CHOSEN: dict[tuple, str] = {}  # "auto"'s measured choice, by (program fingerprint, group size, device)
 
 
@@ -57,11 +56,8 @@ def check_schedule(schedule: str | None, who: str) -> str | None:
 
 
 def schedules(program: Program) -> list[Schedule]:
-    """Every schedule of `program` (enumerate_schedules), memoised by fingerprint."""
-    key = program.fingerprint()
-    if key not in _SCHEDULES:
-        _SCHEDULES[key] = enumerate_schedules(program)
-    return _SCHEDULES[key]
+    """Every schedule of `program` (enumerate_schedules, memoised)."""
+    return schedules_of(program)
 
 
 def _fused(s: Schedule) -> bool:

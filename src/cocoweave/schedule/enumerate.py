@@ -169,6 +169,17 @@ def enumerate_schedules(program: Program, device: str = "cpu") -> list[Schedule]
     return list(found.values())
 
 
+_ENUMERATED: dict[str, list[Schedule]] = {}
+
+
+def schedules_of(program: Program) -> list[Schedule]:
+    """enumerate_schedules, memoised by program fingerprint (a model's layers of one shape share them)."""
+    key = program.fingerprint()
+    if key not in _ENUMERATED:
+        _ENUMERATED[key] = enumerate_schedules(program)
+    return _ENUMERATED[key]
+
+
 def _on(program: Program, base: Schedule, kinds: tuple[str, ...], algorithm: str) -> Schedule | None:
     """`base` with every stage of `kinds` that can run on `algorithm` moved onto it; None if none can."""
     s, changed = Schedule(program, base.steps), False
