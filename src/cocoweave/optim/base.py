@@ -61,17 +61,6 @@ def world(group: Any = None) -> tuple[int, int]:
     return 0, 1
 
 
-def group_timeout(group: Any = None) -> float:
-    """The process group's timeout in seconds (what its collectives wait at most); torch's default when it
-    cannot be read."""
-    try:
-        pg = group if group is not None else dist.distributed_c10d._get_default_group()
-        timeout = pg._get_backend(torch.device("cpu")).options._timeout
-    except (AttributeError, RuntimeError, ValueError):
-        timeout = dist.distributed_c10d.default_pg_timeout
-    return timeout.total_seconds() if isinstance(timeout, datetime.timedelta) else float(timeout)
-
-
 _SCHEDULES: dict[str, list[Schedule]] = {}
 
 
@@ -210,7 +199,7 @@ class DistributedOptimizer(torch.optim.Optimizer):
         store = dist.distributed_c10d._get_default_store()
         key = f"{self._store_prefix()}/model"
         store.set(f"{key}/{rank}", json.dumps(mine))
-        limit = group_timeout(self.process_group)
+        limit = shm.group_timeout(self.process_group)
         difference = None
         if rank != 0:
             try:
@@ -735,7 +724,7 @@ class DistributedOptimizer(torch.optim.Optimizer):
         self._sd_calls += 1
         key = f"{self._store_prefix()}/collective/{self._sd_calls}"
         arrived = store.add(key, 1)
-        limit = group_timeout(self.process_group)
+        limit = shm.group_timeout(self.process_group)
         deadline = time.monotonic() + limit
         while arrived < size:
             if time.monotonic() >= deadline:
