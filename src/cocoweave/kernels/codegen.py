@@ -57,10 +57,11 @@ TL = {"float16": "tl.float16", "bfloat16": "tl.bfloat16", "float32": "tl.float32
       "int64": "tl.int64", "bool": "tl.int1"}
 INFIX = {"add": "+", "sub": "-", "mul": "*", "lt": "<", "le": "<=", "gt": ">", "ge": ">=", "eq": "==", "ne": "!="}
 # correctly rounded or libdevice's (kernels/precise.py): tl.rsqrt, tl.exp and an exp2-based pow are approximate
-UNARY = {"abs": "tl.abs", "sqrt": "tl.sqrt_rn", "rsqrt": "tl.div_rn(1.0, tl.sqrt_rn({x}))", "exp": "precise_exp"}
+UNARY = {"abs": "tl.abs({x})", "sqrt": "tl.sqrt_rn({x})", "rsqrt": "tl.div_rn(1.0, tl.sqrt_rn({x}))",
+         "exp": "precise_exp({x})"}
 # torch.pow's special cases for constant exponents (pow_tensor_scalar_optimized_kernel)
 POW = {1: "{x}", 2: "{x} * {x}", 3: "{x} * {x} * {x}", 0.5: "tl.sqrt_rn({x})",
-       -0.5: "tl.div_rn(1.0, tl.sqrt_rn({x}))", -1: "tl.div_rn(1.0, {x})", -2: "tl.div_rn(1.0, {x} * {x})"}
+       -0.5: UNARY["rsqrt"], -1: "tl.div_rn(1.0, {x})", -2: "tl.div_rn(1.0, {x} * {x})"}
 MAX_BLOCK = 4096
 RESERVED = {"i", "mask", "tl", "triton", "BLOCK", "keep_mask", "precise_exp", "precise_pow", "math", "float"}
 INT32_LIMIT = 2**31 - 1
@@ -299,7 +300,7 @@ class _Gen:
             elif op == "neg":
                 e = f"-{a[0]}"
             elif op in UNARY:
-                e = UNARY[op].format(x=a[0]) if "{x}" in UNARY[op] else f"{UNARY[op]}({a[0]})"
+                e = UNARY[op].format(x=a[0])
             else:  # pragma: no cover - OPS lists exactly the cases above
                 raise NoKernel(f"no Triton code for {op}")
         return f"({e}).to({TL[v.dtype]})" if v.dtype != c else e

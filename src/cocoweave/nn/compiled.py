@@ -30,7 +30,7 @@ from ..compiler import compile as compile_schedule
 from ..errors import ParallelConfigError
 from ..ir.graph import Program
 from ..ir.layout import slice_bounds
-from ..schedule.enumerate import schedules_of
+from ..schedule.enumerate import schedules_of, shm_offered
 from ..schedule.schedule import Schedule
 from .functional import Group, group_size
 from .programs import ASYNC
@@ -43,6 +43,16 @@ AUTO_ROUNDS = 7  # interleaved timed rounds (one run of every candidate each) wh
 AUTO_MARGIN = 0.10
 
 _CHOSEN: dict[tuple, str] = {}  # "auto"'s measured choice, by (program fingerprint, group size, device)
+_FINGERPRINTS: dict[int, tuple[Program, str]] = {}
+
+
+def _fingerprint(program: Program) -> str:
+    """program.fingerprint() (a hash of its printed form) once per program object: the layers' programs are finished,
+    cached objects, and every forward and backward looks its executable up by it."""
+    hit = _FINGERPRINTS.get(id(program))
+    if hit is None or hit[0] is not program:
+        hit = _FINGERPRINTS[id(program)] = (program, program.fingerprint())
+    return hit[1]
 
 
 def check_schedule(schedule: str | None, who: str) -> str | None:
@@ -140,7 +150,7 @@ class Programs:
         return exe
 
     def _executable(self, kind: str, program: Program, inputs: Mapping[str, Any], device: torch.device) -> Any:
-        shared = device.type == "cpu" and one_host(self.group)
+        shared = shm_offered(device.type) and one_host(self.group)
         name = self.schedule
         if name == "auto":
             s = self._auto(kind, program, inputs, device, shared)
@@ -151,7 +161,7 @@ class Programs:
     def _compiled(self, kind: str, program: Program, s: Schedule, device: torch.device, record: bool = True) -> Any:
         if record:
             self.chosen[kind] = s.name
-        key = (program.fingerprint(), s.name, device)
+        key = (_fingerprint(program), s.name, device)
         exe = self._exes.get(key)
         if exe is None:
             exe = self._exes[key] = compile_schedule(s, "torch", device=device, rank=self.rank,
@@ -161,7 +171,7 @@ class Programs:
     def _auto(self, kind: str, program: Program, inputs: Mapping[str, Any], device: torch.device,
               shared: bool) -> Schedule:
         size = self.size
-        key = (program.fingerprint(), size, device.type, shared)
+        key = (_fingerprint(program), size, device.type, shared)
         if key in _CHOSEN:
             return next(s for s in schedules(program) if s.name == _CHOSEN[key])
         found = None
@@ -184,7 +194,7 @@ class Programs:
         best = options[self.fastest([lambda exe=exe: exe.run(inputs) for exe in exes], device)]
         for s in options:  # the others' buffers (and shared-memory slots) go
             if s is not best:
-                self._exes.pop((program.fingerprint(), s.name, device), None)
+                self._exes.pop((_fingerprint(program), s.name, device), None)
         return best
 
     def fastest(self, runs: list[Callable[[], Any]], device: torch.device) -> int:
@@ -210,9 +220,9 @@ class Programs:
                 best = i
         return best
 
-    def route(self, kind: str, key: Any, routes: dict[str, Callable[[], Any]], device: torch.device) -> str:
+    def route(self, kind: str, program: Program, routes: dict[str, Callable[[], Any]], device: torch.device) -> str:
         """Which of several whole routes of `kind` to take (e.g. a backward program, or ASYNC): the one named by
-        the layer's schedule, else for "auto" the fastest (`fastest`, once per `key` and group size)."""
+        the layer's schedule, else for "auto" the fastest (`fastest`, once per program and group size)."""
         if self.schedule in routes:
             name = self.schedule
         elif self.schedule != "auto" or self.size == 1:
@@ -223,7 +233,7 @@ class Programs:
             # (tp_step d512: 468 ms against 410 for MM-AR@shm-C). It is a choice where the wait is the network's.
             name = next(iter(routes))
         else:
-            k = ("route", key, self.size, device.type)
+            k = ("route", _fingerprint(program), self.size, device.type)
             if k not in _CHOSEN:
                 names = list(routes)
                 _CHOSEN[k] = names[self.fastest([routes[n] for n in names], device)]

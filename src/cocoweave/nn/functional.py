@@ -288,7 +288,7 @@ class _ColumnProgram(torch.autograd.Function):
             return exe.release(exe.run({"g": partial}).outputs["gx"]), gw, gb
 
         routes = {"program": as_program, ASYNC: overlapped}
-        gx, gw, gb = routes[programs.route("backward", prog.fingerprint(), routes, xg.device)]()
+        gx, gw, gb = routes[programs.route("backward", prog, routes, xg.device)]()
         return gx.view(ctx.shape), gw, gb, None, None, None, None
 
 

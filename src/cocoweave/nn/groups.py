@@ -14,6 +14,7 @@ import torch.distributed as dist
 from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
 
 from ..errors import ParallelConfigError
+from .functional import group_size
 
 MESH_DIMS = ("dp", "pp", "tp")
 _CACHE: dict[tuple[int, ...], Any] = {}
@@ -26,10 +27,6 @@ def new_group(ranks: list[int]) -> Any:
     if key not in _CACHE:
         _CACHE[key] = dist.new_group(list(ranks))
     return _CACHE[key]
-
-
-def _world() -> int:
-    return dist.get_world_size() if dist.is_available() and dist.is_initialized() else 1
 
 
 def mesh_shape(world_size: int, tensor_parallel: int = 1, pipeline_parallel: int = 1) -> tuple[int, int, int]:
@@ -70,7 +67,7 @@ def parallel_mesh(tensor_parallel: int = 1, pipeline_parallel: int = 1, device_t
 def parallel_groups(tensor_parallel: int, pipeline_parallel: int = 1) -> tuple[Any, Any]:
     """(tensor-parallel group, data-parallel group) of this rank in parallel_mesh's layout; (None, None) in a world
     of one rank (None means the world to cocoweave.nn)."""
-    world = _world()
+    world = group_size(None)
     mesh_shape(world, tensor_parallel, pipeline_parallel)
     if world == 1:
         return None, None

@@ -129,7 +129,7 @@ class TransformerBlock(DropoutCounter, nn.Module):
         self.dropout_step = 0  # training forwards without a `step` so far (see _next_step)
         d_ff = d_ff or 4 * d_model
         self.sequence_parallel, self.d_model = bool(sequence_parallel), d_model
-        per = schedule if isinstance(schedule, dict) else dict.fromkeys(("qkv", "proj", "fc1", "fc2"), schedule)
+        per = schedule if isinstance(schedule, dict) else dict.fromkeys(LINEARS, schedule)
         kw: dict[str, Any] = {"group": group, "device": device, "dtype": dtype, "sequence_parallel": sequence_parallel}
         self.ln1 = nn.LayerNorm(d_model, device=device, dtype=dtype)
         self.ln2 = nn.LayerNorm(d_model, device=device, dtype=dtype)
@@ -150,7 +150,7 @@ class TransformerBlock(DropoutCounter, nn.Module):
         """Take this rank's part of a single-process block's parameters (and its dropout seed); returns self."""
         self.ln1.load_state_dict(ref.ln1.state_dict())
         self.ln2.load_state_dict(ref.ln2.state_dict())
-        for name in ("qkv", "proj", "fc1", "fc2"):
+        for name in LINEARS:
             full = getattr(ref, name)
             getattr(self, name).load_full(full.weight, full.bias)
         self.seed, self.dropout_step = ref.seed, ref.dropout_step

@@ -158,6 +158,7 @@ class DistributedOptimizer(torch.optim.Optimizer):
         self._instance = next(_INSTANCES)  # the same on every rank: ranks make their optimizers in the same order
         self._flag_slots: list[torch.Tensor] | None = None
         self._paused: list[tuple[Bucket, Any, Iterator]] | None = None  # steps paused by clip_grad_norm_
+        self._gathered: set[int] = set()  # buckets whose sliced state opt.state[p] gathered since its views were set
         self._options = {"schedule": schedule, "reduction": reduction, "process_group": process_group,
                          "bucket_cap_mb": bucket_cap_mb, "overlap": overlap, "gather": gather,
                          "master_weights": master_weights, "kernels": kernels, "module": module}
@@ -447,7 +448,7 @@ class DistributedOptimizer(torch.optim.Optimizer):
             b.version = None
         self._publish_steps()
         for b in buckets:
-            if b.exe.plan.sliced_state:  # opt.state[p] gathers the new state when read
+            if id(b) in self._gathered:  # opt.state[p] holds last step's gathered state: gather anew when read
                 self._publish_views(b)
         self.last_step_ms = {**phases, "step": (time.perf_counter() - start) * 1e3}
         return loss
@@ -691,6 +692,7 @@ class DistributedOptimizer(torch.optim.Optimizer):
         """`opt.state[p]`'s exp_avg / exp_avg_sq / momentum_buffer: views of the bucket's state where this rank holds
         it whole (valid while the bucket's state tensors are: they are updated in place); where ranks keep it sliced,
         gathered when first read after a step (a collective, as state_dict(): every rank reads it)."""
+        self._gathered.discard(id(b))
         for i, p in enumerate(b.params):
             entry = self.state[p]
             if not isinstance(entry, _ParamState):
@@ -708,6 +710,7 @@ class DistributedOptimizer(torch.optim.Optimizer):
         if self._sliced():
             self._meet("state[p] (reading exp_avg, exp_avg_sq or momentum_buffer)")
         whole = self._gather_whole(b)
+        self._gathered.add(id(b))
         for i, p in enumerate(b.params):
             entry = self.state[p]
             for n, key in self.state_keys.items():
@@ -898,6 +901,8 @@ def _first_difference(theirs: list, mine: list, rank: int) -> str | None:
         if len(a) != len(b):
             return f"group {gi} has {len(b)} parameters on rank {rank}, {len(a)} on rank 0"
     return None
+
+
 _SLICED = object()  # opt.state[p]'s value of state the ranks keep sliced, until read
 
 

@@ -437,7 +437,7 @@ class RankContext:
             self._shm_warn(f"its tensors are on {x.device.type}, not in the host's memory")
             return None
         g = shm.group_for(group)
-        if g is None and dist.get_world_size(group) > 1:
+        if g is None and not getattr(self, "_shm_warned", False) and dist.get_world_size(group) > 1:
             self._shm_warn(shm.why_not(group) or "the ranks of a group do not share this host's memory")
         return g
 

@@ -46,7 +46,7 @@ import torch.distributed as dist
 
 from ...errors import BackendError
 
-LINE = 8  # int64 words per cache line: one line per rank ([flag, pid, fd, nonce (rank 0), ...])
+LINE = 8  # int64 words per cache line: one line per rank ([flag, -, -, nonce (rank 0 / the sender), ...])
 _ORDERED = platform.machine().lower() in ("x86_64", "amd64", "i686", "x86")
 _GROUPS: dict[tuple[int, ...], ShmGroup | None] = {}
 _SEQ: dict[str, itertools.count] = {}

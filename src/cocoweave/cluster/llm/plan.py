@@ -86,7 +86,7 @@ def plan_llm(spec: TransformerSpec, catalog: Catalog, tokens: float, stack: Stac
                                       (ProfilePoint(machine.gpu, 0, n, result.best.step.total_s, machine.name),),
                                       modelled=True)
             opts, lost = evaluate_options(profile, catalog, steps)
-            options += [o for o in opts if o.machine is machine]
+            options += opts  # the profile names only this machine
             unfinishable += lost
     if not options:
         worst = next(iter(unfit.items()), None)

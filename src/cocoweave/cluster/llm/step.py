@@ -40,11 +40,6 @@ class StepBreakdown:
     memory: MemoryBreakdown
     notes: tuple[str, ...] = field(default=())
 
-    @property
-    def tflops_per_gpu(self) -> float:
-        """Model TFLOP/s per GPU (MFU x peak; SC'21's "achieved TFLOP/s" also counts recomputation)."""
-        return self.mfu
-
 
 class _Gemm:
     """Matmul time at its shape's efficiency."""
