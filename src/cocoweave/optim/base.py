@@ -24,7 +24,6 @@ import itertools
 import json
 import logging
 import math
-import os
 import time
 import warnings
 from collections import OrderedDict
@@ -40,6 +39,7 @@ from ..compiler import compile as compile_schedule
 from ..errors import OptimizerError
 from ..ir.graph import Program
 from ..ir.types import DTYPES, canonical_dtype
+from ..rankenv import RankEnv
 from ..schedule.enumerate import enumerate_schedules
 from ..schedule.schedule import Schedule
 from .buckets import Bucket, make_buckets
@@ -959,7 +959,7 @@ def _one_host(group: Any) -> bool:
 
 def _check_torchrun(group: Any) -> None:
     """Under torchrun with several ranks, torch.distributed must be initialised: each rank would train alone."""
-    size = int(os.environ.get("WORLD_SIZE", "1") or 1)
+    size = RankEnv.from_env().world_size
     if size > 1 and not (dist.is_available() and dist.is_initialized()):
         raise OptimizerError(f"this process is one of {size} ranks (WORLD_SIZE={size}) but torch.distributed is not "
                              "initialised: call torch.distributed.init_process_group() (or "

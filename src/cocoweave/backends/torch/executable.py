@@ -13,6 +13,7 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
+from ... import settings
 from ...codecache import write_source
 from ...errors import BackendError, InputError
 from ...ir.graph import Program, make_layout
@@ -32,12 +33,12 @@ _GROUPS: dict[tuple[int, ...], Any] = {}
 # "triton" (generated Triton kernels where a stage has one, else torch ops), "compiled" (torch.compile: one loop
 # per stage, Inductor's C++ on CPU), "torch" (torch ops one by one).
 KERNELS = ("auto", "triton", "compiled", "torch")
-KERNELS_ENV = "COCOWEAVE_KERNELS"  # the default route of every executable (e.g. "torch" where no C++ compiler is)
+KERNELS_ENV = settings.KERNELS.name  # the default route of every executable (e.g. "torch" where no C++ compiler is)
 
 
 def default_kernels() -> str:
     """The route fused stages take unless an executable is told otherwise: $COCOWEAVE_KERNELS, else "auto"."""
-    return os.environ.get(KERNELS_ENV, "auto")
+    return settings.KERNELS.get()
 
 
 def process_groups(program: Program, world_size: int, rank: int = 0) -> dict[str, Any]:
