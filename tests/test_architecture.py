@@ -114,3 +114,61 @@ def _reaches(prefix: str, forbidden: str) -> list[str]:
 ])
 def test_imports_flow_one_way(prefix: str, forbidden: str):
     assert _reaches(prefix, forbidden) == []
+
+
+# -- the environment is read in two homes (issue #30): rankenv (the rank's place) and settings (COCOWEAVE_*) ---------
+
+ENV_HOMES = {"cocoweave.rankenv", "cocoweave.settings"}
+# Every other use of os.environ, with its reason; keyed by file name (not its folder, so that a move keeps its entry)
+# and variable ("*": the whole environment).
+ENV_EXCEPTIONS = {
+    ("launch", "GLOO_SOCKET_IFNAME"): "Gloo's own variable: read, and set for this process when a world meets on "
+                                      "a loopback address",
+    ("precise", "TRITON_INTERPRET"): "Triton's own switch (its interpreter), asked of Triton before 3.3",
+    ("executable", "TRITON_INTERPRET"): "Triton's own switch: kernels on the CPU run only under its interpreter",
+    ("codecache", "XDG_CACHE_HOME"): "the XDG rule for the code cache's default folder",
+    ("profiler", "*"): "copies the whole environment for the torchrun it starts (and adds the profiler's settings)",
+}
+
+
+def _environ_uses(path: Path) -> list[tuple[int, str]]:
+    """(line, variable) of each use of os.environ or os.getenv in a file: "*" where the whole environment is used,
+    "?" where the variable is not a literal."""
+    tree = ast.parse(path.read_text(encoding="utf-8"))
+    parent = {child: node for node in ast.walk(tree) for child in ast.iter_child_nodes(node)}
+    uses = []
+    for node in ast.walk(tree):
+        if isinstance(node, ast.ImportFrom) and node.module == "os" and \
+                {a.name for a in node.names} & {"environ", "getenv", "environb"}:
+            uses.append((node.lineno, "?"))
+        if not (isinstance(node, ast.Attribute) and isinstance(node.value, ast.Name) and node.value.id == "os"
+                and node.attr in ("environ", "getenv", "environb")):
+            continue
+        up, key = parent.get(node), None
+        if isinstance(up, ast.Subscript):
+            key = up.slice
+        elif isinstance(up, ast.Compare) and up.comparators and up.comparators[0] is node:
+            key = up.left
+        elif isinstance(up, ast.Attribute) and isinstance(parent.get(up), ast.Call) and parent[up].args:
+            key = parent[up].args[0]  # os.environ.get(KEY), .pop(KEY), .setdefault(KEY)
+        elif isinstance(up, ast.Call) and node.attr == "getenv" and up.args:
+            key = up.args[0]
+        name = key.value if isinstance(key, ast.Constant) and isinstance(key.value, str) else "?" if key else "*"
+        uses.append((node.lineno, name))
+    return uses
+
+
+def test_the_environment_is_read_only_by_rankenv_and_settings():
+    stray = sorted(f"{name}:{line} uses os.environ[{var!r}]" for name, path in MODULES.items() if name not in ENV_HOMES
+                   for line, var in _environ_uses(path) if (path.stem, var) not in ENV_EXCEPTIONS)
+    assert stray == [], "read COCOWEAVE_* through cocoweave.settings and rank variables through cocoweave.rankenv"
+    from cocoweave.rankenv import LAUNCHERS
+    from cocoweave.settings import SETTINGS
+
+    launcher_vars = {v for launcher in LAUNCHERS for v in vars(launcher).values() if v}
+    assert not {var for _, var in ENV_EXCEPTIONS} & (launcher_vars | {s.name for s in SETTINGS})
+
+
+def test_cores_are_counted_in_one_place():
+    assert sorted(name for name, path in MODULES.items()
+                  if "sched_getaffinity" in path.read_text(encoding="utf-8")) == ["cocoweave.rankenv"]

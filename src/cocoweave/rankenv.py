@@ -92,7 +92,7 @@ def _resolve(env: Mapping[str, str]) -> tuple[Launcher | None, dict[str, int | N
                     f"{getattr(first, field)}={said[field]} ({first.name}) and {getattr(other, field)}={got[field]} "
                     f"({other.name}) disagree about this process's {what}; unset one launcher's variables or make "
                     "them agree")
-    return first, said
+    return first, {field: next((got[field] for _, got in present if got[field] is not None), None) for field in _PLACE}
 
 
 def _check_below(launcher: Launcher, got: dict[str, int | None], index: str, size: str) -> None:
