@@ -34,6 +34,7 @@ def test_a_lone_process_is_rank_0_of_1_with_this_machines_cores():
     env = RankEnv.from_env({})
     assert (env.rank, env.world_size, env.local_rank, env.local_world_size, env.launcher) == (0, 1, 0, 1, None)
     assert env.cores == len(os.sched_getaffinity(0)) and env.threads is None
+    assert env.backend is None and RankEnv.from_env({"COCOWEAVE_BACKEND": "gloo"}).backend == "gloo"
 
 
 def test_torchrun_variables_place_the_rank():
@@ -71,8 +72,8 @@ def test_torchrun_started_inside_a_slurm_step_wins():
 @pytest.mark.parametrize(("given", "message"), [
     ({"RANK": "one", "WORLD_SIZE": "2"}, r"^RANK must be a whole number of at least 0, got 'one'$"),
     ({"SLURM_PROCID": "0", "SLURM_NTASKS": "-2"}, r"^SLURM_NTASKS must be a whole number of at least 0, got '-2'$"),
-    ({"RANK": "4", "WORLD_SIZE": "4"}, r"^RANK=4 must be below WORLD_SIZE=4 \(torchrun's rank within its world "
-                                       r"size\)$"),
+    ({"RANK": "4", "WORLD_SIZE": "4"}, r"^RANK=4 must be below WORLD_SIZE=4 \(the rank within the world size\)$"),
+    ({"RANK": "5", "SLURM_PROCID": "5", "SLURM_NTASKS": "4"}, r"^RANK=5 must be below SLURM_NTASKS=4 "),
     ({"RANK": "0", "WORLD_SIZE": "2", "MASTER_PORT": "http"}, r"^MASTER_PORT must be a whole number"),
 ])
 def test_malformed_variables_are_one_sentence_naming_them(given, message):

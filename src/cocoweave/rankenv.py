@@ -70,13 +70,17 @@ def _whole(env: Mapping[str, str], name: str) -> int | None:
     return value
 
 
-def _reading(launcher: Launcher, env: Mapping[str, str]) -> dict[str, int | None]:
-    """What `launcher`'s variables say (None for those unset)."""
-    return {field: _whole(env, getattr(launcher, field)) for field in _PLACE}
+Reading = dict[str, tuple[int | None, str]]  # field -> (value, the variable it came from); None: unset
 
 
-def _resolve(env: Mapping[str, str]) -> tuple[Launcher | None, dict[str, int | None]]:
-    """The launcher whose variables place this process, and what they say; (None, {}) when no launcher's are set."""
+def _reading(launcher: Launcher, env: Mapping[str, str]) -> Reading:
+    """What `launcher`'s variables say."""
+    return {field: (_whole(env, getattr(launcher, field)), getattr(launcher, field)) for field in _PLACE}
+
+
+def _resolve(env: Mapping[str, str]) -> tuple[Launcher | None, Reading]:
+    """The launcher whose variables place this process, and what they say (agreeing launchers fill each other's
+    gaps); (None, {}) when no launcher's are set."""
     present = [(launcher, _reading(launcher, env)) for launcher in LAUNCHERS
                if env.get(launcher.rank) or env.get(launcher.world_size)]
     if not present:
@@ -87,18 +91,19 @@ def _resolve(env: Mapping[str, str]) -> tuple[Launcher | None, dict[str, int | N
     (first, said), others = present[0], present[1:]
     for other, got in others:
         for field, what in _WHAT.items():
-            if said[field] is not None and got[field] is not None and said[field] != got[field]:
+            (mine, name), (theirs, their_name) = said[field], got[field]
+            if mine is not None and theirs is not None and mine != theirs:
                 raise SettingsError(
-                    f"{getattr(first, field)}={said[field]} ({first.name}) and {getattr(other, field)}={got[field]} "
-                    f"({other.name}) disagree about this process's {what}; unset one launcher's variables or make "
-                    "them agree")
-    return first, {field: next((got[field] for _, got in present if got[field] is not None), None) for field in _PLACE}
+                    f"{name}={mine} ({first.name}) and {their_name}={theirs} ({other.name}) disagree about this "
+                    f"process's {what}; unset one launcher's variables or make them agree")
+    return first, {field: next((got[field] for _, got in present if got[field][0] is not None), said[field])
+                   for field in _PLACE}
 
 
-def _check_below(launcher: Launcher, got: dict[str, int | None], index: str, size: str) -> None:
-    if got[index] is not None and got[size] is not None and got[index] >= got[size]:  # type: ignore[operator]
-        raise SettingsError(f"{getattr(launcher, index)}={got[index]} must be below {getattr(launcher, size)}="
-                            f"{got[size]} ({launcher.name}'s {_WHAT[index]} within its {_WHAT[size]})")
+def _check_below(got: Reading, index: str, size: str) -> None:
+    (i, i_name), (n, n_name) = got[index], got[size]
+    if i is not None and n is not None and i >= n:
+        raise SettingsError(f"{i_name}={i} must be below {n_name}={n} (the {_WHAT[index]} within the {_WHAT[size]})")
 
 
 @dataclass(frozen=True)
@@ -124,10 +129,11 @@ class RankEnv:
     def from_env(cls, environ: Mapping[str, str] | None = None) -> RankEnv:
         """Read the environment (os.environ unless given); SettingsError for a malformed or contradicting value."""
         env = os.environ if environ is None else environ
-        launcher, got = _resolve(env)
+        launcher, reading = _resolve(env)
         if launcher is not None:
-            _check_below(launcher, got, "rank", "world_size")
-            _check_below(launcher, got, "local_rank", "local_world_size")
+            _check_below(reading, "rank", "world_size")
+            _check_below(reading, "local_rank", "local_world_size")
+        got = {field: value for field, (value, _) in reading.items()}
         rank = got.get("rank") or 0
         world = got.get("world_size") or 1
         local_rank = got.get("local_rank")
@@ -136,7 +142,7 @@ class RankEnv:
         return cls(rank=rank, world_size=world, local_rank=rank if local_rank is None else local_rank,
                    local_world_size=world if local_size is None else local_size, node_rank=got.get("node_rank"),
                    launcher=launcher.name if launcher else None, host=socket.gethostname(), cores=cores(),
-                   threads=int(threads) if threads.isdigit() else None, backend=settings.BACKEND.get(),
+                   threads=int(threads) if threads.isdigit() else None, backend=settings.BACKEND.get(env),
                    master_addr=env.get("MASTER_ADDR") or None, master_port=_whole(env, "MASTER_PORT"),
                    restart_count=_whole(env, "TORCHELASTIC_RESTART_COUNT") or 0,
                    agent_store=env.get("TORCHELASTIC_USE_AGENT_STORE") == "True")

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import math
 import os
+from collections.abc import Mapping
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, ClassVar
@@ -32,13 +33,13 @@ class Setting:
     default_text: str = ""
     kind: ClassVar[str] = "text"
 
-    def text(self) -> str | None:
-        """The variable's value as set, None when it is unset or empty."""
-        return os.environ.get(self.name) or None
+    def text(self, environ: Mapping[str, str] | None = None) -> str | None:
+        """The variable's value as set (in os.environ unless given), None when it is unset or empty."""
+        return (os.environ if environ is None else environ).get(self.name) or None
 
-    def get(self) -> Any:
+    def get(self, environ: Mapping[str, str] | None = None) -> Any:
         """The typed value, or the default when unset or empty; SettingsError when malformed."""
-        text = self.text()
+        text = self.text(environ)
         return self.default if text is None else self.parse(text)
 
     def parse(self, text: str) -> Any:
@@ -61,8 +62,8 @@ class PathSetting(Setting):
 
     kind: ClassVar[str] = "path"
 
-    def get(self) -> Path | None:
-        return super().get()
+    def get(self, environ: Mapping[str, str] | None = None) -> Path | None:
+        return super().get(environ)
 
     def parse(self, text: str) -> Path:
         return Path(text)
@@ -75,8 +76,8 @@ class Flag(Setting):
     default: Any = False
     kind: ClassVar[str] = "flag"
 
-    def get(self) -> bool:
-        return bool(super().get())
+    def get(self, environ: Mapping[str, str] | None = None) -> bool:
+        return bool(super().get(environ))
 
     def parse(self, text: str) -> bool:
         word = text.strip().lower()
