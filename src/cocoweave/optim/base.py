@@ -1,7 +1,11 @@
-"""The machinery shared by the distributed optimizers: buckets whose parameters and gradients are views into one
-buffer, a compiled cocoweave program per bucket that reduces the gradients and updates the weights and state,
-its first collective launched from backward hooks, gradient clipping by the global norm with one scalar
-all-reduce over all buckets, parameters without a gradient skipped as torch skips them, and torch-style state dicts.
+"""The torch face of the distributed optimizers: DistributedOptimizer, a torch.optim.Optimizer whose jobs each live
+in a file of their own, as mixins: buckets whose parameters and gradients are views into one buffer (buckets.py,
+sized by bucket_policy.py, built and compiled by bucket_set.py, one compiled program per bucket reached through
+bucket_program.py), the step driven stage by stage (stepping.py), its first collective launched from backward hooks
+and DDP's other behaviours (ddp.py), gradient clipping by the global norm with one scalar all-reduce over all buckets
+(clipping.py), parameters without a gradient skipped as torch skips them (masks.py), torch-style state dicts
+(state_dicts.py); the schedule each bucket runs (schedule_choice.py), the group's ranks (ranks.py). The programs'
+input and state names are workloads/optimizer_contract.py's.
 
 The step of one bucket, with the usual sliced schedule RS-C-AG+slice(m,v) on p ranks:
 - backward accumulates each gradient straight into the bucket (`p.grad` is a view); when the last one of the

@@ -47,12 +47,10 @@ class BucketPolicy:
             sizes[key] = sizes.get(key, 0) + nbytes
         return out + list(open_.values())
 
-    def flat_size(self, used: int) -> int:
-        """The elements of a flat bucket of this policy whose parameters hold `used` (flat_size)."""
-        return flat_size(used, self.pad_to)
 
 
 def flat_size(used: int, pad_to: int) -> int:
     """The elements of a flat bucket whose parameters hold `used`: the next multiple of `pad_to` (the tail is zeros,
-    which every update leaves zero)."""
+    which every update leaves zero). Each distinct result is a program of its own; rounding it up to fewer sizes
+    (e.g. 3 significant bits) would share programs between buckets at the cost of padding (see the notes of #30)."""
     return -(-used // pad_to) * pad_to
