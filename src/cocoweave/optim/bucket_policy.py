@@ -48,7 +48,6 @@ class BucketPolicy:
         return out + list(open_.values())
 
 
-
 def flat_size(used: int, pad_to: int) -> int:
     """The elements of a flat bucket whose parameters hold `used`: the next multiple of `pad_to` (the tail is zeros,
     which every update leaves zero). Each distinct result is a program of its own; rounding it up to fewer sizes

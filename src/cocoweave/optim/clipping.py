@@ -46,7 +46,6 @@ class Clipping:
         return None if self._norm_sq is None else math.sqrt(float(self._norm_sq))
 
 
-
 def clip(opt: Any, runs: list[tuple[Bucket, Any, Iterator]], size: int) -> None:
     """Clip by the global norm of the reduced gradient, as torch.nn.utils.clip_grad_norm_ after DDP: each
     bucket's program stops before the all-reduce of its squared-norm partial (split and reorder put it there);

@@ -58,7 +58,6 @@ class Masks:
                                      "gradient, or DistributedSGD")
 
 
-
 def agree(opt: Any, flags: list[int], size: int) -> list[int]:
     """The maximum over the ranks of each flag, as DDP's find_unused_parameters all-reduces its used-parameter
     map: through shared memory on one host, else one small all-reduce. `opt`: the optimizer (its group, its
