@@ -145,10 +145,9 @@ def sgd(N: int = 1 << 20, grad: str = "local", reduction: str = "avg", param_dty
     return p
 
 
-def _moments(x: _Parts, torch_order: bool = True) -> tuple[Value, Value]:
+def _moments(x: _Parts, b1: Value, b2: Value, torch_order: bool = True) -> tuple[Value, Value]:
     """Adam's moments; in torch's order of operations (m.lerp_(g, 1 - b1); v.mul_(b2).addcmul_(g, g,
     1 - b2)) or as the paper writes them (b1 * m + (1 - b1) * g)."""
-    b1, b2 = x.p.inputs[ADAMW_SCALARS[1]], x.p.inputs[ADAMW_SCALARS[2]]
     m, mf = x.state(EXP_AVG)
     v, vf = x.state(EXP_AVG_SQ, init="positive")  # a second moment is >= 0
     m_new = mf + (1 - b1) * (x.g - mf) if torch_order else b1 * mf + (1 - b1) * x.g
@@ -163,7 +162,7 @@ def adam(N: int = 1 << 20, grad: str = "local", reduction: str = "avg", param_dt
     p = Program("adam")
     x = _Parts(p, (N,), grad, reduction, param_dtype, master_weights, clip, masked, weights)
     lr, b1, b2, eps, step = p.scalars(" ".join(ADAM_SCALARS))
-    m1, v1 = _moments(x, torch_order=False)
+    m1, v1 = _moments(x, b1, b2, torch_order=False)
     t = x.steps(step)
     x.write_weights(x.w - lr * (m1 / (1 - b1**t)) / (sqrt(v1 / (1 - b2**t)) + eps))
     return p
@@ -180,7 +179,7 @@ def adamw(N: int = 1 << 20, grad: str = "local", reduction: str = "avg", param_d
     lr, b1, b2, eps, wd, step = p.scalars(" ".join(ADAMW_SCALARS))
     if not decoupled:
         x.g = x.g + wd * x.w
-    m1, v1 = _moments(x)
+    m1, v1 = _moments(x, b1, b2)
     t = x.steps(step)
     step_size = lr / (1 - b1**t)
     denom = sqrt(v1) / (1 - b2**t) ** 0.5 + eps
@@ -199,7 +198,7 @@ def lamb(N: int = 1 << 20, T: int | None = None, grad: str = "local", reduction:
     shape: tuple[Dim, ...] = (N,) if T is None else ((T, N) if rows else (N, T))
     x = _Parts(p, shape, grad, reduction, param_dtype, master_weights, clip, masked)
     lr, b1, b2, eps, wd, step = p.scalars(" ".join(ADAMW_SCALARS))
-    m1, v1 = _moments(x)
+    m1, v1 = _moments(x, b1, b2)
     t = x.steps(step)
     u = (m1 / (1 - b1**t)) / (sqrt(v1 / (1 - b2**t)) + eps) + wd * x.w
     per_tensor = {} if T is None else {"dim": 1 if rows else 0, "keepdim": True}
