@@ -172,3 +172,56 @@ def test_the_environment_is_read_only_by_rankenv_and_settings():
 def test_cores_are_counted_in_one_place():
     assert sorted(name for name, path in MODULES.items()
                   if "sched_getaffinity" in path.read_text(encoding="utf-8")) == ["cocoweave.rankenv"]
+
+
+# -- the optimizer (issue #30, item 3) ------------------------------------------------------------------------------
+OPTIM = sorted((SRC / "optim").glob("*.py"))
+CONTRACT_NAMES = {"g", "w", "p", "t", "active", "started", "max_norm", "m", "v", "buf",  # the programs' tensors
+                  "exp_avg", "exp_avg_sq", "momentum_buffer"}  # torch's state-dict keys of the moments
+
+
+def _strings(tree: ast.AST) -> list[ast.Constant]:
+    """The string literals of a module, its docstrings and f-strings' format specs (`:g`) aside."""
+    skip = {id(n.body[0].value) for n in ast.walk(tree) if isinstance(n, ast.Module | ast.ClassDef | ast.FunctionDef)
+            and n.body and isinstance(n.body[0], ast.Expr) and isinstance(n.body[0].value, ast.Constant)}
+    skip |= {id(c) for n in ast.walk(tree) if isinstance(n, ast.FormattedValue) and n.format_spec is not None
+             for c in ast.walk(n.format_spec)}
+    return [n for n in ast.walk(tree) if isinstance(n, ast.Constant) and isinstance(n.value, str) and id(n) not in skip]
+
+
+def test_the_optimizers_contract_with_its_programs_is_written_once():
+    """The names of the optimizer programs' inputs and state live in workloads/optimizer_contract.py alone: optim/
+    spells none of them, and the programs declare none by a literal name."""
+    spelt = [f"{p.name}:{n.lineno} {n.value!r}" for p in OPTIM for n in _strings(ast.parse(p.read_text()))
+             if n.value in CONTRACT_NAMES]
+    assert spelt == []
+    programs = SRC / "workloads" / "optimizers.py"
+    declared = [f"{programs.name}:{n.lineno}" for n in ast.walk(ast.parse(programs.read_text()))
+                if isinstance(n, ast.Call) and isinstance(n.func, ast.Attribute)
+                and n.func.attr in ("tensor", "state", "scalar", "scalars", "output")
+                and any(isinstance(a, ast.Constant) and isinstance(a.value, str)  # the name: first (output: second)
+                        for a in n.args[1 if n.func.attr == "output" else 0:][:1])]
+    assert declared == []
+
+
+def test_the_optimizer_reaches_its_executables_only_through_their_one_interface():
+    """optim/ uses of a bucket's executable only the members BucketProgram declares, all public, and Executable has
+    every one of them."""
+    from cocoweave.backends.torch.executable import Executable
+    from cocoweave.optim.bucket_program import BucketProgram
+
+    interface = {n for n in vars(BucketProgram) if not n.startswith("_")}
+    assert interface and all(hasattr(Executable, n) for n in interface)
+    used = set()
+    for p in OPTIM:
+        for n in ast.walk(ast.parse(p.read_text())):
+            if isinstance(n, ast.Attribute) and (isinstance(n.value, ast.Name) and n.value.id == "exe" or
+                                                 isinstance(n.value, ast.Attribute) and n.value.attr == "exe"):
+                used.add(n.attr)
+    assert used and used <= interface
+
+
+def test_no_optimizer_file_holds_more_than_one_job():
+    """optim/'s files stay small (one job each, ~350 lines at most); the torch face (base.py) smaller still."""
+    lines = {p.name: len(p.read_text().splitlines()) for p in OPTIM}
+    assert max(lines.values()) <= 350 and lines["base.py"] <= 200, lines

@@ -323,5 +323,23 @@ class Executable:
             part = self.ctx.all_gather(part, p.dim, total, group, out=("gather_state", name, i), shares=p.shares)
         return part.clone()
 
+    # -- what an optimizer reads of its program (cocoweave.optim's BucketProgram) ----------------
+    @property
+    def sliced_state(self) -> list[str]:
+        """The state inputs this executable keeps sliced between calls (`adopt`, `gather_state`)."""
+        return self.plan.sliced_state
+
+    def tensor_inputs(self) -> dict[str, torch.dtype]:
+        """The program's tensor inputs (its runtime scalars aside) and their torch dtypes, in program order."""
+        return {v.name: DTYPES[v.dtype] for v in self.program.tensor_inputs}
+
+    def stage_op(self, index: int) -> str:
+        """The collective stage `index` runs (e.g. "reduce_scatter"), "" for a computation."""
+        return getattr(self.plan.stages[index], "op", "")
+
+    def stage_names(self, index: int) -> tuple[str, ...]:
+        """The values stage `index` computes, by name (e.g. to pause a step before one)."""
+        return tuple(self.plan.stages[index].names)
+
     def trace(self, enabled: bool = True) -> None:
         self.ctx.tracing = enabled
