@@ -6,7 +6,7 @@ import numpy as np
 import pandas as pd
 import pytest
 
-from cocoweave.cluster.ps_scaling import (
+from cocoweave.cluster.cmdare.ps_scaling import (
     ScalingLaw,
     bottleneck_table,
     efficiency_table,

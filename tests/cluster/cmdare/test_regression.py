@@ -7,7 +7,7 @@ import pandas as pd
 import pytest
 from sklearn.model_selection import KFold
 
-from cocoweave.cluster.regression import (
+from cocoweave.cluster.cmdare.regression import (
     RelativeLinear,
     linear_baseline,
     log_space_candidates,

@@ -4,8 +4,11 @@ from __future__ import annotations
 
 import pytest
 
-from cocoweave.cluster import cmdare_data as data
-from cocoweave.cluster.cmdare import (
+from cocoweave.cluster.cmdare import tables as data
+from cocoweave.cluster.cmdare.features import paper_speed_features, speed_features
+from cocoweave.cluster.cmdare.ps_scaling import scaling_report
+from cocoweave.cluster.cmdare.regression import linear_baseline, log_space_candidates, svr_baseline
+from cocoweave.cluster.cmdare.reproduce import (
     OURS,
     PER_MODEL_MEAN,
     PUBLISHED,
@@ -17,9 +20,6 @@ from cocoweave.cluster.cmdare import (
     random_splits,
     speed_splits,
 )
-from cocoweave.cluster.features import paper_speed_features, speed_features
-from cocoweave.cluster.ps_scaling import scaling_report
-from cocoweave.cluster.regression import linear_baseline, log_space_candidates, svr_baseline
 from cocoweave.errors import CocoweaveError
 
 try:

@@ -8,8 +8,8 @@ import math
 import pytest
 
 from cocoweave.cluster.catalog import Catalog, MachineType, parse_catalog
-from cocoweave.cluster.planner import evaluate_options, pareto_front, plan_cluster, spot_hours
-from cocoweave.cluster.workload_profile import ProfilePoint, WorkloadProfile, parse_profile
+from cocoweave.cluster.planning.planner import evaluate_options, pareto_front, plan_cluster, spot_hours
+from cocoweave.cluster.planning.step_times import ProfilePoint, WorkloadProfile, parse_profile
 from cocoweave.errors import PlanningError
 
 STEPS = 100_000

@@ -4,8 +4,8 @@ from __future__ import annotations
 
 import pytest
 
-from cocoweave.cluster import cmdare_data as data
-from cocoweave.cluster.workload_profile import profile_for_model
+from cocoweave.cluster.cmdare import tables as data
+from cocoweave.cluster.planning.step_times import profile_for_model
 from cocoweave.errors import CocoweaveError, PlanningError
 
 try:

@@ -6,8 +6,8 @@ from __future__ import annotations
 import pytest
 
 from cocoweave.cluster.catalog import Catalog, GPUSpec, MachineType, NetworkSpec
-from cocoweave.cluster.hardware_model import WorkCounts, comm_ms, compute_ms, link_of, modelled_step
-from cocoweave.cluster.step_scaling import Traffic
+from cocoweave.cluster.profiling.hardware_model import WorkCounts, comm_ms, compute_ms, link_of, modelled_step
+from cocoweave.cluster.profiling.host_scaling import Traffic
 from cocoweave.errors import PlanningError
 
 GPU = GPUSpec("G", "test GPU", {"float32": 10.0, "bfloat16": 100.0}, hbm_gb_s=1000.0, memory_gb=80, source="s")

@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import pytest
 
-from cocoweave.cluster.step_scaling import (
+from cocoweave.cluster.profiling.host_scaling import (
     HostScaling,
     ScalingFitError,
     Traffic,

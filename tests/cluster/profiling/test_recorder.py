@@ -8,8 +8,8 @@ import json
 import pytest
 import torch
 
-from cocoweave.cluster import profile_hooks
-from cocoweave.cluster.profile_hooks import OpCounter, StepRecorder
+from cocoweave.cluster.profiling import recorder
+from cocoweave.cluster.profiling.recorder import OpCounter, StepRecorder
 
 
 class Clock:
@@ -115,5 +115,5 @@ def test_collective_wrapper_records_bytes_and_synchronous_time(tmp_path):
 
 
 def test_nothing_is_installed_without_the_environment(monkeypatch):
-    monkeypatch.delenv(profile_hooks.DIR_ENV, raising=False)
-    assert profile_hooks.install_from_env() is None
+    monkeypatch.delenv(recorder.DIR_ENV, raising=False)
+    assert recorder.install_from_env() is None

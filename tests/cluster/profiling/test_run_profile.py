@@ -6,8 +6,8 @@ from __future__ import annotations
 import pytest
 
 from cocoweave.cluster.catalog import load_catalog
-from cocoweave.cluster.run_profile import KIND, RunProfile, worker_counts
-from cocoweave.cluster.step_scaling import HostScaling, Traffic
+from cocoweave.cluster.profiling.host_scaling import HostScaling, Traffic
+from cocoweave.cluster.profiling.run_profile import KIND, RunProfile, worker_counts
 from cocoweave.errors import PlanningError
 
 GRADS = {"all_reduce": (1.0, 4e6)}

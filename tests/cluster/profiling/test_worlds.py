@@ -7,7 +7,7 @@ import json
 
 import pytest
 
-from cocoweave.cluster.profiler import (
+from cocoweave.cluster.profiling.worlds import (
     ProfileError,
     default_script_args,
     merge_rounds,

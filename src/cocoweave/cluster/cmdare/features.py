@@ -6,7 +6,7 @@ from __future__ import annotations
 import numpy as np
 import pandas as pd
 
-from cocoweave.cluster.cmdare_data import BYTES_PER_PARAMETER
+from cocoweave.cluster.cmdare.tables import BYTES_PER_PARAMETER
 
 
 def speed_features(df: pd.DataFrame) -> pd.DataFrame:

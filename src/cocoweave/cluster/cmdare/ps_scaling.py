@@ -14,8 +14,8 @@ import numpy as np
 import pandas as pd
 from scipy.optimize import least_squares
 
-from cocoweave.cluster.cmdare_data import BYTES_PER_PARAMETER
-from cocoweave.cluster.regression import mape
+from cocoweave.cluster.cmdare.regression import mape
+from cocoweave.cluster.cmdare.tables import BYTES_PER_PARAMETER
 
 EFFICIENCY_THRESHOLD = 0.8
 CONFIG_KEYS = ["gpu", "ps", "model"]

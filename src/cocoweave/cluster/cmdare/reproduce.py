@@ -21,15 +21,15 @@ from joblib import Parallel, delayed
 from sklearn.model_selection import GroupKFold, KFold, train_test_split
 from sklearn.utils import shuffle
 
-from cocoweave.cluster import cmdare_data as data
-from cocoweave.cluster.features import (
+from cocoweave.cluster.cmdare import tables as data
+from cocoweave.cluster.cmdare.features import (
     checkpoint_features,
     paper_checkpoint_features,
     paper_speed_features,
     speed_features,
 )
-from cocoweave.cluster.ps_scaling import ScalingReport, scaling_report
-from cocoweave.cluster.regression import (
+from cocoweave.cluster.cmdare.ps_scaling import ScalingReport, scaling_report
+from cocoweave.cluster.cmdare.regression import (
     CV_FOLDS,
     Candidate,
     checkpoint_svr_baseline,

@@ -16,7 +16,7 @@ import pandas as pd
 from cocoweave.errors import CocoweaveError
 
 DATA_ENV = "COCOWEAVE_CMDARE_DATA"
-PACKAGED_DATA = Path(__file__).resolve().parent / "data" / "cmdare"
+PACKAGED_DATA = Path(__file__).resolve().parents[1] / "data" / "cmdare"
 HELD_OUT_MODELS = ("custom9", "custom10", "shakesmall32d", "shakemid32d")
 # Vendor datasheet memory bandwidth per GPU die, GB/s (a K80 board holds two dies of 240.5 GB/s).
 MEMORY_BANDWIDTH_GBS = {"K80": 240.5, "P100": 732.0, "V100": 900.0}

@@ -9,9 +9,9 @@ from pathlib import Path
 import pandas as pd
 from sklearn.model_selection import GroupKFold
 
-from cocoweave.cluster.cmdare_data import canonical_model, load_checkpoint_sizes, load_checkpoints
-from cocoweave.cluster.features import checkpoint_features
-from cocoweave.cluster.regression import CV_FOLDS, Selection, log_space_candidates, select
+from cocoweave.cluster.cmdare.features import checkpoint_features
+from cocoweave.cluster.cmdare.regression import CV_FOLDS, Selection, log_space_candidates, select
+from cocoweave.cluster.cmdare.tables import canonical_model, load_checkpoint_sizes, load_checkpoints
 from cocoweave.errors import PlanningError
 
 

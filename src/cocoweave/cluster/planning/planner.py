@@ -19,8 +19,8 @@ from dataclasses import dataclass
 from typing import Literal
 
 from cocoweave.cluster.catalog import Catalog, MachineType
-from cocoweave.cluster.checkpoint_model import young_interval
-from cocoweave.cluster.workload_profile import WorkloadProfile
+from cocoweave.cluster.planning.checkpoint_model import young_interval
+from cocoweave.cluster.planning.step_times import WorkloadProfile
 from cocoweave.errors import PlanningError
 
 Pricing = Literal["on-demand", "spot"]

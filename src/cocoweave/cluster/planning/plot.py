@@ -9,7 +9,7 @@ from pathlib import Path
 import matplotlib
 from matplotlib.ticker import FuncFormatter, LogLocator, NullFormatter
 
-from cocoweave.cluster.planner import ClusterPlan
+from cocoweave.cluster.planning.planner import ClusterPlan
 from cocoweave.figures import figure
 
 MARKERS = {"on-demand": "o", "spot": "^"}

@@ -20,11 +20,11 @@ import pandas as pd
 from pydantic import Field
 from sklearn.model_selection import GroupKFold
 
-from cocoweave.cluster import cmdare_data as data
-from cocoweave.cluster.checkpoint_model import fit_checkpoint_model
-from cocoweave.cluster.features import speed_features
-from cocoweave.cluster.ps_scaling import efficiency_table, fit_scaling_law, model_meta
-from cocoweave.cluster.regression import CV_FOLDS, log_space_candidates, select
+from cocoweave.cluster.cmdare import tables as data
+from cocoweave.cluster.cmdare.features import speed_features
+from cocoweave.cluster.cmdare.ps_scaling import efficiency_table, fit_scaling_law, model_meta
+from cocoweave.cluster.cmdare.regression import CV_FOLDS, log_space_candidates, select
+from cocoweave.cluster.planning.checkpoint_model import fit_checkpoint_model
 from cocoweave.cluster.schema import Strict, validate
 from cocoweave.cluster.yamlio import load_yaml
 from cocoweave.errors import PlanningError

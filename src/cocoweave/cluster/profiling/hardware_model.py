@@ -14,7 +14,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from cocoweave.cluster.catalog import Catalog, GPUSpec, MachineType, NetworkSpec
-from cocoweave.cluster.step_scaling import TRAFFIC, Traffic, counted_total, work_share_fit
+from cocoweave.cluster.profiling.host_scaling import TRAFFIC, Traffic, counted_total, work_share_fit
 from cocoweave.errors import PlanningError
 
 FLOAT_DTYPES = ("float32", "float16", "bfloat16", "float64", "tfloat32", "float8")
@@ -31,7 +31,7 @@ class WorkCounts:
 
     @classmethod
     def from_runs(cls, runs: list) -> WorkCounts:
-        """From profiled worlds (`profiler.WorldRun`), the largest one with counts as the reference."""
+        """From profiled worlds (`worlds.WorldRun`), the largest one with counts as the reference."""
         counted = [r for r in runs if r.counts.get("forward_backward", {}).get("histogram")]
         if not counted:
             raise PlanningError("the profile holds no operation counts (the script needs at least 2 warm-up steps); "

@@ -1,6 +1,6 @@
 """How a profiled training step scales with the number of local ranks on this host, and where its time goes.
 
-Fitted on the worlds `cocoweave profile` measured (`profiler.WorldRun`), per rank and step:
+Fitted on the worlds `cocoweave profile` measured (`worlds.WorldRun`), per rank and step:
 
 - compute c(p) = a + b x w(p): the main thread's CPU time, with w(p) the rank's share of the work
   (its FLOPs relative to the smallest world's, counted in one step; 1/p when a global batch is split,
@@ -28,7 +28,7 @@ from dataclasses import asdict, dataclass
 import numpy as np
 from scipy.optimize import nnls
 
-from cocoweave.cluster.profiler import WorldRun, ranks
+from cocoweave.cluster.profiling.worlds import WorldRun, ranks
 from cocoweave.errors import CocoweaveError
 
 # Per collective kind: (fraction of the tensor a rank moves at p ranks, message steps of the ring at p ranks).

@@ -7,7 +7,7 @@ import os
 from collections.abc import Sequence
 from pathlib import Path
 
-from cocoweave.cluster.run_profile import RunProfile
+from cocoweave.cluster.profiling.run_profile import RunProfile
 from cocoweave.figures import figure
 
 

@@ -1,7 +1,7 @@
 """The program torchrun starts on every rank under `cocoweave profile`: install the step recorder
-(`profile_hooks`), then run the user's training script as `python SCRIPT ARGS...` would.
+(`recorder`), then run the user's training script as `python SCRIPT ARGS...` would.
 
-    python -m torch.distributed.run --standalone --nproc-per-node K -m cocoweave.cluster.profile_entry SCRIPT ARGS
+    torchrun --standalone --nproc-per-node K -m cocoweave.cluster.profiling.rank_entry SCRIPT ARGS
 """
 
 from __future__ import annotations
@@ -12,7 +12,7 @@ from pathlib import Path
 
 from torch.distributed.elastic.multiprocessing.errors import record
 
-from cocoweave.cluster.profile_hooks import install_from_env
+from cocoweave.cluster.profiling.recorder import install_from_env
 from cocoweave.lifetime import die_with_parent
 
 
@@ -20,7 +20,7 @@ from cocoweave.lifetime import die_with_parent
 def main(argv: list[str]) -> None:
     """Run `argv[0]` (a Python file) with arguments `argv[1:]` as its `__main__`, hooks installed."""
     if not argv:
-        raise SystemExit("usage: python -m cocoweave.cluster.profile_entry SCRIPT.py [ARGS...]")
+        raise SystemExit("usage: python -m cocoweave.cluster.profiling.rank_entry SCRIPT.py [ARGS...]")
     die_with_parent()  # a rank ends with its torchrun agent, however the agent ends (lifetime.py)
     install_from_env()
     script = Path(argv[0])

@@ -288,7 +288,7 @@ def install(recorder: StepRecorder) -> None:
     for name in COLLECTIVES:
         if hasattr(dist, name):
             setattr(dist, name, recorder.collective(name, getattr(dist, name)))
-    from ..backends.torch import shm
+    from ...backends.torch import shm
 
     for name in SHM_COLLECTIVES:
         setattr(shm, name, recorder.shm_collective(name, getattr(shm, name)))

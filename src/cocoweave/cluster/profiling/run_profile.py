@@ -15,9 +15,9 @@ from dataclasses import asdict, dataclass, field
 from typing import Any
 
 from cocoweave.cluster.catalog import Catalog
-from cocoweave.cluster.hardware_model import ModelledStep, WorkCounts, modellable, modelled_step
-from cocoweave.cluster.profiler import WorldRun
-from cocoweave.cluster.step_scaling import (
+from cocoweave.cluster.planning.step_times import ProfilePoint, WorkloadProfile
+from cocoweave.cluster.profiling.hardware_model import ModelledStep, WorkCounts, modellable, modelled_step
+from cocoweave.cluster.profiling.host_scaling import (
     HostScaling,
     StepParts,
     Traffic,
@@ -25,7 +25,7 @@ from cocoweave.cluster.step_scaling import (
     fit_host_scaling,
     measured_parts,
 )
-from cocoweave.cluster.workload_profile import ProfilePoint, WorkloadProfile
+from cocoweave.cluster.profiling.worlds import WorldRun
 from cocoweave.errors import PlanningError
 
 KIND = "cocoweave-run-profile"

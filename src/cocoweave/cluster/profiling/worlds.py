@@ -1,7 +1,7 @@
 """Profile a training script written for torchrun on local worlds of several sizes.
 
 Each world runs `python -m torch.distributed.run --standalone --nproc-per-node K -m
-cocoweave.cluster.profile_entry SCRIPT ARGS...` with the step recorder installed (`profile_hooks`), every
+cocoweave.cluster.profiling.rank_entry SCRIPT ARGS...` with the step recorder installed (`recorder`), every
 rank limited to `threads` intra-op threads. A world's step time is the house definition: per step the
 slowest rank's time, then the median over the timed steps. Phase and CPU times are per-rank medians,
 averaged over the ranks.
@@ -27,7 +27,7 @@ from typing import Any
 
 from torch.distributed.elastic.multiprocessing.errors import ProcessFailure
 
-from cocoweave.cluster import profile_hooks
+from cocoweave.cluster.profiling import recorder
 from cocoweave.errors import CocoweaveError
 from cocoweave.lifetime import run_bounded
 
@@ -182,7 +182,7 @@ def _tail(text: str) -> str:
 
 def _rank_failure(logs: Path) -> str | None:
     """The root cause of a failed world: the first rank to raise, from the error files torch elastic's `@record`
-    writes under torchrun's --log-dir (profile_entry.main is recorded). A script that exits without raising
+    writes under torchrun's --log-dir (rank_entry.main is recorded). A script that exits without raising
     (`print(...); sys.exit(2)`) writes none: then the last lines of the first rank log that reports an error."""
     failures = []
     for f in logs.rglob("error.json"):
@@ -205,7 +205,8 @@ def torchrun_command(script: Path, script_args: Sequence[str], world_size: int, 
     """The command that starts `world_size` ranks of `script` under the step recorder, as torchrun would;
     each rank's output goes to its own files under `logs`."""
     return [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc-per-node={world_size}",
-            f"--log-dir={logs}", "--redirects=3", "-m", "cocoweave.cluster.profile_entry", str(script), *script_args]
+            f"--log-dir={logs}", "--redirects=3", "-m", "cocoweave.cluster.profiling.rank_entry", str(script),
+            *script_args]
 
 
 def run_world(script: Path, script_args: Sequence[str], world_size: int, steps: int, warmup: int,
@@ -214,10 +215,10 @@ def run_world(script: Path, script_args: Sequence[str], world_size: int, steps: 
     with tempfile.TemporaryDirectory(prefix=f"cocoweave-profile-w{world_size}-") as tmp:
         folder, logs = Path(tmp), Path(tmp) / "logs"
         env = dict(os.environ)
-        env.update({profile_hooks.DIR_ENV: str(folder), profile_hooks.STEPS_ENV: str(steps),
-                    profile_hooks.WARMUP_ENV: str(warmup), "OMP_NUM_THREADS": str(threads),
+        env.update({recorder.DIR_ENV: str(folder), recorder.STEPS_ENV: str(steps),
+                    recorder.WARMUP_ENV: str(warmup), "OMP_NUM_THREADS": str(threads),
                     "PYTHONUNBUFFERED": "1"})
-        src = str(Path(__file__).resolve().parents[2])  # the cocoweave sources, for the ranks' imports
+        src = str(Path(__file__).resolve().parents[3])  # the cocoweave sources, for the ranks' imports
         env["PYTHONPATH"] = os.pathsep.join([src, *filter(None, [env.get("PYTHONPATH")])])
         start, busy0, ours0 = time.perf_counter(), machine_busy_s(), _children_cpu_s()
         try:

@@ -5,8 +5,8 @@ from __future__ import annotations
 import pytest
 
 from cocoweave.cluster.catalog import GPUSpec, MachineType, NetworkSpec
-from cocoweave.cluster.llm.comm import Link, collective_s, group_link, priced
-from cocoweave.cluster.llm.system import Efficiency, System
+from cocoweave.cluster.planning.llm.comm import Link, collective_s, group_link, priced
+from cocoweave.cluster.planning.llm.system import Efficiency, System
 
 GPU = GPUSpec("G", "g", {"float32": 10.0, "bfloat16": 100.0}, 1000.0, 80.0, "s")
 NODE = MachineType("node", "G", 10.0, None, 0.0, 60.0, 8, "nvl", "ib")

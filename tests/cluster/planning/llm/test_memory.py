@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import pytest
 
-from cocoweave.cluster.llm.memory import (
+from cocoweave.cluster.planning.llm.memory import (
     OPTIMIZER_BYTES,
     activation_bytes,
     in_flight_factor,
@@ -13,8 +13,8 @@ from cocoweave.cluster.llm.memory import (
     memory_per_gpu,
     stage_params,
 )
-from cocoweave.cluster.llm.parallelism import ParallelConfig
-from cocoweave.cluster.llm.spec import TransformerSpec
+from cocoweave.cluster.planning.llm.parallelism import ParallelConfig
+from cocoweave.cluster.planning.llm.spec import TransformerSpec
 
 SPEC = TransformerSpec(layers=8, hidden=256, heads=8, vocab=1000, seq_len=128, global_batch=32, dtype="float16",
                        flash_attention=False)

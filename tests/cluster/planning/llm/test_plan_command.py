@@ -13,7 +13,7 @@ from typer.testing import CliRunner
 from cocoweave.cli.cluster_commands import plan_command
 from cocoweave.cluster.catalog import DEFAULT_CATALOG
 
-ROOT = Path(__file__).resolve().parents[3]
+ROOT = Path(__file__).resolve().parents[4]
 app = typer.Typer()
 app.command("plan")(plan_command)
 app.command("other")(lambda: None)

@@ -5,11 +5,11 @@ from __future__ import annotations
 from dataclasses import replace
 
 from cocoweave.cluster.catalog import load_catalog
-from cocoweave.cluster.llm.published import published_runs
-from cocoweave.cluster.llm.search import layouts, search
-from cocoweave.cluster.llm.spec import TransformerSpec
-from cocoweave.cluster.llm.step import predict_step
-from cocoweave.cluster.llm.system import DEFAULT_STACK, STACKS, system_for
+from cocoweave.cluster.planning.llm.published import published_runs
+from cocoweave.cluster.planning.llm.search import layouts, search
+from cocoweave.cluster.planning.llm.spec import TransformerSpec
+from cocoweave.cluster.planning.llm.step import predict_step
+from cocoweave.cluster.planning.llm.system import DEFAULT_STACK, STACKS, system_for
 
 CATALOG = load_catalog()
 A100 = system_for({m.name: m for m in CATALOG.machines}["dgx-a100-80gb"], CATALOG, STACKS[DEFAULT_STACK].eff)

@@ -8,7 +8,7 @@ import torch
 import torch.nn.functional as F
 from torch.utils.flop_counter import FlopCounterMode
 
-from cocoweave.cluster.llm.spec import TransformerSpec, from_hf_config, parse_spec
+from cocoweave.cluster.planning.llm.spec import TransformerSpec, from_hf_config, parse_spec
 from cocoweave.errors import PlanningError
 
 
@@ -79,8 +79,8 @@ def test_unknown_key_and_bad_shape_are_one_sentence():
 def test_shipped_examples_load():
     from pathlib import Path
 
-    from cocoweave.cluster.llm.spec import load_spec
+    from cocoweave.cluster.planning.llm.spec import load_spec
 
-    examples = Path(__file__).resolve().parents[3] / "examples" / "llm"
+    examples = Path(__file__).resolve().parents[4] / "examples" / "llm"
     assert load_spec(examples / "gpt3-175b.yaml").params() == pytest.approx(175e9, rel=0.01)
     assert load_spec(examples / "llama3-8b-config.json").gated_mlp

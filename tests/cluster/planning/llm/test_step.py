@@ -8,12 +8,12 @@ import numpy as np
 import pytest
 
 from cocoweave.cluster.catalog import GPUSpec, MachineType, NetworkSpec, load_catalog
-from cocoweave.cluster.llm.calibrate import errors
-from cocoweave.cluster.llm.parallelism import ParallelConfig
-from cocoweave.cluster.llm.published import published_runs
-from cocoweave.cluster.llm.spec import TransformerSpec
-from cocoweave.cluster.llm.step import layer_forward_s, p2p_micro_s, predict_step, tp_comm_layer_s
-from cocoweave.cluster.llm.system import STACKS, Efficiency, System
+from cocoweave.cluster.planning.llm.calibrate import errors
+from cocoweave.cluster.planning.llm.parallelism import ParallelConfig
+from cocoweave.cluster.planning.llm.published import published_runs
+from cocoweave.cluster.planning.llm.spec import TransformerSpec
+from cocoweave.cluster.planning.llm.step import layer_forward_s, p2p_micro_s, predict_step, tp_comm_layer_s
+from cocoweave.cluster.planning.llm.system import STACKS, Efficiency, System
 
 GPU = GPUSpec("G", "g", {"float32": 10.0, "bfloat16": 100.0}, 1000.0, 80.0, "s")
 NODE = MachineType("node", "G", 10.0, None, 0.0, 60.0, 8, "nvl", "ib")

@@ -8,9 +8,9 @@ from dataclasses import replace
 import numpy as np
 
 from cocoweave.cluster.catalog import Catalog
-from cocoweave.cluster.llm.published import PublishedRun
-from cocoweave.cluster.llm.step import predict_step
-from cocoweave.cluster.llm.system import Efficiency, system_for
+from cocoweave.cluster.planning.llm.published import PublishedRun
+from cocoweave.cluster.planning.llm.step import predict_step
+from cocoweave.cluster.planning.llm.system import Efficiency, system_for
 
 # (stacks sharing the constant, field, low, high): what calibration may move
 FREE = (

@@ -10,8 +10,8 @@ from __future__ import annotations
 import math
 from dataclasses import dataclass
 
-from cocoweave.cluster.llm.system import System
-from cocoweave.cluster.step_scaling import TRAFFIC
+from cocoweave.cluster.planning.llm.system import System
+from cocoweave.cluster.profiling.host_scaling import TRAFFIC
 from cocoweave.errors import PlanningError
 
 

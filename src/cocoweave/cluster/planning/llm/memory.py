@@ -14,8 +14,8 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from cocoweave.cluster.llm.parallelism import ParallelConfig
-from cocoweave.cluster.llm.spec import TransformerSpec
+from cocoweave.cluster.planning.llm.parallelism import ParallelConfig
+from cocoweave.cluster.planning.llm.spec import TransformerSpec
 
 OPTIMIZER_BYTES = 12  # Adam in mixed precision: fp32 master weights, first and second moments (ZeRO paper, sec. 3.1)
 WORKSPACE_BYTES = 2e9  # CUDA context, NCCL buffers, allocator fragmentation: an assumption, shown separately

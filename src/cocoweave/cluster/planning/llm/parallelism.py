@@ -11,7 +11,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Literal
 
-from cocoweave.cluster.llm.spec import TransformerSpec
+from cocoweave.cluster.planning.llm.spec import TransformerSpec
 
 Recompute = Literal["none", "selective", "full"]
 RECOMPUTE = ("none", "selective", "full")

@@ -8,13 +8,13 @@ import math
 from dataclasses import dataclass
 
 from cocoweave.cluster.catalog import Catalog, MachineType
-from cocoweave.cluster.checkpoint_model import CheckpointModel
-from cocoweave.cluster.llm.memory import OPTIMIZER_BYTES
-from cocoweave.cluster.llm.search import Evaluated, SearchResult, search
-from cocoweave.cluster.llm.spec import TransformerSpec
-from cocoweave.cluster.llm.system import Stack, system_for
-from cocoweave.cluster.planner import ClusterPlan, Option, evaluate_options, pareto_front, recommend
-from cocoweave.cluster.workload_profile import ProfilePoint, WorkloadProfile
+from cocoweave.cluster.planning.checkpoint_model import CheckpointModel
+from cocoweave.cluster.planning.llm.memory import OPTIMIZER_BYTES
+from cocoweave.cluster.planning.llm.search import Evaluated, SearchResult, search
+from cocoweave.cluster.planning.llm.spec import TransformerSpec
+from cocoweave.cluster.planning.llm.system import Stack, system_for
+from cocoweave.cluster.planning.planner import ClusterPlan, Option, evaluate_options, pareto_front, recommend
+from cocoweave.cluster.planning.step_times import ProfilePoint, WorkloadProfile
 from cocoweave.errors import PlanningError
 
 

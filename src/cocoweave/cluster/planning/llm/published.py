@@ -20,8 +20,8 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from cocoweave.cluster.llm.parallelism import ParallelConfig
-from cocoweave.cluster.llm.spec import TransformerSpec
+from cocoweave.cluster.planning.llm.parallelism import ParallelConfig
+from cocoweave.cluster.planning.llm.spec import TransformerSpec
 
 A100_PEAK = 312e12
 MACHINE = "dgx-a100-80gb"

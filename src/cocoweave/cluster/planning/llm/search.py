@@ -7,11 +7,11 @@ from __future__ import annotations
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 
-from cocoweave.cluster.llm.memory import MemoryBreakdown, memory_per_gpu
-from cocoweave.cluster.llm.parallelism import RECOMPUTE, ParallelConfig
-from cocoweave.cluster.llm.spec import TransformerSpec
-from cocoweave.cluster.llm.step import StepBreakdown, predict_step
-from cocoweave.cluster.llm.system import Stack, System
+from cocoweave.cluster.planning.llm.memory import MemoryBreakdown, memory_per_gpu
+from cocoweave.cluster.planning.llm.parallelism import RECOMPUTE, ParallelConfig
+from cocoweave.cluster.planning.llm.spec import TransformerSpec
+from cocoweave.cluster.planning.llm.step import StepBreakdown, predict_step
+from cocoweave.cluster.planning.llm.system import Stack, System
 from cocoweave.errors import PlanningError
 
 MICRO_BATCHES = (1, 2, 4, 8)

@@ -3,7 +3,7 @@ read from YAML or from a Hugging Face-style config dict, with its parameters and
 
 FLOPs follow Narayanan et al. (SC'21, eq. 3) term by term, generalised to grouped-query attention, gated
 (SwiGLU) MLPs and top-k experts: a matmul of (M x K) by (K x N) is 2 M K N FLOPs; attention's two batched
-matmuls are 4 b s^2 h; the logits 2 b s h V. Backward is twice the forward. `tests/cluster/llm` checks the
+matmuls are 4 b s^2 h; the logits 2 b s h V. Backward is twice the forward. `tests/cluster/planning/llm` checks the
 per-layer count against `torch.utils.flop_counter.FlopCounterMode` tracing one small layer.
 """
 

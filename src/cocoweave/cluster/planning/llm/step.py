@@ -14,11 +14,11 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
-from cocoweave.cluster.llm.comm import collective_s, group_link, priced
-from cocoweave.cluster.llm.memory import MemoryBreakdown, layer_activation_bytes, memory_per_gpu, stage_params
-from cocoweave.cluster.llm.parallelism import ParallelConfig
-from cocoweave.cluster.llm.spec import TransformerSpec
-from cocoweave.cluster.llm.system import System
+from cocoweave.cluster.planning.llm.comm import collective_s, group_link, priced
+from cocoweave.cluster.planning.llm.memory import MemoryBreakdown, layer_activation_bytes, memory_per_gpu, stage_params
+from cocoweave.cluster.planning.llm.parallelism import ParallelConfig
+from cocoweave.cluster.planning.llm.spec import TransformerSpec
+from cocoweave.cluster.planning.llm.system import System
 
 BUCKET_BYTES = 25e6  # DDP's default gradient bucket: the last one cannot overlap the backward
 
