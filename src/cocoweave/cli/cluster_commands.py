@@ -231,8 +231,8 @@ def plan_command(
     from cocoweave.cluster.catalog import load_catalog
     from cocoweave.cluster.cmdare.tables import find_data_dir
     from cocoweave.cluster.planning.planner import plan_cluster, resize_predictions
+    from cocoweave.cluster.planning.resize import parse_schedule
     from cocoweave.cluster.planning.step_times import profile_for_model
-    from cocoweave.elastic import parse_schedule
 
     check_writable(json_path)
     out = human(json_path)

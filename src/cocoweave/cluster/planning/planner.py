@@ -20,11 +20,12 @@ from typing import Literal
 
 from cocoweave.cluster.catalog import Catalog, MachineType
 from cocoweave.cluster.planning.checkpoint_model import young_interval
+from cocoweave.cluster.planning.resize import SECONDS_PER_HOUR, predict_resizes
 from cocoweave.cluster.planning.step_times import WorkloadProfile
+from cocoweave.elastic import BatchPolicy
 from cocoweave.errors import PlanningError
 
 Pricing = Literal["on-demand", "spot"]
-SECONDS_PER_HOUR = 3600.0
 
 
 @dataclass(frozen=True)
@@ -163,7 +164,7 @@ def plan_cluster(profile: WorkloadProfile, catalog: Catalog, steps: int, deadlin
 
 
 def resize_predictions(profile: WorkloadProfile, option: Option, steps: int, schedule: Sequence) -> dict:
-    """The job of `steps` steps under a resize schedule (`elastic.parse_schedule`) on `option`'s machine type and
+    """The job of `steps` steps under a resize schedule (`resize.parse_schedule`) on `option`'s machine type and
     pricing, under each batch policy (`steps` counted at the profiled global batch, which the schedule's first
     world size runs):
 
@@ -174,8 +175,6 @@ def resize_predictions(profile: WorkloadProfile, option: Option, steps: int, sch
 
     A restart (the machine's startup) starts each phase, one checkpoint (the profile's) ends it; priced per GPU
     (a node's price over its GPUs)."""
-    from cocoweave.elastic import BatchPolicy, predict_resizes
-
     machine = option.machine
     times = {p.workers: p.step_time_s for p in points_for(profile, machine) if p.ps == option.ps}
     node_price = machine.spot_per_hour if option.pricing == "spot" else machine.on_demand_per_hour
