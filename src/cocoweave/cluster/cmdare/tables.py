@@ -8,18 +8,18 @@ from __future__ import annotations
 
 import os
 import re
+from functools import cache
 from pathlib import Path
 
 import numpy as np
 import pandas as pd
 
+from cocoweave.cluster.catalog import load_catalog
 from cocoweave.errors import CocoweaveError
 
 DATA_ENV = "COCOWEAVE_CMDARE_DATA"
 PACKAGED_DATA = Path(__file__).resolve().parents[1] / "data" / "cmdare"
 HELD_OUT_MODELS = ("custom9", "custom10", "shakesmall32d", "shakemid32d")
-# Vendor datasheet memory bandwidth per GPU die, GB/s (a K80 board holds two dies of 240.5 GB/s).
-MEMORY_BANDWIDTH_GBS = {"K80": 240.5, "P100": 732.0, "V100": 900.0}
 BYTES_PER_PARAMETER = 4  # the paper's models train in float32
 
 _ALIASES = (("resnet", "res"), ("customres", "custom"), ("shakelarge", "shakebig"),
@@ -32,6 +32,13 @@ def canonical_model(name: str) -> str:
     for old, new in _ALIASES:
         slug = slug.replace(old, new)
     return slug
+
+
+@cache
+def memory_bandwidth_gbs() -> dict[str, float]:
+    """Each GPU's memory bandwidth, GB/s, from the package's catalog (`cluster/data/catalog.yaml`), the one home of
+    every GPU's figures (a K80 is one of its board's two dies there, as CM-DARE's tables count it)."""
+    return {key: gpu.hbm_gb_s for key, gpu in load_catalog().gpus.items()}
 
 
 def find_data_dir(explicit: str | os.PathLike | None = None) -> Path:
@@ -66,7 +73,7 @@ def _speed_frame(raw: pd.DataFrame) -> pd.DataFrame:
         "tflops": raw["GPU TFLOPS"].astype(float),
         "step_time_s": raw["Step Time (s)"].astype(float),
     })
-    out["mem_bw_gbs"] = out["gpu"].map(MEMORY_BANDWIDTH_GBS)
+    out["mem_bw_gbs"] = out["gpu"].map(memory_bandwidth_gbs())
     return out
 
 

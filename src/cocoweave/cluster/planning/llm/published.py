@@ -23,7 +23,6 @@ from dataclasses import dataclass
 from cocoweave.cluster.planning.llm.parallelism import ParallelConfig
 from cocoweave.cluster.planning.llm.spec import TransformerSpec
 
-A100_PEAK = 312e12
 MACHINE = "dgx-a100-80gb"
 
 
