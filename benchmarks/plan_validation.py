@@ -1,9 +1,10 @@
-"""Validate the LLM step model (`cocoweave.cluster.llm`) on published training runs, and the planner on GPT-3 175B.
+"""Validate the LLM step model (`cocoweave.cluster.planning.llm`) on published training runs, and the planner on
+GPT-3 175B.
 
     PYTHONPATH=src python benchmarks/plan_validation.py            # table, memory checks, planner check, timing
     PYTHONPATH=src python benchmarks/plan_validation.py --no-time  # without timing the one-command plan
 
-For every run of `cluster/llm/published.py` (SC'21 Table 1 and sec. 5.1, Korthikanti et al. 2022 Table 5,
+For every run of `cluster/planning/llm/published.py` (SC'21 Table 1 and sec. 5.1, Korthikanti et al. 2022 Table 5,
 torchtitan's Llama 3 table) it predicts the iteration time with the published model, layout and hardware (DGX A100
 80 GB: NVLink 3, 8 x 200 Gb/s HDR InfiniBand) and prints the error with the source of each figure. The efficiency
 constants were fitted on the rows marked "calibration" only (`calibrate.py`; refitted here from neutral starting
@@ -30,13 +31,13 @@ from pathlib import Path
 import numpy as np
 
 from cocoweave.cluster.catalog import load_catalog
-from cocoweave.cluster.llm.calibrate import calibrate, errors
-from cocoweave.cluster.llm.memory import activation_bytes, layer_activation_bytes
-from cocoweave.cluster.llm.published import KORTHIKANTI_TABLE5, MACHINE, published_runs
-from cocoweave.cluster.llm.search import search
-from cocoweave.cluster.llm.spec import TransformerSpec
-from cocoweave.cluster.llm.step import predict_step
-from cocoweave.cluster.llm.system import STACKS, Efficiency, system_for
+from cocoweave.cluster.planning.llm.calibrate import calibrate, errors
+from cocoweave.cluster.planning.llm.memory import activation_bytes, layer_activation_bytes
+from cocoweave.cluster.planning.llm.published import KORTHIKANTI_TABLE5, MACHINE, published_runs
+from cocoweave.cluster.planning.llm.search import search
+from cocoweave.cluster.planning.llm.spec import TransformerSpec
+from cocoweave.cluster.planning.llm.step import predict_step
+from cocoweave.cluster.planning.llm.system import STACKS, Efficiency, system_for
 
 CALCULON = "Calculon (Isaev et al. SC'23) on Korthikanti's 8 Table 5 runs: 3.65% mean, 8.87% max"
 
@@ -111,7 +112,7 @@ def korthikanti_formula(spec: TransformerSpec, t: int, mode: str) -> float:
 
 def memory_checks(catalog) -> dict:
     """Our activation memory against Korthikanti's Table 2 formulas, and which layouts fit in 80 GB."""
-    from cocoweave.cluster.llm.parallelism import ParallelConfig
+    from cocoweave.cluster.planning.llm.parallelism import ParallelConfig
 
     print("\nActivation memory per layer, ours vs Korthikanti et al. 2022 Table 2 (MB, micro-batch 1, t = 8):")
     rows = []

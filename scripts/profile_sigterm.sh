@@ -8,7 +8,7 @@ cd "$(dirname "$0")/.."
 PY=${PY:-.venv/bin/python}
 START=${1:-25}
 export PYTHONPATH=$PWD/src
-ranks() { pgrep -f "cocoweave.cluster.profile_entry .*--steps $1" || true; }
+ranks() { pgrep -f "cocoweave.cluster.profiling.rank_entry .*--steps $1" || true; }
 fail=0 i=0
 for how in sigterm timeout sigkill; do
     i=$((i + 1)) tag=$((7000000 + ($$ % 10000) * 10 + i))  # the script's --steps: each case's ranks are told apart by it

@@ -127,7 +127,7 @@ ENV_EXCEPTIONS = {
     ("precise", "TRITON_INTERPRET"): "Triton's own switch (its interpreter), asked of Triton before 3.3",
     ("executable", "TRITON_INTERPRET"): "Triton's own switch: kernels on the CPU run only under its interpreter",
     ("codecache", "XDG_CACHE_HOME"): "the XDG rule for the code cache's default folder",
-    ("profiler", "*"): "copies the whole environment for the torchrun it starts (and adds the profiler's settings)",
+    ("worlds", "*"): "copies the whole environment for the torchrun it starts (and adds the profiler's settings)",
 }
 
 
@@ -225,3 +225,64 @@ def test_no_optimizer_file_holds_more_than_one_job():
     """optim/'s files stay small (one job each, ~350 lines at most); the torch face (base.py) smaller still."""
     lines = {p.name: len(p.read_text().splitlines()) for p in OPTIM}
     assert max(lines.values()) <= 350 and lines["base.py"] <= 200, lines
+
+
+# ---------------------------------------------------------------------------------------------------------
+# cluster/ by concern (issue #30, item 5)
+# ---------------------------------------------------------------------------------------------------------
+
+CLUSTER = SRC / "cluster"
+CLUSTER_SHARED = {"__init__.py", "catalog.py", "schema.py", "yamlio.py"}  # what the three concerns share
+
+
+def test_cluster_is_three_subpackages_by_concern_and_a_few_shared_modules():
+    flat = {p.name for p in CLUSTER.glob("*.py")}
+    assert flat == CLUSTER_SHARED, f"cluster/ files outside its subpackages: {sorted(flat - CLUSTER_SHARED)}"
+    packages = {p.parent.relative_to(CLUSTER).as_posix() for p in CLUSTER.rglob("*.py") if p.parent != CLUSTER}
+    assert packages == {"cmdare", "profiling", "planning", "planning/llm"}
+    assert all((CLUSTER / p / "__init__.py").exists() for p in packages)  # setuptools' find ships packages only
+
+
+def _gpu_tokens() -> set[str]:
+    from cocoweave.cluster.catalog import load_catalog
+
+    return {key.split("-")[0] for key in load_catalog().gpus}  # A100-80GB -> A100
+
+
+def test_each_gpu_figure_is_written_once_in_the_catalog():
+    """No Python file holds a GPU's figure: no {"K80": 240.5}-like table and no constant named after a GPU."""
+    gpus = _gpu_tokens()
+    found = []
+    for path in SRC.rglob("*.py"):
+        for node in ast.walk(ast.parse(path.read_text(encoding="utf-8"))):
+            if isinstance(node, ast.Dict):
+                found += [f"{path.relative_to(SRC)}: {k.value!r}: {v.value!r}" for k, v in zip(node.keys, node.values)
+                          if isinstance(k, ast.Constant) and isinstance(k.value, str)
+                          and k.value.upper().split("-")[0] in gpus and isinstance(v, ast.Constant)
+                          and isinstance(v.value, int | float)]
+            elif isinstance(node, ast.Assign) and isinstance(node.value, ast.Constant) \
+                    and isinstance(node.value.value, int | float):
+                found += [f"{path.relative_to(SRC)}: {t.id}" for t in node.targets if isinstance(t, ast.Name)
+                          and gpus & set(t.id.upper().split("_"))]
+    assert not found, f"GPU figures outside cluster/data/catalog.yaml: {found}"
+
+
+def test_the_cmdare_tables_read_gpu_bandwidth_from_the_catalog():
+    from cocoweave.cluster.catalog import load_catalog
+    from cocoweave.cluster.cmdare.tables import memory_bandwidth_gbs
+
+    assert memory_bandwidth_gbs() == {k: g.hbm_gb_s for k, g in load_catalog().gpus.items()}
+
+
+def test_the_resize_model_lives_with_the_planner_and_is_imported_at_the_top():
+    model = {"predict_resizes", "progress_per_step", "parse_schedule"}
+    defined = {n.name for n in ast.parse((SRC / "elastic.py").read_text()).body if isinstance(n, ast.FunctionDef)}
+    assert not defined & model, "the resize cost model is back in elastic.py (its home: cluster/planning/resize.py)"
+    late = []
+    for path in CLUSTER.rglob("*.py"):
+        for fn in ast.walk(ast.parse(path.read_text(encoding="utf-8"))):
+            if isinstance(fn, ast.FunctionDef | ast.AsyncFunctionDef):
+                late += [f"{path.relative_to(SRC)}:{n.lineno}" for n in ast.walk(fn)
+                         if isinstance(n, ast.ImportFrom) and n.module in ("cocoweave.elastic",
+                                                                            "cocoweave.cluster.planning.resize")]
+    assert not late, f"the resize model (or elastic) imported inside a function: {late}"

@@ -180,17 +180,17 @@ CALIBRATION_DIR = PathSetting(
     "COCOWEAVE_CALIBRATION_DIR", "where calibrations of the cost model are kept", "cocoweave.perf.costmodel",
     default_text=".cocoweave/")
 CMDARE_DATA = PathSetting(
-    "COCOWEAVE_CMDARE_DATA", "the CM-DARE data folder (`cocoweave cluster`)", "cocoweave.cluster.cmdare_data",
+    "COCOWEAVE_CMDARE_DATA", "the CM-DARE data folder (`cocoweave cluster`)", "cocoweave.cluster.cmdare.tables",
     default_text="the copy shipped with the package")
 PROFILE_DIR = PathSetting(
     "COCOWEAVE_PROFILE_DIR", "where each rank under `cocoweave profile` writes rank<R>.jsonl (set by the "
-    "profiler for its ranks)", "cocoweave.cluster.profile_hooks", default_text="unset: nothing is recorded")
+    "profiler for its ranks)", "cocoweave.cluster.profiling.recorder", default_text="unset: nothing is recorded")
 PROFILE_STEPS = Whole(
     "COCOWEAVE_PROFILE_STEPS", "steps each profiled rank times (set by the profiler)",
-    "cocoweave.cluster.profile_hooks", default=20, minimum=0)
+    "cocoweave.cluster.profiling.recorder", default=20, minimum=0)
 PROFILE_WARMUP = Whole(
     "COCOWEAVE_PROFILE_WARMUP", "steps each profiled rank runs before timing (set by the profiler)",
-    "cocoweave.cluster.profile_hooks", default=3, minimum=0)
+    "cocoweave.cluster.profiling.recorder", default=3, minimum=0)
 FAULT = Setting(
     "COCOWEAVE_FAULT", "a fault to inject, e.g. rank=1,stage=2,action=exit (reliability tests; read at import, "
     "a malformed one is logged and not armed)", "cocoweave.faults")

@@ -11,8 +11,8 @@ from typer.testing import CliRunner
 
 from cocoweave.cli.cluster_commands import plan_command
 from cocoweave.cli.perf_commands import perf_app
-from cocoweave.cluster import cmdare as cmdare_mod
-from cocoweave.cluster.cmdare_data import find_data_dir
+from cocoweave.cluster.cmdare import reproduce as cmdare_mod
+from cocoweave.cluster.cmdare.tables import find_data_dir
 
 CATALOG = Path(__file__).resolve().parents[2] / "examples" / "catalog.yaml"
 PROFILE = """\

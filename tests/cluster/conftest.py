@@ -6,7 +6,7 @@ from collections.abc import Callable
 
 import pytest
 
-from cocoweave.cluster.profiler import WorldRun
+from cocoweave.cluster.profiling.worlds import WorldRun
 
 
 @pytest.fixture

@@ -4,8 +4,14 @@ bad catalogs are refused with a sentence naming the entry."""
 from __future__ import annotations
 
 import pytest
+import yaml
 
-from cocoweave.cluster.catalog import load_catalog, parse_catalog
+from cocoweave.cluster.catalog import DEFAULT_CATALOG, load_catalog, parse_catalog
+from cocoweave.cluster.planning.llm.plan import plan_llm
+from cocoweave.cluster.planning.llm.spec import TransformerSpec
+from cocoweave.cluster.planning.llm.system import DEFAULT_STACK, STACKS
+from cocoweave.cluster.planning.planner import plan_cluster
+from cocoweave.cluster.profiling.run_profile import RunProfile
 from cocoweave.errors import PlanningError
 
 
@@ -37,3 +43,33 @@ def test_catalog_errors_name_the_entry():
                                               "memory_gb": 1, "source": "s"}}}, "c.yaml")
     with pytest.raises(PlanningError, match="efficiency factors"):
         parse_catalog({**base, "efficiency": {"compute": 1.5}}, "c.yaml")
+
+
+class FixedCheckpoint:
+    """A checkpoint model of 30 s whatever the size (the LLM planner asks one for every GPU count)."""
+
+    def duration_s(self, size_mb: float) -> float:
+        return 30.0
+
+
+def test_a_new_gpu_type_is_one_catalog_entry_and_both_planners_see_it(tmp_path, make_run):
+    doc = yaml.safe_load(DEFAULT_CATALOG.read_text())  # the only place a GPU's figures are written
+    doc["gpus"]["X1"] = {"name": "Test X1 96 GB", "tflops": {"float32": 200, "bfloat16": 2000}, "memory_gb": 96,
+                         "hbm_gb_s": 8000, "source": "invented for this test (2026)"}
+    doc["machines"].append({"name": "x1-8x", "gpu": "X1", "gpus_per_node": 8, "intra_node": "nvlink4",
+                            "inter_node": "ib-ndr-400", "on_demand_per_hour": 60.0, "spot_per_hour": 20.0,
+                            "revocations_per_hour": 0.05, "startup_s": 300})
+    (tmp_path / "catalog.yaml").write_text(yaml.safe_dump(doc))
+    cat = load_catalog(tmp_path / "catalog.yaml")
+    # the planner of a profiled run (CM-DARE's time/cost model over MODELLED steps) prices the new machine
+    runs = [make_run(p, 10.0 / p + 1.0, 10.0 / p, 1.0, 4e13 / p, {"all_reduce": (1.0, 4e6)}) for p in (1, 2, 4)]
+    prof = RunProfile("train_x.py", [], [1, 2, 4], runs, {"cores": 4, "threads_per_rank": 1, "cpu": "test"})
+    plan = plan_cluster(prof.workload(cat, [1, 8], checkpoint_s=4.0), cat, 1000, budget_usd=1e6)
+    x1 = {o.workers: o for o in plan.options if o.machine.name == "x1-8x" and o.pricing == "on-demand"}
+    h100 = {o.workers: o for o in plan.options if o.machine.name == "dgx-h100" and o.pricing == "on-demand"}
+    assert set(x1) == {1, 8} and x1[1].step_time_s < h100[1].step_time_s  # its own figures: faster than an H100
+    # the LLM planner lays a model out on it
+    spec = TransformerSpec(name="tiny", layers=4, hidden=512, heads=8, vocab=32000, seq_len=1024, global_batch=64)
+    llm = plan_llm(spec, cat, 1e10, STACKS[DEFAULT_STACK], FixedCheckpoint(), budget_usd=1e6, max_gpus=16)
+    assert {n for (name, n) in llm.layouts if name == "x1-8x"} == {8, 16}
+    assert any(o.machine.name == "x1-8x" for o in llm.plan.options)

@@ -7,7 +7,7 @@ import numpy as np
 import pandas as pd
 import pytest
 
-from cocoweave.cluster.regression import mape
+from cocoweave.cluster.cmdare.regression import mape
 from cocoweave.errors import CocoweaveError
 from cocoweave.loader import load_example
 from cocoweave.perf.correction import Correction, accuracy, scatter_png, training_rows

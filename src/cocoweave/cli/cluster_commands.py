@@ -27,7 +27,7 @@ def _cell(result) -> str:
 
 
 def _mape_table(report, n_seeds: int) -> Table:
-    from cocoweave.cluster.cmdare import OURS, PER_MODEL_MEAN
+    from cocoweave.cluster.cmdare.reproduce import OURS, PER_MODEL_MEAN
 
     table = Table(title=f"MAPE %, held-out models first; random splits show the mean over {n_seeds} seeds "
                         "(seed 0)", title_justify="left")
@@ -48,7 +48,7 @@ def _mape_table(report, n_seeds: int) -> Table:
 
 
 def _mape_legend() -> list[str]:
-    from cocoweave.cluster.cmdare import PROTOCOLS
+    from cocoweave.cluster.cmdare.reproduce import PROTOCOLS
 
     return [
         "; ".join(f"({key}) {name}" for key, name in PROTOCOLS.items()) + ".",
@@ -122,8 +122,8 @@ def cmdare_command(
     jobs: Annotated[int, typer.Option(min=1, help="Parallel processes for the splits (1: sequential).")] = 1,
 ) -> None:
     """Reproduce CM-DARE's models with the paper's protocols and analyse the parameter-server bottleneck."""
-    from cocoweave.cluster.cmdare import reproduce
-    from cocoweave.cluster.cmdare_data import find_data_dir
+    from cocoweave.cluster.cmdare.reproduce import reproduce
+    from cocoweave.cluster.cmdare.tables import find_data_dir
 
     check_writable(json_path)
     out = human(json_path)
@@ -165,10 +165,10 @@ def _option_json(opt) -> dict:
 
 def _load_profile(path: Path, catalog, max_workers: int, data: Path | None):
     """A YAML workload profile, or the JSON `cocoweave profile` wrote (then also its train steps and PNG path)."""
-    from cocoweave.cluster.checkpoint_model import fit_checkpoint_model
-    from cocoweave.cluster.cmdare_data import find_data_dir
-    from cocoweave.cluster.run_profile import KIND, RunProfile, worker_counts
-    from cocoweave.cluster.workload_profile import parse_profile
+    from cocoweave.cluster.cmdare.tables import find_data_dir
+    from cocoweave.cluster.planning.checkpoint_model import fit_checkpoint_model
+    from cocoweave.cluster.planning.step_times import parse_profile
+    from cocoweave.cluster.profiling.run_profile import KIND, RunProfile, worker_counts
     from cocoweave.cluster.yamlio import load_yaml
 
     try:  # JSON first: YAML 1.1 reads JSON's 1e-05 as a string
@@ -229,10 +229,10 @@ def plan_command(
 ) -> None:
     """Recommend a cluster for a deadline or a budget (spot overheads counted) and show the Pareto front."""
     from cocoweave.cluster.catalog import load_catalog
-    from cocoweave.cluster.cmdare_data import find_data_dir
-    from cocoweave.cluster.planner import plan_cluster, resize_predictions
-    from cocoweave.cluster.workload_profile import profile_for_model
-    from cocoweave.elastic import parse_schedule
+    from cocoweave.cluster.cmdare.tables import find_data_dir
+    from cocoweave.cluster.planning.planner import plan_cluster, resize_predictions
+    from cocoweave.cluster.planning.resize import parse_schedule
+    from cocoweave.cluster.planning.step_times import profile_for_model
 
     check_writable(json_path)
     out = human(json_path)
@@ -315,7 +315,7 @@ def _resize_json(predictions: dict, text: str, best) -> dict:
 
 
 def _write_png(result, path: Path, title: str) -> Path:
-    from cocoweave.cluster.plan_plot import write_plan_png
+    from cocoweave.cluster.planning.plot import write_plan_png
 
     try:
         return write_plan_png(result, path, title)
@@ -327,11 +327,11 @@ def _plan_llm_command(out, spec_path: Path, tokens: float | None, catalog: Path 
                       budget: float | None, stack_name: str, max_gpus: int, png: Path | None, json_path, data) -> None:
     """`plan --llm`: the recommended machine, GPU count and layout, its terms and memory, and the Pareto front."""
     from cocoweave.cluster.catalog import load_catalog
-    from cocoweave.cluster.checkpoint_model import fit_checkpoint_model
-    from cocoweave.cluster.cmdare_data import find_data_dir
-    from cocoweave.cluster.llm.plan import plan_llm
-    from cocoweave.cluster.llm.spec import load_spec
-    from cocoweave.cluster.llm.system import STACKS
+    from cocoweave.cluster.cmdare.tables import find_data_dir
+    from cocoweave.cluster.planning.checkpoint_model import fit_checkpoint_model
+    from cocoweave.cluster.planning.llm.plan import plan_llm
+    from cocoweave.cluster.planning.llm.spec import load_spec
+    from cocoweave.cluster.planning.llm.system import STACKS
 
     if tokens is None:
         raise CocoweaveError("give --tokens N (the tokens to train) with --llm.")

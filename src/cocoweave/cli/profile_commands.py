@@ -47,7 +47,7 @@ def _measured_table(profile) -> Table:
                         f"{profile.host['threads_per_rank']} thread per rank): ms per step", title_justify="left")
     for col in ("ranks", "role", "step", "compute (CPU)", "comm (CPU)", "waiting", "core sharing", "others' CPU"):
         table.add_column(col, justify="left" if col == "role" else "right")
-    from ..cluster.step_scaling import measured_parts
+    from ..cluster.profiling.host_scaling import measured_parts
 
     for r in sorted(profile.runs, key=lambda r: r.world_size):
         parts = measured_parts(r, model)
@@ -130,9 +130,9 @@ def profile(
 ) -> None:
     """Profile a training script on local worlds, fit its scaling, name the bottleneck, predict other sizes."""
     from ..cluster.catalog import load_catalog
-    from ..cluster.profile_plot import write_profile_png
-    from ..cluster.profiler import cores, default_script_args, profile_worlds
-    from ..cluster.run_profile import RunProfile, host_info
+    from ..cluster.profiling.plot import write_profile_png
+    from ..cluster.profiling.run_profile import RunProfile, host_info
+    from ..cluster.profiling.worlds import cores, default_script_args, profile_worlds
     from ..perf.store import MeasurementStore
 
     check_writable(json_path)

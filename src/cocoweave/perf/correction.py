@@ -98,7 +98,7 @@ def accuracy(rows: pd.DataFrame, test_fraction: float = 0.25, seed: int = 0) -> 
     """Hold out `test_fraction` of the measured configurations, fit the correction on the rest, report MAPE."""
     from sklearn.model_selection import GroupShuffleSplit
 
-    from ..cluster.regression import mape
+    from ..cluster.cmdare.regression import mape
 
     groups = rows["group"].nunique() if len(rows) else 0
     if groups < 4 or len(rows) < MIN_ROWS + 2:

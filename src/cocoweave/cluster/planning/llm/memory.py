@@ -1,0 +1,92 @@
+"""Memory per GPU of one layout: weights, gradients and optimizer state per ZeRO stage, and activations per
+layer by Korthikanti et al. 2022 (Table 2, with sequence parallelism and recomputation) times the layers and
+micro-batches a pipeline schedule keeps in flight on its first stage.
+
+Korthikanti's per-layer count for b sequences of s tokens, hidden h, a heads, t-way tensor parallelism, in bytes
+of 16-bit activations: sbh (10 + 24/t + 5 a s / (h t)) with tensor parallelism only; sbh (34/t + 5 a s / (h t))
+with sequence parallelism; the 5 a s / (h t) term (attention scores, softmax, dropout) is dropped by selective
+recomputation and by fused (flash) attention; full recomputation keeps only each layer's input, 2 sbh (/ t with
+sequence parallelism). We generalise 24 to 4 h + 4 kv_heads x head_dim + 2 x FFN x (2 or 3 matrices) per token
+(grouped-query attention, gated MLP; 24 h for GPT-3's shapes).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from cocoweave.cluster.planning.llm.parallelism import ParallelConfig
+from cocoweave.cluster.planning.llm.spec import TransformerSpec
+
+OPTIMIZER_BYTES = 12  # Adam in mixed precision: fp32 master weights, first and second moments (ZeRO paper, sec. 3.1)
+WORKSPACE_BYTES = 2e9  # CUDA context, NCCL buffers, allocator fragmentation: an assumption, shown separately
+
+
+@dataclass(frozen=True)
+class MemoryBreakdown:
+    """Bytes per GPU on the busiest pipeline stage."""
+
+    weights: float
+    gradients: float
+    optimizer: float
+    activations: float
+    workspace: float = WORKSPACE_BYTES
+
+    @property
+    def total(self) -> float:
+        return self.weights + self.gradients + self.optimizer + self.activations + self.workspace
+
+
+def layer_activation_bytes(spec: TransformerSpec, cfg: ParallelConfig, recompute: str | None = None) -> float:
+    """Bytes one layer keeps for backward, per micro-batch, on one GPU (Korthikanti 2022, Table 2, generalised)."""
+    recompute = cfg.recompute if recompute is None else recompute
+    s, b, h, t = spec.seq_len, cfg.micro_batch, spec.hidden, cfg.tp
+    sbh = s * b * h
+    if recompute == "full":
+        return 2 * sbh / (t if cfg.sp else 1)
+    kvd = spec.kv * spec.head_dim
+    sharded = s * b * (4 * h + 4 * kvd + 2 * spec.ffn_size * spec.mlp_matrices * spec.experts_per_token) / t
+    replicated = 10 * sbh / (t if cfg.sp else 1)
+    scores = 0.0 if spec.flash_attention or recompute == "selective" else 5 * spec.heads * s * s * b / t
+    return replicated + sharded + scores
+
+
+def in_flight_factor(cfg: ParallelConfig) -> float:
+    """Layers' worth of micro-batches the first stage holds, in units of `layers / pp` layers x one micro-batch:
+    pp for 1F1B (it has pp micro-batches in flight), pp (1 + (pp - 1) / (pp vp)) interleaved (Korthikanti,
+    sec. 4.2.3)."""
+    if cfg.pp == 1:
+        return 1.0
+    return cfg.pp * (1.0 + (cfg.pp - 1) / (cfg.pp * cfg.vp)) if cfg.vp > 1 else float(cfg.pp)
+
+
+def activation_bytes(spec: TransformerSpec, cfg: ParallelConfig) -> float:
+    """Activation bytes of the first pipeline stage (the one that holds the most), plus the input embedding's
+    output and, with one stage, the logits (fp32 for the loss)."""
+    layers_per_stage = spec.layers / cfg.pp
+    per_layer = layer_activation_bytes(spec, cfg)
+    layers = per_layer * layers_per_stage * in_flight_factor(cfg)
+    s, b = spec.seq_len, cfg.micro_batch
+    embedding = 2 * s * b * spec.hidden / (cfg.tp if cfg.sp else 1) * min(cfg.pp, cfg.micro_batches(spec) or 1)
+    logits = 4 * s * b * spec.vocab / cfg.tp if cfg.pp == 1 else 0.0
+    return layers + embedding + logits
+
+
+def stage_params(spec: TransformerSpec, cfg: ParallelConfig) -> float:
+    """Parameters one GPU holds on the heaviest stage (the first: its layers plus the input embedding; the last
+    stage's output projection is as large), before ZeRO sharding."""
+    layers = spec.layer_params() * spec.layers / cfg.pp
+    embedding = spec.vocab * spec.hidden
+    if cfg.pp == 1:
+        embedding = spec.embedding_params()
+    return (layers + embedding) / cfg.tp
+
+
+def memory_per_gpu(spec: TransformerSpec, cfg: ParallelConfig) -> MemoryBreakdown:
+    """Weights (16-bit), gradients (cfg.grad_bytes), Adam state (12 bytes) per parameter, sharded over dp from the
+    ZeRO stage that shards each, and the first stage's activations."""
+    params = stage_params(spec, cfg)
+    dp = cfg.dp
+    weights = params * spec.bytes_per_value / (dp if cfg.zero >= 3 else 1)
+    grads = params * cfg.grad_bytes / (dp if cfg.zero >= 2 else 1)
+    optimizer = params * OPTIMIZER_BYTES / (dp if cfg.zero >= 1 else 1)
+    return MemoryBreakdown(weights, grads, optimizer, activation_bytes(spec, cfg))

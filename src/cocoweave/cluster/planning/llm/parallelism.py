@@ -1,0 +1,75 @@
+"""How a transformer is laid out on N GPUs: tensor (tp), pipeline (pp, with vp virtual stages per GPU) and data
+(dp) parallel degrees, the ZeRO stage of the data-parallel group (0: DDP, 1: distributed optimizer, 2: + gradients,
+3: FSDP), sequence parallelism, activation recomputation and the micro-batch size.
+
+Ranks are laid out as Megatron-LM does: tp innermost (a tp group is tp consecutive GPUs of one node), then dp,
+then pp; so a dp group strides by tp and a pipeline's neighbours are N / pp ranks apart.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Literal
+
+from cocoweave.cluster.planning.llm.spec import TransformerSpec
+
+Recompute = Literal["none", "selective", "full"]
+RECOMPUTE = ("none", "selective", "full")
+
+
+@dataclass(frozen=True)
+class ParallelConfig:
+    """One layout of the training job; `problems` says why it cannot run on a machine, if it cannot."""
+
+    tp: int = 1
+    pp: int = 1
+    dp: int = 1
+    micro_batch: int = 1
+    vp: int = 1  # virtual pipeline stages (model chunks) per GPU: Megatron's interleaved 1F1B
+    zero: int = 0  # 0 DDP, 1 distributed optimizer / ZeRO-1, 2 ZeRO-2, 3 FSDP / ZeRO-3
+    sp: bool = False  # sequence parallelism (Korthikanti et al. 2022): LayerNorm/dropout sharded over tp
+    recompute: Recompute = "none"
+    dp_overlap: bool = True  # data-parallel traffic overlapped with backward (torch DDP, FSDP); False: Megatron's
+    # 2021 "local" DDP, whose all-reduce runs after the pipeline flush
+    tp_overlap: bool = False  # tp collectives hidden behind GEMMs (a cocoweave schedule that overlaps them)
+    grad_bytes: int = 2  # bytes per gradient value reduced across dp (4: fp32 main gradients)
+
+    @property
+    def gpus(self) -> int:
+        return self.tp * self.pp * self.dp
+
+    def micro_batches(self, spec: TransformerSpec) -> int:
+        """Micro-batches each pipeline runs per step (global batch / (dp x micro-batch))."""
+        return spec.global_batch // (self.dp * self.micro_batch)
+
+    def problems(self, spec: TransformerSpec, gpus_per_node: int) -> list[str]:
+        """Why this layout cannot run `spec` (empty when it can)."""
+        out = []
+        if self.tp > gpus_per_node:
+            out.append(f"tp {self.tp} exceeds a node's {gpus_per_node} GPUs")
+        if spec.heads % self.tp or spec.kv % self.tp and self.tp % spec.kv:
+            out.append(f"{spec.heads} heads ({spec.kv} KV heads) do not split over tp {self.tp}")
+        if spec.layers % (self.pp * self.vp):
+            out.append(f"{spec.layers} layers do not split into pp {self.pp} x vp {self.vp} stages")
+        if spec.global_batch % (self.dp * self.micro_batch):
+            out.append(f"global batch {spec.global_batch} is not a multiple of dp {self.dp} x micro-batch "
+                       f"{self.micro_batch}")
+        elif self.vp > 1 and self.micro_batches(spec) % self.pp:
+            out.append(f"the interleaved schedule needs micro-batches ({self.micro_batches(spec)}) to be a "
+                       f"multiple of pp {self.pp}")
+        if self.sp and self.tp == 1:
+            out.append("sequence parallelism needs tp > 1")
+        if self.zero == 3 and self.pp > 1:
+            out.append("FSDP (ZeRO-3) with pipeline parallelism is not modelled")
+        return out
+
+    def describe(self) -> str:
+        parts = [f"tp{self.tp}", f"pp{self.pp}" + (f"x{self.vp}" if self.vp > 1 else ""), f"dp{self.dp}",
+                 f"mb{self.micro_batch}"]
+        if self.zero:
+            parts.append("fsdp" if self.zero == 3 else f"zero{self.zero}")
+        if self.sp:
+            parts.append("sp")
+        if self.recompute != "none":
+            parts.append(f"{self.recompute}-recompute")
+        return " ".join(parts)

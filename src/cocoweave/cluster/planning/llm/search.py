@@ -1,0 +1,114 @@
+"""Search the layouts of a transformer on N GPUs of one machine type: the factorisations N = tp x pp x dp (tp within
+a node), the micro-batch, virtual stages, sequence parallelism, the ZeRO stage and recomputation. Layouts that
+cannot run are skipped with their reason; layouts that do not fit in GPU memory are rejected with theirs."""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Iterator
+from dataclasses import dataclass
+
+from cocoweave.cluster.planning.llm.memory import MemoryBreakdown, memory_per_gpu
+from cocoweave.cluster.planning.llm.parallelism import RECOMPUTE, ParallelConfig
+from cocoweave.cluster.planning.llm.spec import TransformerSpec
+from cocoweave.cluster.planning.llm.step import StepBreakdown, predict_step
+from cocoweave.cluster.planning.llm.system import Stack, System
+from cocoweave.errors import PlanningError
+
+MICRO_BATCHES = (1, 2, 4, 8)
+MAX_VIRTUAL = 8
+
+
+@dataclass(frozen=True)
+class Evaluated:
+    """One layout's prediction, or its memory and why it was rejected (`rejected` is None when it fits)."""
+
+    cfg: ParallelConfig
+    memory: MemoryBreakdown
+    step: StepBreakdown | None = None
+    rejected: str | None = None
+
+
+@dataclass(frozen=True)
+class SearchResult:
+    """The fastest layout that fits, the runners-up, and how many were rejected for memory."""
+
+    gpus: int
+    best: Evaluated | None
+    ranked: tuple[Evaluated, ...]
+    rejected: int
+    smallest_rejection: Evaluated | None  # the rejected layout needing the least memory (to say why nothing fits)
+
+
+def _divisors(n: int) -> list[int]:
+    return [d for d in range(1, n + 1) if n % d == 0]
+
+
+def layouts(spec: TransformerSpec, gpus: int, gpus_per_node: int, stack: Stack,
+            group_ok: Callable[[int, int, int, int], bool] = lambda tp, pp, dp, zero: True) -> Iterator[ParallelConfig]:
+    """Every layout of `spec` on `gpus` GPUs that `stack` offers (tp a power of two within a node); `group_ok(tp, pp,
+    dp, zero)` False skips a whole group (e.g. its model state alone does not fit)."""
+    tps = [t for t in (1, 2, 4, 8, 16, 32, 64) if t <= gpus_per_node and gpus % t == 0 and spec.heads % t == 0]
+    for tp in tps:
+        for pp in _divisors(gpus // tp):
+            if spec.layers % pp:
+                continue
+            dp = gpus // (tp * pp)
+            for mb in MICRO_BATCHES:
+                if spec.global_batch % (dp * mb):
+                    continue
+                m = spec.global_batch // (dp * mb)
+                if pp > 1 and m < pp:
+                    continue  # 1F1B needs at least pp micro-batches
+                vps = [1] if pp == 1 else [v for v in _divisors(spec.layers // pp) if v <= MAX_VIRTUAL
+                                           and (v == 1 or m % pp == 0)]
+                zeros = [z for z in stack.zero_stages if z < 3 or pp == 1]
+                for vp in vps:
+                    for zero in zeros if dp > 1 else (0,):
+                        if not group_ok(tp, pp, dp, zero):
+                            continue
+                        for sp in (True, False) if tp > 1 and stack.sequence_parallel else (False,):
+                            for recompute in [r for r in RECOMPUTE if r in stack.recompute]:  # fastest first
+                                yield ParallelConfig(tp=tp, pp=pp, dp=dp, micro_batch=mb, vp=vp, zero=zero, sp=sp,
+                                                     recompute=recompute, dp_overlap=stack.dp_overlap)
+
+
+def search(spec: TransformerSpec, system: System, gpus: int, stack: Stack, keep: int = 5) -> SearchResult:
+    """The fastest layouts `stack` offers for `spec` on `gpus` GPUs of `system` that fit in its memory."""
+    if gpus < 1:
+        raise PlanningError(f"the number of GPUs must be positive, got {gpus}.")
+    capacity = system.memory_bytes
+    fits, rejected, smallest = [], 0, None
+    floors: dict[tuple, float] = {}  # least memory of a (tp, pp, dp, zero): recompute everything, micro-batch 1
+
+    def group_ok(tp: int, pp: int, dp: int, zero: int) -> bool:
+        key = (tp, pp, dp, zero)
+        if key not in floors:
+            least = ParallelConfig(tp=tp, pp=pp, dp=dp, zero=zero, recompute="full",
+                                   sp=tp > 1 and stack.sequence_parallel)
+            floors[key] = memory_per_gpu(spec, least).total
+        return floors[key] <= capacity or smallest is None  # keep one to say why nothing fits
+
+    done: set[tuple] = set()  # layouts already priced with less recomputation (faster): skip the rest
+    for cfg in layouts(spec, gpus, system.gpus_per_node, stack, group_ok):
+        key = (cfg.tp, cfg.pp, cfg.dp, cfg.micro_batch, cfg.vp, cfg.zero, cfg.sp)
+        if key in done:
+            continue
+        if cfg.problems(spec, system.gpus_per_node):
+            continue
+        memory = memory_per_gpu(spec, cfg)  # cheap: reject before pricing the step
+        if memory.total > capacity:
+            rejected += 1
+            if smallest is None or memory.total < smallest.memory.total:
+                smallest = Evaluated(cfg, memory, None, memory_reason(memory, capacity))
+            continue
+        done.add(key)
+        fits.append(Evaluated(cfg, memory, predict_step(spec, cfg, system)))
+    fits.sort(key=lambda e: (e.step.total_s, e.memory.total))
+    return SearchResult(gpus, fits[0] if fits else None, tuple(fits[:keep]), rejected, smallest)
+
+
+def memory_reason(m: MemoryBreakdown, capacity: float) -> str:
+    """Why a layout does not fit: its memory by part against the GPU's."""
+    return (f"needs {m.total / 1e9:.1f} GB per GPU (weights {m.weights / 1e9:.1f}, gradients {m.gradients / 1e9:.1f}, "
+            f"optimizer {m.optimizer / 1e9:.1f}, activations {m.activations / 1e9:.1f}, workspace "
+            f"{m.workspace / 1e9:.1f}) of {capacity / 1e9:.0f} GB")

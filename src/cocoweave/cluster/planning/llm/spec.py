@@ -1,0 +1,165 @@
+"""A transformer training workload: the model's shape, the batch, the dtype (and optionally MoE experts),
+read from YAML or from a Hugging Face-style config dict, with its parameters and FLOPs by formula.
+
+FLOPs follow Narayanan et al. (SC'21, eq. 3) term by term, generalised to grouped-query attention, gated
+(SwiGLU) MLPs and top-k experts: a matmul of (M x K) by (K x N) is 2 M K N FLOPs; attention's two batched
+matmuls are 4 b s^2 h; the logits 2 b s h V. Backward is twice the forward. `tests/cluster/planning/llm` checks the
+per-layer count against `torch.utils.flop_counter.FlopCounterMode` tracing one small layer.
+"""
+
+from __future__ import annotations
+
+import os
+from functools import lru_cache
+from typing import Any, Literal
+
+from pydantic import Field, model_validator
+
+from cocoweave.cluster.schema import Strict, validate
+from cocoweave.cluster.yamlio import load_yaml
+from cocoweave.errors import PlanningError
+
+DTYPE_BYTES = {"float32": 4, "bfloat16": 2, "float16": 2, "float8": 1}
+
+
+class TransformerSpec(Strict):
+    """A decoder-only transformer and its training batch (sequences of `seq_len` tokens per step)."""
+
+    name: str = "model"
+    layers: int = Field(gt=0)
+    hidden: int = Field(gt=0)
+    heads: int = Field(gt=0)
+    kv_heads: int | None = Field(default=None, gt=0)  # None: as many as heads (multi-head attention)
+    ffn: int | None = Field(default=None, gt=0)  # None: 4 x hidden
+    gated_mlp: bool = False  # SwiGLU: three FFN matrices instead of two
+    vocab: int = Field(gt=0)
+    seq_len: int = Field(gt=0)
+    global_batch: int = Field(gt=0)  # sequences per optimizer step
+    dtype: Literal["bfloat16", "float16", "float32", "float8"] = "bfloat16"
+    experts: int = Field(default=1, gt=0)  # MoE: experts per layer (1: dense)
+    experts_per_token: int = Field(default=1, gt=0)
+    flash_attention: bool = True  # fused attention: no s x s scores stored, causal half of the work done
+    tied_embeddings: bool = False
+
+    @model_validator(mode="after")
+    def _shapes(self) -> TransformerSpec:
+        if self.hidden % self.heads:
+            raise ValueError(f"hidden {self.hidden} is not a multiple of heads {self.heads}")
+        if self.heads % self.kv:
+            raise ValueError(f"heads {self.heads} is not a multiple of kv_heads {self.kv}")
+        if self.experts_per_token > self.experts:
+            raise ValueError(f"experts_per_token {self.experts_per_token} exceeds experts {self.experts}")
+        return self
+
+    @property
+    def kv(self) -> int:
+        return self.kv_heads or self.heads
+
+    @property
+    def ffn_size(self) -> int:
+        return self.ffn or 4 * self.hidden
+
+    @property
+    def head_dim(self) -> int:
+        return self.hidden // self.heads
+
+    @property
+    def bytes_per_value(self) -> int:
+        return DTYPE_BYTES[self.dtype]
+
+    @property
+    def mlp_matrices(self) -> int:
+        return 3 if self.gated_mlp else 2
+
+    @property
+    def qkv_out(self) -> int:
+        """Output width of the fused QKV projection: h for queries, 2 x kv_heads x head_dim for keys and values."""
+        return self.hidden + 2 * self.kv * self.head_dim
+
+    # --- parameters -------------------------------------------------------------------------------
+    def layer_params(self) -> int:
+        """Weights of one layer (biases and norms included; all experts)."""
+        return _layer_params(self)
+
+    def embedding_params(self) -> int:
+        """Input embedding plus (untied) output projection."""
+        return self.vocab * self.hidden * (1 if self.tied_embeddings else 2)
+
+    def params(self) -> int:
+        return self.layers * self.layer_params() + self.embedding_params() + 2 * self.hidden
+
+    # --- FLOPs (forward, per micro-batch of b sequences) -----------------------------------------
+    def layer_gemm_flops(self, b: int) -> dict[str, float]:
+        """Forward FLOPs of one layer's matmuls for b sequences, by matmul (the attention core at full s x s)."""
+        s, h, f = self.seq_len, self.hidden, self.ffn_size
+        tokens = b * s
+        out = {"qkv": 2.0 * tokens * h * self.qkv_out, "proj": 2.0 * tokens * h * h,
+               "mlp": 2.0 * tokens * h * f * self.mlp_matrices * self.experts_per_token,
+               "attention": 4.0 * b * s * s * h}
+        if self.experts > 1:
+            out["router"] = 2.0 * tokens * h * self.experts
+        return out
+
+    def layer_flops(self, b: int) -> float:
+        return sum(self.layer_gemm_flops(b).values())
+
+    def logits_flops(self, b: int) -> float:
+        return 2.0 * b * self.seq_len * self.hidden * self.vocab
+
+    def model_flops_per_step(self) -> float:
+        """FLOPs of one optimizer step without recomputation (3 x forward): the numerator of MFU."""
+        b = self.global_batch
+        return 3.0 * (self.layers * self.layer_flops(b) + self.logits_flops(b))
+
+    def tokens_per_step(self) -> int:
+        return self.global_batch * self.seq_len
+
+
+@lru_cache(maxsize=64)
+def _layer_params(spec: TransformerSpec) -> int:
+    """Weights of one layer, computed once per spec (the layout search asks for every layout; specs are frozen and
+    hash by their fields, so a copy with other fields is another entry)."""
+    h, f = spec.hidden, spec.ffn_size
+    attn = h * spec.qkv_out + spec.qkv_out + h * h + h
+    mlp = spec.experts * (spec.mlp_matrices * h * f + f + h) + (h * spec.experts if spec.experts > 1 else 0)
+    return attn + mlp + 4 * h
+
+
+def parse_spec(doc: Any, source: str) -> TransformerSpec:
+    """Validate an LLM spec document; unknown keys and bad values get one sentence naming the file and key."""
+    if isinstance(doc, dict) and isinstance(doc.get("model"), dict):
+        doc = {k: v for k, v in doc.items() if k != "model"} | doc["model"]
+    return validate(TransformerSpec, doc, source, "LLM spec")
+
+
+HF_KEYS = {"num_hidden_layers": "layers", "n_layer": "layers", "hidden_size": "hidden", "n_embd": "hidden",
+           "num_attention_heads": "heads", "n_head": "heads", "num_key_value_heads": "kv_heads",
+           "intermediate_size": "ffn", "n_inner": "ffn", "vocab_size": "vocab", "num_local_experts": "experts",
+           "n_routed_experts": "experts", "num_experts_per_tok": "experts_per_token",
+           "tie_word_embeddings": "tied_embeddings"}
+
+
+def from_hf_config(config: dict, seq_len: int | None = None, global_batch: int = 1, name: str | None = None,
+                   dtype: str = "bfloat16") -> TransformerSpec:
+    """A spec from a Hugging Face `config.json` dict (Llama, Mistral, Mixtral, GPT-2 key names); a SiLU/SwiGLU
+    activation means a gated MLP. Keys that do not shape the FLOPs or memory (dropout, rope...) are ignored."""
+    doc: dict[str, Any] = {HF_KEYS[k]: v for k, v in config.items() if k in HF_KEYS and v is not None}
+    act = str(config.get("hidden_act", config.get("activation_function", "gelu")))
+    doc["gated_mlp"] = act in ("silu", "swiglu", "swish")
+    seq = seq_len or config.get("max_position_embeddings") or config.get("n_positions")
+    if seq is None:
+        raise PlanningError("the Hugging Face config names no max_position_embeddings: give the sequence length.")
+    doc |= {"seq_len": seq, "global_batch": global_batch, "dtype": dtype,
+            "name": name or config.get("_name_or_path") or config.get("model_type") or "hf-model"}
+    return validate(TransformerSpec, doc, "Hugging Face config", "LLM spec")
+
+
+def load_spec(path: str | os.PathLike) -> TransformerSpec:
+    """Read an LLM spec YAML: our keys, or a Hugging Face config (recognised by `num_hidden_layers`) plus
+    seq_len and global_batch."""
+    doc = load_yaml(path, "LLM spec")
+    if isinstance(doc, dict) and ("num_hidden_layers" in doc or "n_layer" in doc):
+        extra = {k: doc[k] for k in ("seq_len", "global_batch", "dtype", "name") if k in doc}
+        return from_hf_config(doc, extra.get("seq_len"), extra.get("global_batch", 1), extra.get("name"),
+                              extra.get("dtype", "bfloat16"))
+    return parse_spec(doc, str(path))

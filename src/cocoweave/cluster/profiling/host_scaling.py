@@ -1,0 +1,245 @@
+"""How a profiled training step scales with the number of local ranks on this host, and where its time goes.
+
+Fitted on the worlds `cocoweave profile` measured (`worlds.WorldRun`), per rank and step:
+
+- compute c(p) = a + b x w(p): the main thread's CPU time, with w(p) the rank's share of the work
+  (its FLOPs relative to the smallest world's, counted in one step; 1/p when a global batch is split,
+  1 when each rank has its own batch) and `a` what does not shrink (Python, per-op overhead);
+- communication CPU k(p) = gamma x MB(p) + delta x hops(p): Gloo's threads' CPU time, with MB(p) the
+  bytes a rank moves (all-reduce 2(p-1)/p of the tensor, reduce-scatter and all-gather (p-1)/p, ...)
+  and hops(p) the message steps of ring algorithms (the alpha-beta model of perf/costmodel.py, fitted
+  on the measured collectives rather than on microbenchmarks);
+- waiting w(p) = omega x hops(p): wall time not spent on a CPU while ranks have a core each (latency, skew),
+  beyond the idle time one rank alone shows (other processes, I/O), which is kept as a constant;
+- contention: with p ranks of one thread on K cores, p > K, the ranks share the cores, and the step takes
+  eta x p x (c + k) / K (waiting is then another rank's time on the core); eta >= 1 (time slices, ranks
+  waiting for a descheduled peer) is fitted on the oversubscribed worlds measured.
+
+The step is c + k + w + idle while p <= K, and eta x p x (c + k) / K beyond.
+"""
+
+from __future__ import annotations
+
+import math
+import statistics
+from collections.abc import Sequence
+from dataclasses import asdict, dataclass
+
+import numpy as np
+from scipy.optimize import nnls
+
+from cocoweave.cluster.profiling.worlds import WorldRun, ranks
+from cocoweave.errors import CocoweaveError
+
+# Per collective kind: (fraction of the tensor a rank moves at p ranks, message steps of the ring at p ranks).
+TRAFFIC = {
+    "all_reduce": (lambda p: 2 * (p - 1) / p, lambda p: 2 * (p - 1)),
+    "reduce_scatter": (lambda p: (p - 1) / p, lambda p: p - 1),
+    "all_gather": (lambda p: (p - 1) / p, lambda p: p - 1),
+    "broadcast": (lambda p: 1.0 if p > 1 else 0.0, lambda p: math.ceil(math.log2(p)) if p > 1 else 0),
+    "reduce": (lambda p: 1.0 if p > 1 else 0.0, lambda p: math.ceil(math.log2(p)) if p > 1 else 0),
+    "p2p": (lambda p: 1.0 if p > 1 else 0.0, lambda p: 1 if p > 1 else 0),
+    "send": (lambda p: 1.0 if p > 1 else 0.0, lambda p: 1 if p > 1 else 0),
+    "recv": (lambda p: 0.0, lambda p: 1 if p > 1 else 0),
+}
+LABELS = {"all_reduce": "all-reduce", "reduce_scatter": "reduce-scatter", "all_gather": "all-gather"}
+
+
+class ScalingFitError(CocoweaveError):
+    """The measured worlds cannot determine the scaling model (too few, or no work counted)."""
+
+
+@dataclass(frozen=True)
+class Traffic:
+    """Collectives of one step per rank, independent of the world size: kind -> (calls, bytes of the tensor)."""
+
+    kinds: dict[str, tuple[float, float]]
+
+    @classmethod
+    def of(cls, run: WorldRun) -> Traffic:
+        kinds: dict[str, list[float]] = {}
+        for key, c in run.collectives.items():
+            parts = key.split("/")
+            group = int(parts[-1].removeprefix("p")) if parts[-1].startswith("p") else run.world_size
+            if group < 2:
+                continue
+            acc = kinds.setdefault(parts[0], [0.0, 0.0])
+            acc[0] += c["count"]
+            acc[1] += c["bytes"]
+        return cls({k: (v[0], v[1]) for k, v in kinds.items()})
+
+    def megabytes(self, p: int) -> float:
+        """MB a rank moves per step on p ranks."""
+        return sum(TRAFFIC.get(k, TRAFFIC["p2p"])[0](p) * b for k, (_, b) in self.kinds.items()) / 1e6
+
+    def hops(self, p: int) -> float:
+        """Message steps per rank per step on p ranks."""
+        return sum(TRAFFIC.get(k, TRAFFIC["p2p"])[1](p) * n for k, (n, _) in self.kinds.items())
+
+    def shares(self, p: int) -> dict[str, float]:
+        """Each kind's share of the bytes moved at p ranks (equal shares when nothing moves)."""
+        moved = {k: TRAFFIC.get(k, TRAFFIC["p2p"])[0](p) * b for k, (_, b) in self.kinds.items()}
+        total = sum(moved.values())
+        return {k: (v / total if total else 1.0 / len(moved)) for k, v in moved.items()}
+
+
+@dataclass(frozen=True)
+class StepParts:
+    """A predicted (or measured) step on p ranks of this host, in ms per step."""
+
+    world_size: int
+    total_ms: float
+    compute_ms: float
+    comm_cpu_ms: float
+    wait_ms: float  # off the CPU, waiting for peers (latency, skew)
+    contention_ms: float
+    comm_by_kind_ms: dict[str, float]
+    idle_ms: float = 0.0  # off the CPU with no peer to wait for (other processes, I/O): what one rank shows
+
+    @property
+    def comm_ms(self) -> float:
+        return self.comm_cpu_ms + self.wait_ms
+
+
+def counted_total(counts: dict, key: str) -> float:
+    """A run's counted `key` ("flops" or "bytes") over the counted step: forward + backward and the update."""
+    return sum(float(counts.get(part, {}).get(key, 0.0)) for part in ("forward_backward", "update"))
+
+
+def work_share_fit(sizes: Sequence[int], flops: Sequence[float]) -> tuple[float, float]:
+    """Non-negative (f0, f1) with per-rank FLOPs = f0 + f1 / p, fitted by relative least squares."""
+    p = np.asarray(sizes, dtype=float)
+    f = np.asarray(flops, dtype=float)
+    a = np.stack([np.ones_like(p), 1.0 / p], axis=1) / f[:, None]
+    (f0, f1), _ = nnls(a, np.ones_like(f))
+    return float(f0), float(f1)
+
+
+@dataclass(frozen=True)
+class HostScaling:
+    """The fitted model (see the module docstring); `predict(p)` gives the step on p ranks of this host."""
+
+    cores: int
+    a_ms: float  # compute that does not shrink with the work share
+    b_ms: float  # compute of the whole work of the smallest world
+    flops0: float  # per-rank FLOPs = flops0 + flops1 / p
+    flops1: float
+    gamma_ms_per_mb: float
+    delta_ms_per_hop: float
+    omega_ms_per_hop: float
+    eta: float
+    traffic: Traffic
+    reference_flops: float  # per-rank FLOPs of the smallest world (work share 1)
+    idle_ms: float = 0.0  # off-CPU time of a step with no peers (measured on one rank)
+
+    def work_share(self, p: int) -> float:
+        if self.reference_flops <= 0:
+            return 1.0
+        return (self.flops0 + self.flops1 / p) / self.reference_flops
+
+    def predict(self, p: int) -> StepParts:
+        compute = self.a_ms + self.b_ms * self.work_share(p)
+        comm = self.gamma_ms_per_mb * self.traffic.megabytes(p) + self.delta_ms_per_hop * self.traffic.hops(p)
+        by_share = self.traffic.shares(p) if p > 1 else {}
+        if p > self.cores:  # ranks share the cores: time off the CPU is another rank's time on it
+            total = self.eta * p * (compute + comm) / self.cores
+            return StepParts(p, total, compute, comm, 0.0, total - compute - comm,
+                             {k: s * comm for k, s in by_share.items()})
+        wait = self.omega_ms_per_hop * self.traffic.hops(p)
+        total = compute + comm + wait + self.idle_ms
+        return StepParts(p, total, compute, comm, wait, 0.0, {k: s * (comm + wait) for k, s in by_share.items()},
+                         self.idle_ms)
+
+    def to_json(self) -> dict:
+        doc = asdict(self)
+        doc["traffic"] = {k: list(v) for k, v in self.traffic.kinds.items()}
+        return doc
+
+
+def fit_host_scaling(runs: Sequence[WorldRun], cores: int) -> HostScaling:
+    """Fit the model on measured worlds (at least two sizes, one of them with two or more ranks)."""
+    runs = sorted(runs, key=lambda r: r.world_size)
+    sizes = [r.world_size for r in runs]
+    if len(set(sizes)) < 2 or max(sizes) < 2:
+        raise ScalingFitError(f"fitting the scaling model needs at least two world sizes, one of 2+ ranks; "
+                              f"got {sizes}.")
+    multi = [r for r in runs if r.world_size > 1]
+    traffic = Traffic.of(multi[-1])
+    flops = [counted_total(r.counts, "flops") for r in runs]
+    if all(f > 0 for f in flops):
+        flops0, flops1 = work_share_fit(sizes, flops)
+        reference = flops0 + flops1 / sizes[0]
+    else:  # no counts (a script without floating-point work?): treat the work per rank as constant
+        flops0, flops1, reference = 1.0, 0.0, 1.0
+    model = HostScaling(cores, 0.0, 0.0, flops0, flops1, 0.0, 0.0, 0.0, 1.0, traffic, reference)
+    # compute: a + b x work share
+    share = [model.work_share(p) for p in sizes]
+    a, b = _relative_nnls([[1.0] * len(share), share], [r.cpu_ms["cpu_main_ms"] for r in runs])
+    # communication CPU: gamma x MB + delta x hops on the worlds with peers, above what one rank's other
+    # threads spend without any peer
+    idle = runs[0].cpu_ms["cpu_other_ms"] if sizes[0] == 1 else 0.0
+    gamma, delta = _relative_nnls([[traffic.megabytes(r.world_size) for r in multi],
+                                   [traffic.hops(r.world_size) for r in multi]],
+                                  [max(r.cpu_ms["cpu_other_ms"] - idle, 1e-6) for r in multi])
+    model = HostScaling(cores, a, b, flops0, flops1, gamma, delta, 0.0, 1.0, traffic, reference)
+    # off the CPU with no peer (one rank): other processes, I/O; with peers, the rest is waiting for them
+    idle = max(runs[0].step_ms - _busy(model, 1), 0.0) if sizes[0] == 1 else 0.0
+    uncontended = [r for r in multi if r.world_size <= cores]
+    waits = [(r.step_ms - _busy(model, r.world_size) - idle, traffic.hops(r.world_size)) for r in uncontended]
+    omega = max(sum(w for w, _ in waits) / sum(h for _, h in waits), 0.0) if waits and traffic.hops(2) else 0.0
+    # contention: measured / ideal processor sharing on the oversubscribed worlds (geometric mean)
+    shared = [r for r in runs if r.world_size > cores]
+    ratios = [r.step_ms / (r.world_size * _busy(model, r.world_size) / cores) for r in shared]
+    eta = max(math.exp(statistics.fmean(math.log(x) for x in ratios)), 1.0) if ratios else 1.0
+    return HostScaling(cores, a, b, flops0, flops1, gamma, delta, float(omega), eta, traffic, reference, idle)
+
+
+def _relative_nnls(columns: Sequence[Sequence[float]], y: Sequence[float]) -> tuple[float, ...]:
+    """Non-negative coefficients of y ~ sum(coef x column), minimising the relative error (as MAPE does)."""
+    target = np.asarray(y, dtype=float)
+    design = np.asarray(columns, dtype=float).T / target[:, None]
+    return tuple(float(x) for x in nnls(design, np.ones_like(target))[0])
+
+
+def _busy(model: HostScaling, p: int) -> float:
+    """Predicted CPU time of one rank's step (compute + communication) on p ranks."""
+    parts = model.predict(p)
+    return parts.compute_ms + parts.comm_cpu_ms
+
+
+def measured_parts(run: WorldRun, model: HostScaling) -> StepParts:
+    """A measured world split as the model splits a prediction: CPU times measured; the off-CPU rest is core
+    sharing beyond the cores, else the model's idle time and then waiting for peers."""
+    compute, comm = run.cpu_ms["cpu_main_ms"], run.cpu_ms["cpu_other_ms"]
+    p = run.world_size
+    off_cpu = max(run.step_ms - compute - comm, 0.0)
+    contention = off_cpu if p > model.cores else 0.0
+    idle = 0.0 if p > model.cores else (off_cpu if p == 1 else min(model.idle_ms, off_cpu))
+    wait = off_cpu - contention - idle
+    by_kind = {k: s * (comm + wait) for k, s in model.traffic.shares(p).items()} if p > 1 else {}
+    return StepParts(p, run.step_ms, compute, comm, wait, contention, by_kind, idle)
+
+
+def bottleneck(parts: Sequence[StepParts], cores: int) -> str:
+    """One sentence naming what bounds the step, from the smallest world where it is not computation."""
+    ordered = sorted(parts, key=lambda s: s.world_size)
+    for s in ordered:
+        pieces = {"compute": s.compute_ms, "communication": s.comm_ms, "contention": s.contention_ms,
+                  "idle": s.idle_ms}
+        name = max(pieces, key=lambda n: pieces[n])
+        share = pieces[name] / s.total_ms if s.total_ms else 0.0
+        at = ranks(s.world_size)
+        if name == "communication":
+            kind, ms = max(s.comm_by_kind_ms.items(), key=lambda kv: kv[1])
+            return (f"communication-bound from {at}: the {LABELS.get(kind, kind)} is {100 * ms / s.total_ms:.0f}% "
+                    f"of the step ({100 * share:.0f}% communication in all).")
+        if name == "contention":
+            return (f"core-bound from {at}: {s.world_size} ranks share {cores} cores and waiting for a core is "
+                    f"{100 * share:.0f}% of the step (communication {100 * s.comm_ms / s.total_ms:.0f}%, "
+                    f"computation {100 * s.compute_ms / s.total_ms:.0f}%).")
+        if name == "idle":
+            return (f"bound by time off the CPU from {at}: the ranks wait {100 * share:.0f}% of the step for the CPU "
+                    "or I/O with no peer to wait for (other processes on this machine?).")
+    last = ordered[-1]
+    return (f"compute-bound up to {ranks(last.world_size)}: computation is "
+            f"{100 * last.compute_ms / last.total_ms:.0f}% of the step at {ranks(last.world_size)}.")

@@ -1,0 +1,89 @@
+"""The step model term by term on small cases computed by hand, and its error on the published runs."""
+
+from __future__ import annotations
+
+from dataclasses import replace
+
+import numpy as np
+import pytest
+
+from cocoweave.cluster.catalog import GPUSpec, MachineType, NetworkSpec, load_catalog
+from cocoweave.cluster.planning.llm.calibrate import errors
+from cocoweave.cluster.planning.llm.parallelism import ParallelConfig
+from cocoweave.cluster.planning.llm.published import published_runs
+from cocoweave.cluster.planning.llm.spec import TransformerSpec
+from cocoweave.cluster.planning.llm.step import layer_forward_s, p2p_micro_s, predict_step, tp_comm_layer_s
+from cocoweave.cluster.planning.llm.system import STACKS, Efficiency, System
+
+GPU = GPUSpec("G", "g", {"float32": 10.0, "bfloat16": 100.0}, 1000.0, 80.0, "s")
+NODE = MachineType("node", "G", 10.0, None, 0.0, 60.0, 8, "nvl", "ib")
+# ideal hardware: every GEMM at peak (gemm_half 0), HBM and links at their figures, no latency
+EFF = Efficiency(gemm_max=1.0, gemm_half=0.0, elementwise_passes=1.0, memory=1.0, intra=1.0, inter=1.0, flash=1.0)
+SYSTEM = System(NODE, GPU, NetworkSpec("nvl", 100.0, 0.0, "s"), NetworkSpec("ib", 10.0, 0.0, "s"), EFF)
+SPEC = TransformerSpec(layers=8, hidden=256, heads=8, vocab=1000, seq_len=128, global_batch=32,
+                       flash_attention=False)
+
+
+def test_layer_forward_is_flops_over_peak_plus_bytes_over_bandwidth():
+    cfg = ParallelConfig(tp=2, micro_batch=2)
+    mats, elementwise, attn = layer_forward_s(SPEC, cfg, SYSTEM)
+    b, s, h = 2, 128, 256
+    scores = 5 * 8 * s * s * b / 2 / 1000e9  # softmax, dropout: Korthikanti's 5 a s^2 b bytes, one pass
+    assert mats + attn == pytest.approx((24 * b * s * h * h + 4 * b * s * s * h) / 2 / 100e12 + scores)
+    assert elementwise == pytest.approx(s * b * h * (10 + 24 / 2) / 1000e9)
+    assert attn - (4 * b * s * s * h / 2 / 100e12) == pytest.approx(scores)
+
+
+def test_tp_collectives_by_hand():
+    n = 2 * 128 * 256 * 2  # b s h bf16 bytes
+    ar = 2 * 7 / 8 * n / 100e9
+    assert tp_comm_layer_s(SPEC, ParallelConfig(tp=8, micro_batch=2), SYSTEM) == pytest.approx(4 * ar)
+    assert tp_comm_layer_s(SPEC, ParallelConfig(tp=8, micro_batch=2, recompute="full"), SYSTEM) == \
+        pytest.approx(6 * ar)
+    half = 7 / 8 * n / 100e9  # SP: 2 AG + 2 RS each way, and 2 AG redone backward
+    assert tp_comm_layer_s(SPEC, ParallelConfig(tp=8, micro_batch=2, sp=True), SYSTEM) == pytest.approx(10 * half)
+
+
+def test_pipeline_p2p_sends_a_tp_slice_and_regathers():
+    cfg = ParallelConfig(tp=8, pp=4, dp=1, vp=2)
+    n = 128 * 256 * 2
+    one = n / 8 / 10e9 + 7 / 8 * n / 100e9  # 1/tp over InfiniBand (stages in different nodes), all-gather on NVLink
+    assert p2p_micro_s(SPEC, cfg, SYSTEM) == pytest.approx(2 * 2 * one)
+
+
+def test_bubble_is_pp_minus_one_over_m_v_of_a_stage():
+    cfg = ParallelConfig(pp=4, dp=1, vp=2, micro_batch=1)  # m = 32 micro-batches
+    step = predict_step(SPEC.model_copy(update={"vocab": 8}), cfg, SYSTEM)  # tiny logits: stages nearly equal
+    per_micro = (step.pipeline_s - step.bubble_s) / 32
+    # the bubble is (pp - 1) / vp mean stages; the mean stage is within the slowest one (logits on the last)
+    assert step.bubble_s == pytest.approx(3 / 2 * per_micro, rel=0.01)
+    assert step.bubble_s / (step.pipeline_s - step.bubble_s) == pytest.approx(3 / (32 * 2), rel=0.01)
+
+
+def test_data_parallel_overlap_and_tp_overlap():
+    cfg = ParallelConfig(dp=8, micro_batch=4)
+    wide = SPEC.model_copy(update={"hidden": 1024})  # 200 MB of gradients: more than one 25 MB bucket
+    hidden = predict_step(wide, cfg, SYSTEM)
+    exposed = predict_step(wide, replace(cfg, dp_overlap=False), SYSTEM)
+    assert exposed.dp_exposed_s == pytest.approx(exposed.dp_comm_s)
+    assert hidden.dp_exposed_s < exposed.dp_exposed_s
+    assert exposed.total_s - hidden.total_s == pytest.approx(exposed.dp_exposed_s - hidden.dp_exposed_s)
+    tp = ParallelConfig(tp=8)
+    assert predict_step(SPEC, replace(tp, tp_overlap=True), SYSTEM).tp_comm_s < predict_step(SPEC, tp, SYSTEM).tp_comm_s
+
+
+def test_recomputation_costs_a_forward_or_the_attention_core():
+    base = predict_step(SPEC, ParallelConfig(), SYSTEM)
+    full = predict_step(SPEC, ParallelConfig(recompute="full"), SYSTEM)
+    sel = predict_step(SPEC, ParallelConfig(recompute="selective"), SYSTEM)
+    assert full.compute_s == pytest.approx(base.compute_s * 4 / 3)
+    assert base.compute_s < sel.compute_s < full.compute_s
+
+
+def test_published_runs_within_the_bar():
+    runs = published_runs()
+    errs = np.abs(errors(runs, load_catalog(), {k: v.eff for k, v in STACKS.items()}))
+    held = np.array([r.role == "held-out" for r in runs])
+    assert errs.mean() <= 3.5 and errs.max() <= 9.0
+    assert errs[held].mean() <= 3.5 and errs[held].max() <= 9.0
+    assert held.sum() >= 10

@@ -1,0 +1,88 @@
+"""The host scaling model: it recovers a known model from three worlds and predicts the fourth, splits the
+step into compute, communication and core sharing, and names the bottleneck in a sentence."""
+
+from __future__ import annotations
+
+import pytest
+
+from cocoweave.cluster.profiling.host_scaling import (
+    HostScaling,
+    ScalingFitError,
+    Traffic,
+    bottleneck,
+    fit_host_scaling,
+    measured_parts,
+    work_share_fit,
+)
+
+GRADIENTS = {"all_reduce": (1.0, 2e6)}  # one all-reduce of 2 MB of gradients per step
+
+
+def truth(cores: int = 2, eta: float = 1.3, strong: bool = True) -> HostScaling:
+    flops0, flops1 = (0.0, 4e9) if strong else (4e9, 0.0)
+    return HostScaling(cores, a_ms=5.0, b_ms=40.0, flops0=flops0, flops1=flops1, gamma_ms_per_mb=2.0,
+                       delta_ms_per_hop=0.1, omega_ms_per_hop=0.5, eta=eta, traffic=Traffic(GRADIENTS),
+                       reference_flops=4e9)
+
+
+def measured(model: HostScaling, p: int, make_run):
+    parts = model.predict(p)
+    return make_run(p, parts.total_ms, parts.compute_ms, parts.comm_cpu_ms, model.flops0 + model.flops1 / p,
+                    GRADIENTS)
+
+
+@pytest.mark.parametrize("strong", [True, False])
+def test_fit_on_three_worlds_predicts_the_fourth(make_run, strong):
+    model = truth(strong=strong)
+    fitted = fit_host_scaling([measured(model, p, make_run) for p in (1, 2, 3)], cores=2)
+    if strong:  # with a batch per rank, only a + b (the constant compute) is identifiable
+        assert fitted.a_ms == pytest.approx(5.0, rel=1e-6) and fitted.b_ms == pytest.approx(40.0, rel=1e-6)
+    assert fitted.eta == pytest.approx(1.3, rel=1e-6)
+    for p in (4, 6, 8):
+        assert fitted.predict(p).total_ms == pytest.approx(model.predict(p).total_ms, rel=1e-6)
+
+
+def test_work_share_follows_the_counted_flops():
+    assert work_share_fit([1, 2, 4], [8e9, 4e9, 2e9]) == pytest.approx((0.0, 8e9), abs=1.0)  # a split global batch
+    assert work_share_fit([1, 2, 4], [8e9, 8e9, 8e9]) == pytest.approx((8e9, 0.0), abs=1.0)  # a batch per rank
+
+
+def test_oversubscribed_cores_make_the_step_core_bound():
+    model = truth(cores=2)
+    alone = model.predict(2)
+    shared = model.predict(4)
+    assert alone.contention_ms == 0.0
+    assert shared.total_ms == pytest.approx(1.3 * 4 * (shared.compute_ms + shared.comm_cpu_ms) / 2)
+    sentence = bottleneck([model.predict(p) for p in (1, 2, 3, 4)], 2)
+    assert sentence.startswith("core-bound from 3 ranks: 3 ranks share 2 cores")
+
+
+def test_communication_bottleneck_names_the_collective():
+    model = HostScaling(64, 1.0, 1.0, 0.0, 1.0, 10.0, 0.0, 0.0, 1.0,
+                        Traffic({"reduce_scatter": (1.0, 6e6), "all_gather": (1.0, 2e6)}), 1.0)
+    sentence = bottleneck([model.predict(p) for p in (1, 2, 4)], 64)
+    assert sentence.startswith("communication-bound from 2 ranks: the reduce-scatter is ")
+    assert bottleneck([truth(cores=64).predict(1)], 64).startswith("compute-bound up to 1 rank:")
+
+
+def test_traffic_moves_the_ring_fractions():
+    t = Traffic({"all_reduce": (2.0, 1e6), "all_gather": (1.0, 3e6)})
+    assert t.megabytes(4) == pytest.approx(2 * 3 / 4 * 1 + 3 / 4 * 3)
+    assert t.hops(4) == 2 * 2 * 3 + 3
+    assert t.megabytes(1) == 0 and t.hops(1) == 0
+
+
+def test_too_few_worlds_is_one_sentence(make_run):
+    with pytest.raises(ScalingFitError, match="at least two world sizes"):
+        fit_host_scaling([make_run(1, 10.0, 10.0, 0.0, 1e9)], cores=2)
+
+
+def test_one_rank_waiting_off_the_cpu_is_not_communication(make_run):
+    model = truth(cores=2)
+    runs = [measured(model, p, make_run) for p in (1, 2, 3)]
+    runs[0].step_ms += 60.0  # another process took the core from the lone rank more than half the time
+    fitted = fit_host_scaling(runs, cores=2)
+    assert fitted.idle_ms == pytest.approx(60.0)
+    parts = measured_parts(runs[0], fitted)
+    assert parts.idle_ms == pytest.approx(60.0) and parts.comm_ms == 0.0
+    assert bottleneck([parts], 2).startswith("bound by time off the CPU from 1 rank")

@@ -1,0 +1,74 @@
+"""The profile of a user's run: predictions checked against measured worlds, its JSON document read back,
+and the planner's MODELLED view of it in steps of the profiled run."""
+
+from __future__ import annotations
+
+import pytest
+
+from cocoweave.cluster.catalog import load_catalog
+from cocoweave.cluster.profiling.host_scaling import HostScaling, Traffic
+from cocoweave.cluster.profiling.run_profile import KIND, RunProfile, worker_counts
+from cocoweave.errors import PlanningError
+
+GRADS = {"all_reduce": (1.0, 4e6)}
+
+
+def profile_of(make_run, strong: bool = True, state_bytes: float = 8e6, param_bytes: float = 4e6) -> RunProfile:
+    truth = HostScaling(2, 5.0, 40.0, 0.0 if strong else 4e9, 4e9 if strong else 0.0, 2.0, 0.1, 0.5, 1.3,
+                        Traffic(GRADS), 4e9)
+    runs = []
+    for p in (1, 2, 3, 4):
+        parts = truth.predict(p)
+        measured = parts.total_ms * (1.1 if p == 4 else 1.0)  # the check world ran 10 % slower than the model
+        runs.append(make_run(p, measured, parts.compute_ms, parts.comm_cpu_ms, truth.flops0 + truth.flops1 / p,
+                             GRADS, param_bytes=param_bytes, state_bytes=state_bytes))
+    return RunProfile("examples/train_x.py", ["--batch", "8"], [1, 2, 3], runs,
+                      {"cores": 2, "threads_per_rank": 1, "cpu": "test"}, train_steps=1000)
+
+
+def test_predictions_are_checked_where_the_world_was_measured(make_run):
+    prof = profile_of(make_run)
+    four, eight = prof.predict([4, 8])
+    assert four.measured_ms is not None and four.error_pct == pytest.approx(100 * (1 / 1.1 - 1), abs=1e-6)
+    assert eight.measured_ms is None and eight.error_pct is None
+    assert prof.validation_mape([four, eight]) == pytest.approx(abs(four.error_pct))
+    assert "core-bound from 3 ranks" in prof.bottleneck([4, 8])
+
+
+def test_the_json_document_reads_back(make_run):
+    prof = profile_of(make_run)
+    doc = prof.to_json([4, 8], load_catalog())
+    assert doc["kind"] == KIND and [p["world_size"] for p in doc["predictions"]] == [4, 8]
+    assert doc["predictions"][0]["measured_ms"] is not None and doc["validation_mape_pct"] > 0
+    assert doc["modelled"]["steps"] and "MODELLED" in doc["modelled"]["note"]
+    again = RunProfile.from_json(doc, "p.json")
+    assert again.predict([8])[0].predicted_ms == pytest.approx(prof.predict([8])[0].predicted_ms)
+    with pytest.raises(PlanningError, match="not a profile written by `cocoweave profile`"):
+        RunProfile.from_json({"name": "x"}, "p.json")
+    with pytest.raises(PlanningError, match="version 99 profile"):
+        RunProfile.from_json({**doc, "version": 99}, "p.json")
+
+
+@pytest.mark.parametrize("strong", [True, False])
+def test_the_planner_sees_steps_of_the_profiled_run(make_run, strong):
+    prof = profile_of(make_run, strong=strong)
+    cat = load_catalog()
+    workload = prof.workload(cat, [1, 8], checkpoint_s=4.0)
+    assert workload.modelled and any("MODELLED" in n for n in workload.notes)
+    h100 = {p.workers: p for p in workload.points if p.machine == "aws-p5.48xlarge"}
+    steps = {m.world_size: m for m in prof.modelled(cat, [1, 8]) if m.machine == "aws-p5.48xlarge"}
+    # a global batch split over the world: a step is a step; a batch per rank: 8 ranks do 8 steps' work
+    assert h100[8].step_time_s == pytest.approx(steps[8].total_ms / 1e3 / (1 if strong else 8))
+    assert h100[1].step_time_s == pytest.approx(steps[1].total_ms / 1e3)
+
+
+def test_checkpoint_size_and_memory(make_run):
+    size, how = profile_of(make_run, state_bytes=0.0).checkpoint_bytes()
+    assert size == 3 * 4e6 and "assumed 2x parameters" in how
+    huge = profile_of(make_run, param_bytes=80e9)  # 80 GB of parameters and as much gradient fit no GPU
+    with pytest.raises(PlanningError, match="no machine of the catalog"):
+        huge.workload(load_catalog(), [1], checkpoint_s=4.0)
+
+
+def test_worker_counts_are_powers_of_two_and_the_maximum():
+    assert worker_counts(64) == [1, 2, 4, 8, 16, 32, 64] and worker_counts(6) == [1, 2, 4, 6]
