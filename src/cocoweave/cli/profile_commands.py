@@ -45,14 +45,15 @@ def _measured_table(profile) -> Table:
     model = profile.model
     table = Table(title=f"{profile.name} measured on this host ({model.cores} cores, "
                         f"{profile.host['threads_per_rank']} thread per rank): ms per step", title_justify="left")
-    for col in ("ranks", "role", "step", "compute (CPU)", "comm (CPU)", "waiting", "core sharing", "others' CPU"):
+    for col in ("ranks", "role", "step", "input", "compute (CPU)", "comm (CPU)", "waiting", "core sharing",
+                "others' CPU"):
         table.add_column(col, justify="left" if col == "role" else "right")
     from ..cluster.step_scaling import measured_parts
 
     for r in sorted(profile.runs, key=lambda r: r.world_size):
         parts = measured_parts(r, model)
         role = "fit" if r.world_size in profile.fit_world_sizes else "check"
-        table.add_row(str(r.world_size), role, f"{r.step_ms:.1f}", f"{parts.compute_ms:.1f}",
+        table.add_row(str(r.world_size), role, f"{r.step_ms:.1f}", f"{parts.input_ms:.1f}", f"{parts.compute_ms:.1f}",
                       f"{parts.comm_cpu_ms:.1f}", f"{parts.wait_ms:.1f}", f"{parts.contention_ms:.1f}",
                       "—" if r.other_load is None else f"{100 * r.other_load:.0f}%")
     return table
@@ -60,11 +61,12 @@ def _measured_table(profile) -> Table:
 
 def _prediction_table(predictions) -> Table:
     table = Table(title="predicted step on this host (ms)", title_justify="left")
-    for col in ("ranks", "predicted", "compute", "communication", "core sharing", "measured", "error"):
+    for col in ("ranks", "predicted", "input", "compute", "communication", "core sharing", "measured", "error"):
         table.add_column(col, justify="right")
     for p in predictions:
         s = p.parts
-        table.add_row(str(p.world_size), f"{p.predicted_ms:.1f}", f"{s.compute_ms:.1f}", f"{s.comm_ms:.1f}",
+        table.add_row(str(p.world_size), f"{p.predicted_ms:.1f}", f"{s.input_ms:.1f}", f"{s.compute_ms:.1f}",
+                      f"{s.comm_ms:.1f}",
                       f"{s.contention_ms:.1f}", "—" if p.measured_ms is None else f"{p.measured_ms:.1f}",
                       "—" if p.error_pct is None else f"{p.error_pct:+.1f}%")
     return table
@@ -164,7 +166,11 @@ def profile(
     m = prof.model
     out.print(f"[dim]model: compute {m.a_ms:.2f} + {m.b_ms:.2f} x work share ms; communication CPU "
               f"{m.gamma_ms_per_mb:.2f} ms/MB + {m.delta_ms_per_hop:.3f} ms/hop; waiting {m.omega_ms_per_hop:.3f} "
-              f"ms/hop; core sharing x{m.eta:.2f} beyond {m.cores} ranks[/]", highlight=False)
+              f"ms/hop; core sharing x{m.eta:.2f} beyond {m.cores} ranks; input {m.input_ms:.2f} + "
+              f"{m.input_ms_per_rank:.2f} x (ranks - 1) ms waited, {m.input_cpu_ms:.2f} ms CPU[/]", highlight=False)
+    if (ckpt := prof.checkpoint_measured()) is not None:
+        out.print(f"checkpoint: {ckpt[2]} took {1e3 * ckpt[0]:.1f} ms for {ckpt[1] / 1e6:.2f} MB "
+                  f"({ckpt[1] / 1e6 / ckpt[0]:.0f} MB/s; the slowest rank's mean)", highlight=False)
     out.print(f"[bold]Bottleneck:[/] {doc['bottleneck']}", highlight=False)
     if predictions:
         out.print(_prediction_table(predictions))

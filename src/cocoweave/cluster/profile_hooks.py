@@ -33,6 +33,9 @@ import torch
 import torch.distributed as dist
 from torch.utils._python_dispatch import TorchDispatchMode
 
+from . import io_recorder
+from .io_recorder import IoRecorder
+
 DIR_ENV = "COCOWEAVE_PROFILE_DIR"
 STEPS_ENV = "COCOWEAVE_PROFILE_STEPS"
 WARMUP_ENV = "COCOWEAVE_PROFILE_WARMUP"
@@ -99,8 +102,9 @@ class StepRecorder:
     """Per-rank step timings, written as JSON lines to `out`; ends the process after `warmup + steps` steps."""
 
     def __init__(self, out: Path, steps: int, warmup: int, clock: Callable[[], float] = time.perf_counter,
-                 exit_process: Callable[[int], Any] = os._exit) -> None:
+                 exit_process: Callable[[int], Any] = os._exit, io: IoRecorder | None = None) -> None:
         self.out, self.steps, self.warmup, self.clock, self.exit_process = out, steps, warmup, clock, exit_process
+        self.io = io  # the input pipeline, checkpoints and host-device copies (io_recorder.py)
         self.step = 0
         self.depth = 0
         self.optimizer_id: int | None = None
@@ -173,7 +177,8 @@ class StepRecorder:
                 "forward_ms": 1e3 * (fe - fs), "backward_ms": 1e3 * (us - fe), "update_ms": 1e3 * (end - us),
                 "cpu_main_ms": 1e3 * main, "cpu_other_ms": 1e3 * max(proc - main, 0.0),
                 "collectives": colls,
-                "optimizer_phases_ms": dict(phases) if isinstance(phases, dict) else None}
+                "optimizer_phases_ms": dict(phases) if isinstance(phases, dict) else None,
+                "io": self.io.take_step() if self.io is not None else None}
 
     def _header(self) -> dict[str, Any]:
         opt = self.optimizer
@@ -300,6 +305,8 @@ def install(recorder: StepRecorder) -> None:
         recorder.ddp_bytes.append((grads, dist.get_world_size(self.process_group)))
 
     DistributedDataParallel.__init__ = ddp_init  # type: ignore[method-assign]
+    if recorder.io is not None:
+        io_recorder.install(recorder.io)
 
 
 def install_from_env() -> StepRecorder | None:
@@ -313,7 +320,8 @@ def install_from_env() -> StepRecorder | None:
     rank = int(os.environ.get("RANK", 0))
     out = Path(folder) / f"rank{rank}.jsonl"
     out.unlink(missing_ok=True)
-    recorder = StepRecorder(out, int(os.environ.get(STEPS_ENV, "20")), int(os.environ.get(WARMUP_ENV, "3")))
+    recorder = StepRecorder(out, int(os.environ.get(STEPS_ENV, "20")), int(os.environ.get(WARMUP_ENV, "3")),
+                            io=IoRecorder())
     install(recorder)
     atexit.register(recorder.write_counts)  # the script ended before warmup + steps steps
     return recorder

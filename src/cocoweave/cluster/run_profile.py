@@ -16,6 +16,7 @@ from typing import Any
 
 from cocoweave.cluster.catalog import Catalog
 from cocoweave.cluster.hardware_model import ModelledStep, WorkCounts, modellable, modelled_step
+from cocoweave.cluster.io_summary import input_hint, measured_checkpoint
 from cocoweave.cluster.profiler import WorldRun
 from cocoweave.cluster.step_scaling import (
     HostScaling,
@@ -99,7 +100,7 @@ class RunProfile:
         worlds = sorted(set(self.fit_world_sizes) | set(sizes))
         parts = [measured_parts(r, self.model) if p in self.fit_world_sizes and (r := self.run(p)) else
                  self.model.predict(p) for p in worlds]
-        return bottleneck(parts, self.model.cores)
+        return bottleneck(parts, self.model.cores, input_hint(min(self.runs, key=lambda r: r.world_size).io))
 
     def busy_warning(self) -> str | None:
         """A sentence when other processes used more than BUSY of the cores during a measured world."""
@@ -125,6 +126,37 @@ class RunProfile:
         state = ADAM_STATE_PER_PARAM_BYTE * run.param_bytes
         return run.param_bytes + state, (f"parameters + optimizer state assumed 2x parameters ({run.optimizer} "
                                          "keeps its state out of optimizer.state)")
+
+    def checkpoint_measured(self) -> tuple[float, float, str] | None:
+        """(seconds, bytes, operation) of one checkpoint as the script took it in the smallest world that saved
+        one (the slowest rank's mean save), or None when the profiled steps saved nothing."""
+        for run in sorted(self.runs, key=lambda r: r.world_size):
+            if (found := measured_checkpoint(run.io)) is not None:
+                return found
+        return None
+
+    def io_report(self, predictions: Sequence[Prediction]) -> dict[str, Any]:
+        """The I/O figures of the document: per measured world the input pipeline (wait, its share of the step,
+        bytes read, loaders), checkpoints and transfers; the fitted input term and its predicted share."""
+        worlds = []
+        for run in sorted(self.runs, key=lambda r: r.world_size):
+            io = run.io
+            wait = float(io.get("data_wait_ms", 0.0))
+            worlds.append({"world_size": run.world_size, "data_wait_ms": wait,
+                           "data_share_pct": 100 * wait / run.step_ms if run.step_ms else 0.0,
+                           **{k: io.get(k) for k in ("data_cpu_ms", "worker_cpu_ms", "batches", "read_bytes",
+                                                     "rchar", "worker_read_bytes", "worker_rchar", "loaders",
+                                                     "checkpoints", "transfers")}})
+        m = self.model
+        ckpt = self.checkpoint_measured()
+        return {"worlds": worlds,
+                "input_model": {"wait_ms": m.input_ms, "wait_ms_per_extra_rank": m.input_ms_per_rank,
+                                "cpu_ms": m.input_cpu_ms},
+                "predicted_input": [{"world_size": p.world_size, "input_ms": p.parts.input_ms,
+                                     "share_pct": 100 * p.parts.input_ms / p.predicted_ms if p.predicted_ms else 0.0}
+                                    for p in predictions],
+                "checkpoint": None if ckpt is None else {"seconds": ckpt[0], "bytes": ckpt[1], "operation": ckpt[2],
+                                                         "mb_per_s": ckpt[1] / 1e6 / ckpt[0] if ckpt[0] else 0.0}}
 
     def modelled(self, catalog: Catalog, sizes: Sequence[int]) -> list[ModelledStep]:
         """MODELLED steps on every catalog machine that can be modelled, at each size."""
@@ -184,6 +216,7 @@ class RunProfile:
             "model": self.model.to_json(), "bottleneck": self.bottleneck(predict_sizes),
             "predictions": [p.to_json() for p in predictions],
             "validation_mape_pct": self.validation_mape(predictions), "warning": self.busy_warning(),
+            "io": self.io_report(predictions),
         }
         if catalog is not None and predict_sizes:
             try:
