@@ -10,6 +10,8 @@ it further. Each rank also records its CPU time (the main thread computes; Gloo'
 bytes), every `torch.distributed` collective called from Python and every collective of cocoweave's
 shared-memory algorithm (count, bytes, wall time when synchronous), DDP's gradient all-reduce, and, in
 one untimed step, the FLOPs and memory traffic of every operation (for roofline predictions on other hardware).
+With the environment set, each step's record also carries its I/O (`io_recorder.py`): time waiting on the
+DataLoader, bytes read, checkpoints saved and loaded, host-device copies.
 
 After `warmup + steps` steps every rank meets at a barrier and the process ends (exit code 0): what
 the script does after its training loop (evaluation, saving) does not run under the profiler.
