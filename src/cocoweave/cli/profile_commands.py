@@ -38,7 +38,7 @@ def _store_rows(profile, runs) -> list[dict]:
              "total_ms": r.step_ms, "iters": len(r.steps_ms),
              "extra": {"source": "profile", "times_ms": r.steps_ms, "cpu_ms": r.cpu_ms,
                        "collectives": r.collectives, "script_args": profile.script_args,
-                       "threads_per_rank": r.threads, "load_avg": r.load_avg}, **prov} for r in runs]
+                       "threads_per_rank": r.threads, "load_avg": r.load_avg, "io": r.io}, **prov} for r in runs]
 
 
 def _measured_table(profile) -> Table:

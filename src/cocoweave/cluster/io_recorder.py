@@ -14,6 +14,7 @@ host without a GPU nothing is wrapped for transfers and they are recorded as zer
 from __future__ import annotations
 
 import os
+import sys
 import time
 from collections.abc import Callable
 from typing import Any
@@ -68,6 +69,7 @@ class IoRecorder:
         self.workers: dict[int, tuple[dict[str, int], float]] = {}  # worker pid -> last (io, cpu s)
         self.depth = 0  # nested checkpoint calls (cocoweave.checkpoint calls torch's): the outermost counts
         self.io0 = proc_io()
+        self.wrapped_modules: set[str] = set()
         self._reset()
 
     def _reset(self) -> None:
@@ -171,6 +173,7 @@ class IoRecorder:
         """This step's I/O record (see the module docstring), then start counting the next step."""
         io1 = proc_io()
         worker_io, worker_cpu, alive = self._worker_deltas()
+        wrap_checkpoints(self)  # a checkpoint module the script imported since
         doc: dict[str, Any] = {
             "data_wait_ms": 1e3 * self.wait_s, "data_cpu_ms": 1e3 * self.wait_cpu_s, "batches": self.batches,
             **{k: max(io1.get(k, 0) - self.io0.get(k, 0), 0) for k in IO_FIELDS},
@@ -182,23 +185,27 @@ class IoRecorder:
         return doc
 
 
+def wrap_checkpoints(recorder: IoRecorder) -> None:
+    """Wrap the save and load functions of every checkpoint module imported so far and not yet wrapped. They are
+    not imported here (torch.distributed.checkpoint takes most of a second): a module the script imports is
+    wrapped when the recorder is installed, if imported before, or at the end of the next step."""
+    for module_name, attr, label in CHECKPOINT_TARGETS:
+        module = sys.modules.get(module_name)
+        if module is None or f"{module_name}.{attr}" in recorder.wrapped_modules or not hasattr(module, attr):
+            continue
+        setattr(module, attr, recorder.timed_checkpoint(label, getattr(module, attr)))
+        recorder.wrapped_modules.add(f"{module_name}.{attr}")
+
+
 def install(recorder: IoRecorder) -> None:
     """Wrap the DataLoader, the checkpoint functions and (with a GPU) the host-device copies for `recorder`."""
-    import importlib
-
     from torch.utils.data import dataloader
 
     dataloader.DataLoader.__iter__ = recorder.timed_data(  # type: ignore[method-assign]
         dataloader.DataLoader.__iter__, loader_call=True)
     dataloader._BaseDataLoaderIter.__next__ = recorder.timed_data(  # type: ignore[method-assign]
         dataloader._BaseDataLoaderIter.__next__, loader_call=False)
-    for module_name, attr, label in CHECKPOINT_TARGETS:
-        try:
-            module = importlib.import_module(module_name)
-        except ImportError:
-            continue
-        if hasattr(module, attr):
-            setattr(module, attr, recorder.timed_checkpoint(label, getattr(module, attr)))
+    wrap_checkpoints(recorder)
     if recorder.gpu:
         for name in ("to", "cuda", "cpu"):
             setattr(torch.Tensor, name, recorder.timed_transfer(getattr(torch.Tensor, name)))
