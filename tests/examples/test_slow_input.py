@@ -32,3 +32,4 @@ def test_the_slow_loader_is_named_and_its_checkpoints_priced(tmp_path):
     r = runner.invoke(app, ["plan", "--profile", str(out), "--budget", "100", "--png", str(tmp_path / "p.png")])
     assert r.exit_code == 0, r.output
     assert "MEASURED in the profiled run (torch.save" in r.output
+    assert "adds the input pipeline's wait as measured on this host" in r.output  # the loader binds on GPUs too

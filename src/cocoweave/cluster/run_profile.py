@@ -184,6 +184,7 @@ class RunProfile:
         need_bytes, _ = self.checkpoint_bytes()
         need_bytes += min(self.runs, key=lambda r: r.world_size).param_bytes  # gradients
         points, skipped = [], []
+        input_ms = self.model.input_wait(1)  # the input pipeline runs on the host's CPU, not on the GPU
         for machine in catalog.machines:
             if not modellable(machine, catalog):
                 continue
@@ -192,7 +193,7 @@ class RunProfile:
                 continue
             for w in workers:
                 step = modelled_step(work, traffic, machine, w, catalog)
-                points.append(ProfilePoint(machine.gpu, 0, w, step.total_ms / 1e3 / self.global_work(w),
+                points.append(ProfilePoint(machine.gpu, 0, w, (step.total_ms + input_ms) / 1e3 / self.global_work(w),
                                            machine=machine.name))
         if not points:
             raise PlanningError(f"no machine of the catalog {catalog.source} can be modelled for {self.name}: it "
@@ -201,6 +202,9 @@ class RunProfile:
         notes = [f"{self.name}: {MODELLED}.",
                  f"steps are steps of the profiled run on {p0} rank{'s' * (p0 > 1)}; a world doing more work per step "
                  "is counted as proportionally more of them."]
+        if input_ms > 0:
+            notes.append(f"each MODELLED step adds the input pipeline's wait as measured on this host, "
+                         f"{input_ms:.1f} ms per step (a rank alone): it runs on the host CPU, not the GPU.")
         if skipped:
             notes.append(f"left out (parameters, gradients and state exceed the GPU's memory): {', '.join(skipped)}.")
         return WorkloadProfile(self.name, checkpoint_s, tuple(points), tuple(notes), modelled=True)
