@@ -19,8 +19,8 @@ Fitted on the worlds `cocoweave profile` measured (`profiler.WorldRun`), per ran
 - contention: with p ranks of one thread on K cores, p > K, the ranks share the cores, and the step takes
   eta x p x (c + k + i) / K + w(p): time a rank waits is then mostly another rank's time on the core, but
   the skew between ranks that meet every step (w, measured while they had a core each) is not: the last rank
-  to arrive runs while the others' cores have nothing to do. eta >= 1 (time slices, ranks waiting for a
-  descheduled peer) is fitted on the oversubscribed worlds measured, 1 when none was.
+  to arrive runs while the others' cores have nothing to do (counted as core sharing there). eta >= 1 (time
+  slices, ranks waiting for a descheduled peer) is fitted on the oversubscribed worlds measured, 1 when none was.
 
 The step is c + k + w + idle + d while p <= K, and eta x p x (c + k + i) / K + w beyond.
 """
@@ -161,8 +161,9 @@ class HostScaling:
         if p > self.cores:  # ranks share the cores: time off the CPU is another rank's time on it, but for the skew
             data = self.input_cpu_ms
             shared = self.eta * p * (compute + comm + data) / self.cores
-            return StepParts(p, shared + wait, compute, comm, wait, shared - compute - comm - data,
-                             {k: s * (comm + wait) for k, s in by_share.items()}, 0.0, data)
+            # the skew is time lost to sharing the cores (a core idles while the last rank finishes): core sharing
+            return StepParts(p, shared + wait, compute, comm, 0.0, shared + wait - compute - comm - data,
+                             {k: s * comm for k, s in by_share.items()}, 0.0, data)
         data = self.input_wait(p)
         total = compute + comm + wait + self.idle_ms + data
         return StepParts(p, total, compute, comm, wait, 0.0, {k: s * (comm + wait) for k, s in by_share.items()},
@@ -256,8 +257,7 @@ def measured_parts(run: WorldRun, model: HostScaling) -> StepParts:
     data = input_cpu_ms(run.io) if p > model.cores else input_wait_ms(run.io)
     data = min(data, max(run.step_ms - compute - comm, 0.0))
     off_cpu = max(run.step_ms - compute - comm - data, 0.0)
-    skew = min(model.omega_ms_per_hop * model.traffic.hops(p), off_cpu)
-    contention = off_cpu - skew if p > model.cores else 0.0
+    contention = off_cpu if p > model.cores else 0.0
     idle = 0.0 if p > model.cores else (off_cpu if p == 1 else min(model.idle_ms, off_cpu))
     wait = off_cpu - contention - idle
     by_kind = {k: s * (comm + wait) for k, s in model.traffic.shares(p).items()} if p > 1 else {}
