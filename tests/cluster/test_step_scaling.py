@@ -16,7 +16,6 @@ from cocoweave.cluster.step_scaling import (
 )
 
 GRADIENTS = {"all_reduce": (1.0, 2e6)}  # one all-reduce of 2 MB of gradients per step
-GRADIENTS_HOPS_3 = 2 * (3 - 1)  # its ring steps on 3 ranks
 
 
 def truth(cores: int = 2, eta: float = 1.3, strong: bool = True) -> HostScaling:
@@ -53,9 +52,7 @@ def test_oversubscribed_cores_make_the_step_core_bound():
     alone = model.predict(2)
     shared = model.predict(4)
     assert alone.contention_ms == 0.0
-    skew = 0.5 * 2 * (4 - 1)  # the skew of the ranks' all-reduce stays, as time lost to sharing the cores
-    assert shared.total_ms == pytest.approx(1.3 * 4 * (shared.compute_ms + shared.comm_cpu_ms) / 2 + skew)
-    assert shared.contention_ms == pytest.approx(shared.total_ms - shared.compute_ms - shared.comm_cpu_ms)
+    assert shared.total_ms == pytest.approx(1.3 * 4 * (shared.compute_ms + shared.comm_cpu_ms) / 2)
     sentence = bottleneck([model.predict(p) for p in (1, 2, 3, 4)], 2)
     assert sentence.startswith("core-bound from 3 ranks: 3 ranks share 2 cores")
 
@@ -110,9 +107,7 @@ def test_data_waiting_is_its_own_term_not_computation(make_run):
     assert one.input_ms == pytest.approx(60.0, rel=1e-3) and one.compute_ms == pytest.approx(45.0, rel=1e-3)
     shared = fitted.predict(4)  # beyond the cores the decoding's CPU time shares them with the model's
     assert shared.input_ms == pytest.approx(55.0)
-    skew = fitted.omega_ms_per_hop * fitted.traffic.hops(4)
-    assert shared.total_ms == pytest.approx(fitted.eta * 4 * (shared.compute_ms + shared.comm_cpu_ms + 55.0) / 2
-                                            + skew)
+    assert shared.total_ms == pytest.approx(fitted.eta * 4 * (shared.compute_ms + shared.comm_cpu_ms + 55.0) / 2)
     sentence = bottleneck([measured_parts(r, fitted) for r in runs], 2, "raise num_workers from 0, or pre-tokenise")
     assert sentence.startswith("input-bound from 1 rank: ranks wait 57% of the step for data: raise num_workers "
                                "from 0, or pre-tokenise")
@@ -126,10 +121,12 @@ def test_no_data_loader_leaves_the_model_as_it_was(make_run):
 
 
 
-def test_the_skew_of_ranks_that_meet_every_step_stays_when_they_share_cores(make_run):
+
+def test_core_sharing_measured_beyond_the_cores_when_no_fitted_world_shared_them(make_run):
     model = truth(cores=2)
-    fitted = fit_host_scaling([measured(model, p, make_run) for p in (1, 2)], cores=2)  # no shared world: eta 1
-    parts = fitted.predict(3)
-    skew = 0.5 * GRADIENTS_HOPS_3
-    assert fitted.eta == 1.0 and parts.wait_ms == 0.0
-    assert parts.total_ms == pytest.approx(3 * (parts.compute_ms + parts.comm_cpu_ms) / 2 + skew)
+    two = [measured(model, p, make_run) for p in (1, 2)]
+    fitted = fit_host_scaling(two, cores=2, sharing={3: 1.2, 5: 1.4})
+    assert fitted.eta == 1.0 and [fitted.sharing_at(p) for p in (3, 4, 5, 8)] == [1.2, 1.2, 1.4, 1.4]
+    assert fitted.predict(3).total_ms == pytest.approx(1.2 * 3 * fitted.busy_ms(3) / 2)
+    three = fit_host_scaling([*two, measured(model, 3, make_run)], cores=2, sharing={3: 1.2})
+    assert three.sharing == {} and three.eta == pytest.approx(1.3, rel=1e-6)  # a measured shared world wins

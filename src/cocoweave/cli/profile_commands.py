@@ -156,6 +156,10 @@ def profile(
     command = shlex.join(["cocoweave", "profile", *sys.argv[2:]])
     prof = RunProfile(str(script), list(script_args or []), fit_sizes, runs, host_info(n_cores, threads),
                       train_steps, command)
+    if sharing := prof.measure_core_sharing(predict_sizes, VALIDATE_UP_TO_CORES * n_cores):
+        err_console.print("[dim]core sharing measured beyond the cores (synchronised processes of the predicted CPU "
+                          "time per step): " + ", ".join(f"x{f:.2f} at {p} ranks" for p, f in sharing.items()) + "[/]",
+                          highlight=False)
     MeasurementStore(store).append(_store_rows(prof, runs))
     predictions = prof.predict(predict_sizes)
     catalog = load_catalog()
@@ -166,7 +170,8 @@ def profile(
     m = prof.model
     out.print(f"[dim]model: compute {m.a_ms:.2f} + {m.b_ms:.2f} x work share ms; communication CPU "
               f"{m.gamma_ms_per_mb:.2f} ms/MB + {m.delta_ms_per_hop:.3f} ms/hop; waiting {m.omega_ms_per_hop:.3f} "
-              f"ms/hop; core sharing x{m.eta:.2f} beyond {m.cores} ranks; input {m.input_ms:.2f} + "
+              f"ms/hop; core sharing x{m.eta:.2f} beyond {m.cores} ranks"
+              f"{''.join(f', x{f:.2f} measured at {p}' for p, f in m.sharing.items())}; input {m.input_ms:.2f} + "
               f"{m.input_ms_per_rank:.2f} x (ranks - 1) ms waited, {m.input_cpu_ms:.2f} ms CPU[/]", highlight=False)
     if (ckpt := prof.checkpoint_measured()) is not None:
         out.print(f"checkpoint: {ckpt[2]} took {1e3 * ckpt[0]:.1f} ms for {ckpt[1] / 1e6:.2f} MB "

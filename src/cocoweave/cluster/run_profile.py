@@ -72,6 +72,7 @@ class RunProfile:
     host: dict[str, Any]
     train_steps: int = DEFAULT_TRAIN_STEPS
     command: str = ""
+    core_sharing: dict[int, float] = field(default_factory=dict)  # measured eta per size beyond the cores
     _model: HostScaling | None = field(default=None, repr=False)
 
     @property
@@ -85,7 +86,7 @@ class RunProfile:
     def model(self) -> HostScaling:
         if self._model is None:
             fit = [r for r in self.runs if r.world_size in self.fit_world_sizes]
-            self._model = fit_host_scaling(fit, int(self.host["cores"]))
+            self._model = fit_host_scaling(fit, int(self.host["cores"]), self.core_sharing)
         return self._model
 
     def predict(self, sizes: Sequence[int]) -> list[Prediction]:
@@ -126,6 +127,20 @@ class RunProfile:
         state = ADAM_STATE_PER_PARAM_BYTE * run.param_bytes
         return run.param_bytes + state, (f"parameters + optimizer state assumed 2x parameters ({run.optimizer} "
                                          "keeps its state out of optimizer.state)")
+
+    def measure_core_sharing(self, sizes: Sequence[int], up_to: int) -> dict[int, float]:
+        """Measure eta (`core_sharing.sharing_factor`) at each of `sizes` beyond the cores and up to `up_to` ranks
+        when no fitted world shared the cores; refits the model with them. Returns what was measured."""
+        from cocoweave.cluster.core_sharing import sharing_factor
+
+        cores = int(self.host["cores"])
+        if any(p > cores for p in self.fit_world_sizes):
+            return {}
+        model = self.model
+        measured = {p: sharing_factor(p, cores, model.busy_ms(p)) for p in sorted(set(sizes))
+                    if cores < p <= up_to}
+        self.core_sharing, self._model = {**self.core_sharing, **measured}, None
+        return measured
 
     def checkpoint_measured(self) -> tuple[float, float, str] | None:
         """(seconds, bytes, operation) of one checkpoint as the script took it in the smallest world that saved
@@ -217,6 +232,7 @@ class RunProfile:
             "kind": KIND, "version": VERSION, "script": self.script, "script_args": list(self.script_args),
             "command": self.command, "host": self.host, "train_steps": self.train_steps,
             "fit_world_sizes": list(self.fit_world_sizes), "runs": [r.to_json() for r in self.runs],
+            "core_sharing": {str(p): f for p, f in sorted(self.core_sharing.items())},
             "model": self.model.to_json(), "bottleneck": self.bottleneck(predict_sizes),
             "predictions": [p.to_json() for p in predictions],
             "validation_mape_pct": self.validation_mape(predictions), "warning": self.busy_warning(),
@@ -243,7 +259,8 @@ class RunProfile:
             steps = int(doc.get("train_steps", DEFAULT_TRAIN_STEPS))
             return cls(str(doc["script"]), [str(a) for a in doc.get("script_args", [])],
                        [int(p) for p in doc["fit_world_sizes"]], runs, dict(doc["host"]), steps,
-                       str(doc.get("command", "")))
+                       str(doc.get("command", "")),
+                       {int(p): float(f) for p, f in (doc.get("core_sharing") or {}).items()})
         except (KeyError, TypeError, ValueError) as exc:
             raise PlanningError(f"{source} is not a valid run profile: {type(exc).__name__}: {exc}.") from None
 

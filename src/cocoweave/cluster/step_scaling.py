@@ -17,12 +17,12 @@ Fitted on the worlds `cocoweave profile` measured (`profiler.WorldRun`), per ran
   thread inside the loader plus the loader's worker processes), i, is kept for core sharing. The data-making
   CPU time is taken out of c, so decoding is not counted as the model's computation;
 - contention: with p ranks of one thread on K cores, p > K, the ranks share the cores, and the step takes
-  eta x p x (c + k + i) / K + w(p): time a rank waits is then mostly another rank's time on the core, but
-  the skew between ranks that meet every step (w, measured while they had a core each) is not: the last rank
-  to arrive runs while the others' cores have nothing to do (counted as core sharing there). eta >= 1 (time
-  slices, ranks waiting for a descheduled peer) is fitted on the oversubscribed worlds measured, 1 when none was.
+  eta x p x (c + k + i) / K (waiting is then another rank's time on the core); eta >= 1 (a core idle while the
+  last rank of a step finishes, ranks unevenly spread over the cores, time slices) is fitted on the oversubscribed
+  worlds measured; when none was, it is measured at each predicted size by `core_sharing.sharing_factor`
+  (synthetic processes with the predicted CPU time per step meeting at a barrier every step), else 1.
 
-The step is c + k + w + idle + d while p <= K, and eta x p x (c + k + i) / K + w beyond.
+The step is c + k + w + idle + d while p <= K, and eta x p x (c + k + i) / K beyond.
 """
 
 from __future__ import annotations
@@ -30,7 +30,7 @@ from __future__ import annotations
 import math
 import statistics
 from collections.abc import Sequence
-from dataclasses import asdict, dataclass
+from dataclasses import asdict, dataclass, field
 
 import numpy as np
 from scipy.optimize import nnls
@@ -143,6 +143,16 @@ class HostScaling:
     input_ms: float = 0.0  # u: a rank's wait for data per step, alone on the host
     input_ms_per_rank: float = 0.0  # v: what each further rank sharing the host adds to it
     input_cpu_ms: float = 0.0  # i: CPU time of a rank's input pipeline per step (its thread + loader workers)
+    sharing: dict[int, float] = field(default_factory=dict)  # eta measured at sizes beyond the cores (core_sharing)
+
+    def sharing_at(self, p: int) -> float:
+        """eta at p ranks: measured at p (or the largest size below it measured), else the fitted eta."""
+        below = [q for q in self.sharing if q <= p]
+        return self.sharing[max(below)] if below else self.eta
+
+    def busy_ms(self, p: int) -> float:
+        """CPU time of one rank's step on p ranks: computation, communication and its input pipeline."""
+        return _busy(self, p) + self.input_cpu_ms
 
     def input_wait(self, p: int) -> float:
         """Predicted wall time a rank waits for data per step on p ranks of this host (no core sharing)."""
@@ -157,13 +167,12 @@ class HostScaling:
         compute = self.a_ms + self.b_ms * self.work_share(p)
         comm = self.gamma_ms_per_mb * self.traffic.megabytes(p) + self.delta_ms_per_hop * self.traffic.hops(p)
         by_share = self.traffic.shares(p) if p > 1 else {}
-        wait = self.omega_ms_per_hop * self.traffic.hops(p)
-        if p > self.cores:  # ranks share the cores: time off the CPU is another rank's time on it, but for the skew
+        if p > self.cores:  # ranks share the cores: time off the CPU is another rank's time on it
             data = self.input_cpu_ms
-            shared = self.eta * p * (compute + comm + data) / self.cores
-            # the skew is time lost to sharing the cores (a core idles while the last rank finishes): core sharing
-            return StepParts(p, shared + wait, compute, comm, 0.0, shared + wait - compute - comm - data,
+            total = self.sharing_at(p) * p * (compute + comm + data) / self.cores
+            return StepParts(p, total, compute, comm, 0.0, total - compute - comm - data,
                              {k: s * comm for k, s in by_share.items()}, 0.0, data)
+        wait = self.omega_ms_per_hop * self.traffic.hops(p)
         data = self.input_wait(p)
         total = compute + comm + wait + self.idle_ms + data
         return StepParts(p, total, compute, comm, wait, 0.0, {k: s * (comm + wait) for k, s in by_share.items()},
@@ -175,8 +184,9 @@ class HostScaling:
         return doc
 
 
-def fit_host_scaling(runs: Sequence[WorldRun], cores: int) -> HostScaling:
-    """Fit the model on measured worlds (at least two sizes, one of them with two or more ranks)."""
+def fit_host_scaling(runs: Sequence[WorldRun], cores: int, sharing: dict[int, float] | None = None) -> HostScaling:
+    """Fit the model on measured worlds (at least two sizes, one of them with two or more ranks); `sharing`: core
+    sharing factors measured at sizes beyond the cores, used when no fitted world oversubscribed them."""
     runs = sorted(runs, key=lambda r: r.world_size)
     sizes = [r.world_size for r in runs]
     if len(set(sizes)) < 2 or max(sizes) < 2:
@@ -210,11 +220,10 @@ def fit_host_scaling(runs: Sequence[WorldRun], cores: int) -> HostScaling:
     omega = max(sum(w for w, _ in waits) / sum(h for _, h in waits), 0.0) if waits and traffic.hops(2) else 0.0
     # contention: measured / ideal processor sharing on the oversubscribed worlds (geometric mean)
     shared = [r for r in runs if r.world_size > cores]
-    ratios = [max(r.step_ms - omega * traffic.hops(r.world_size), 1e-6)
-              / (r.world_size * (_busy(model, r.world_size) + i) / cores) for r in shared]
+    ratios = [r.step_ms / (r.world_size * (_busy(model, r.world_size) + i) / cores) for r in shared]
     eta = max(math.exp(statistics.fmean(math.log(x) for x in ratios)), 1.0) if ratios else 1.0
     return HostScaling(cores, a, b, flops0, flops1, gamma, delta, float(omega), eta, traffic, reference, idle,
-                       u, v, i)
+                       u, v, i, {} if ratios else dict(sharing or {}))
 
 
 def model_cpu_ms(run: WorldRun) -> float:

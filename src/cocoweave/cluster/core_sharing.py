@@ -1,0 +1,68 @@
+"""How well this host shares its cores among more ranks than cores when the ranks meet every step: measured.
+
+p processes (spawned, no torch) each burn `busy_ms` of CPU per step and meet at a barrier, as a training step's
+ranks meet at their gradient collective; the parent times each step between barriers. Ideal processor sharing
+would take p x busy / K per step on K cores; the measured factor (>= 1) is what the host's scheduler adds: a core
+left idle while the last rank of a step finishes, ranks unevenly spread over the cores' run queues, time slices.
+`cocoweave profile` uses it for core sharing at a predicted size when no fitted world oversubscribed the cores.
+"""
+
+from __future__ import annotations
+
+import multiprocessing as mp
+import statistics
+import time
+from threading import BrokenBarrierError
+
+from cocoweave.errors import CocoweaveError
+
+STEPS = 8
+WARMUP = 2
+
+
+class CoreSharingError(CocoweaveError):
+    """The core-sharing measurement could not run (a process failed or a barrier timed out)."""
+
+
+def _burn(barrier, busy_s: float, steps: int, timeout_s: float) -> None:  # noqa: ANN001 (a multiprocessing Barrier)
+    """One synthetic rank: `steps` times, meet the others, then spend `busy_s` of CPU time."""
+    for _ in range(steps):
+        barrier.wait(timeout_s)
+        start = time.thread_time()
+        while time.thread_time() - start < busy_s:
+            pass
+    barrier.wait(timeout_s)
+
+
+def sharing_factor(ranks: int, cores: int, busy_ms: float, steps: int = STEPS, timeout_s: float = 60.0) -> float:
+    """Measured step of `ranks` synchronised processes of `busy_ms` CPU each on `cores` cores, over the ideal
+    ranks x busy / cores (median over `steps` steps after warm-up; at least 1)."""
+    if ranks < 1 or cores < 1 or busy_ms <= 0:
+        raise CoreSharingError(f"core sharing needs ranks, cores and a busy time above 0, got {ranks}, {cores} and "
+                               f"{busy_ms:g} ms.")
+    ctx = mp.get_context("spawn")
+    barrier = ctx.Barrier(ranks + 1)
+    total = steps + WARMUP
+    procs = [ctx.Process(target=_burn, args=(barrier, busy_ms / 1e3, total, timeout_s), daemon=True)
+             for _ in range(ranks)]
+    for proc in procs:
+        proc.start()
+    times = []
+    try:
+        barrier.wait(timeout_s)
+        last = time.perf_counter()
+        for _ in range(total):
+            barrier.wait(timeout_s)
+            now = time.perf_counter()
+            times.append(now - last)
+            last = now
+    except BrokenBarrierError:
+        raise CoreSharingError(f"the core-sharing measurement ({ranks} processes of {busy_ms:.0f} ms) did not meet "
+                               f"within {timeout_s:g} s.") from None
+    finally:
+        for proc in procs:
+            proc.join(timeout=5)
+            if proc.is_alive():
+                proc.kill()
+    ideal_s = max(ranks / cores, 1.0) * busy_ms / 1e3
+    return max(statistics.median(times[WARMUP:]) / ideal_s, 1.0)
