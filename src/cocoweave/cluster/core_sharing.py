@@ -1,7 +1,9 @@
 """How well this host shares its cores among more ranks than cores when the ranks meet every step: measured.
 
-p processes (spawned, no torch) each burn `busy_ms` of CPU per step and meet at a barrier, as a training step's
-ranks meet at their gradient collective; the parent times each step between barriers. Ideal processor sharing
+p processes (spawned, no torch) each burn `busy_ms` of CPU per step, times a factor drawn at random per rank and
+step from `spread` (the measured steps of one rank over their median: real ranks do not do equal work every
+step), and meet at a barrier, as a training step's ranks meet at their gradient collective; the parent times each
+step between barriers. Ideal processor sharing
 would take p x busy / K per step on K cores; the measured factor (>= 1) is what the host's scheduler adds: a core
 left idle while the last rank of a step finishes, ranks unevenly spread over the cores' run queues, time slices.
 `cocoweave profile` uses it for core sharing at a predicted size when no fitted world oversubscribed the cores.
@@ -10,13 +12,15 @@ left idle while the last rank of a step finishes, ranks unevenly spread over the
 from __future__ import annotations
 
 import multiprocessing as mp
+import random
 import statistics
 import time
+from collections.abc import Sequence
 from threading import BrokenBarrierError
 
 from cocoweave.errors import CocoweaveError
 
-STEPS = 8
+STEPS = 12
 WARMUP = 2
 
 
@@ -24,27 +28,31 @@ class CoreSharingError(CocoweaveError):
     """The core-sharing measurement could not run (a process failed or a barrier timed out)."""
 
 
-def _burn(barrier, busy_s: float, steps: int, timeout_s: float) -> None:  # noqa: ANN001 (a multiprocessing Barrier)
-    """One synthetic rank: `steps` times, meet the others, then spend `busy_s` of CPU time."""
+def _burn(barrier, busy_s: float, spread: list[float], seed: int, steps: int,  # noqa: ANN001 (a mp Barrier)
+          timeout_s: float) -> None:
+    """One synthetic rank: `steps` times, meet the others, then spend `busy_s` x a factor from `spread` of CPU."""
+    draw = random.Random(seed)
     for _ in range(steps):
         barrier.wait(timeout_s)
-        start = time.thread_time()
-        while time.thread_time() - start < busy_s:
+        start, burn = time.thread_time(), busy_s * draw.choice(spread)
+        while time.thread_time() - start < burn:
             pass
     barrier.wait(timeout_s)
 
 
-def sharing_factor(ranks: int, cores: int, busy_ms: float, steps: int = STEPS, timeout_s: float = 60.0) -> float:
-    """Measured step of `ranks` synchronised processes of `busy_ms` CPU each on `cores` cores, over the ideal
-    ranks x busy / cores (median over `steps` steps after warm-up; at least 1)."""
+def sharing_factor(ranks: int, cores: int, busy_ms: float, spread: Sequence[float] = (1.0,), steps: int = STEPS,
+                   timeout_s: float = 60.0) -> float:
+    """Measured step of `ranks` synchronised processes of `busy_ms` CPU each (times a factor from `spread`) on
+    `cores` cores, over the ideal ranks x busy / cores (median over `steps` steps after warm-up; at least 1)."""
     if ranks < 1 or cores < 1 or busy_ms <= 0:
         raise CoreSharingError(f"core sharing needs ranks, cores and a busy time above 0, got {ranks}, {cores} and "
                                f"{busy_ms:g} ms.")
     ctx = mp.get_context("spawn")
     barrier = ctx.Barrier(ranks + 1)
     total = steps + WARMUP
-    procs = [ctx.Process(target=_burn, args=(barrier, busy_ms / 1e3, total, timeout_s), daemon=True)
-             for _ in range(ranks)]
+    factors = [float(f) for f in spread if f > 0] or [1.0]
+    procs = [ctx.Process(target=_burn, args=(barrier, busy_ms / 1e3, factors, seed, total, timeout_s), daemon=True)
+             for seed in range(ranks)]
     for proc in procs:
         proc.start()
     times = []

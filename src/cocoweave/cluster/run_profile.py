@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import math
 import platform
+import statistics
 from collections.abc import Sequence
 from dataclasses import asdict, dataclass, field
 from typing import Any
@@ -131,14 +132,23 @@ class RunProfile:
     def measure_core_sharing(self, sizes: Sequence[int], up_to: int) -> dict[int, float]:
         """Measure eta (`core_sharing.sharing_factor`) at each of `sizes` beyond the cores and up to `up_to` ranks
         when no fitted world shared the cores; refits the model with them. Returns what was measured."""
-        from cocoweave.cluster.core_sharing import sharing_factor
+        from cocoweave.cluster.core_sharing import CoreSharingError, sharing_factor
 
         cores = int(self.host["cores"])
         if any(p > cores for p in self.fit_world_sizes):
             return {}
         model = self.model
-        measured = {p: sharing_factor(p, cores, model.busy_ms(p)) for p in sorted(set(sizes))
-                    if cores < p <= up_to}
+        alone = min(self.runs, key=lambda r: r.world_size)  # its steps' spread: how unequal a rank's steps are
+        median = statistics.median(alone.steps_ms)
+        spread = [s / median for s in alone.steps_ms] if median > 0 else [1.0]
+        measured = {}
+        for p in sorted(set(sizes)):
+            if cores < p <= up_to:
+                try:
+                    measured[p] = sharing_factor(p, cores, model.busy_ms(p), spread,
+                                                 timeout_s=max(10.0, 0.05 * p * model.busy_ms(p)))
+                except CoreSharingError:  # the fitted eta (1) stands; the profile still says what it measured
+                    continue
         self.core_sharing, self._model = {**self.core_sharing, **measured}, None
         return measured
 
