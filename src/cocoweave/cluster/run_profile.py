@@ -145,7 +145,7 @@ class RunProfile:
         for p in sorted(set(sizes)):
             if cores < p <= up_to:
                 try:
-                    measured[p] = sharing_factor(p, cores, model.busy_ms(p), spread,
+                    measured[p] = sharing_factor(p, cores, model.busy_ms(p), spread, round(model.traffic.hops(p)),
                                                  timeout_s=max(10.0, 0.05 * p * model.busy_ms(p)))
                 except CoreSharingError:  # the fitted eta (1) stands; the profile still says what it measured
                     continue
