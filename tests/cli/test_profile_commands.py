@@ -83,6 +83,8 @@ def test_train_gpt_under_the_profiler_json_on_stdout(tmp_path):
     assert doc["predictions"][0]["measured_ms"] > 0
     kinds = {k.split("/")[0] for k in doc["runs"][1]["collectives"]}
     assert {"reduce_scatter", "all_gather"} <= kinds  # the optimizer's gradient reduction and parameter gather
+    assert not doc["bottleneck"].startswith("input-bound")  # its batches are made in the loop, no loader waited on
+    assert doc["io"]["checkpoint"] is None and doc["io"]["worlds"][0]["transfers"]["ms"] == 0.0  # none; no GPU
 
 
 @pytest.mark.parametrize("args, words", [

@@ -178,13 +178,20 @@ def _load_profile(path: Path, catalog, max_workers: int, data: Path | None):
     if not (isinstance(doc, dict) and doc.get("kind") == KIND):
         return parse_profile(doc, str(path)), None
     run = RunProfile.from_json(doc, str(path))
-    size_bytes, how = run.checkpoint_bytes()
-    ckpt = fit_checkpoint_model(find_data_dir(data))
-    seconds = ckpt.duration_s(size_bytes / 1e6)
+    measured = run.checkpoint_measured()
+    if measured is not None:  # the user's own checkpoint, as the profiled script took it
+        seconds, size_bytes, operation = measured
+        note = (f"checkpoint: {seconds:.3f} s MEASURED in the profiled run ({operation}, {size_bytes / 1e6:.2f} MB, "
+                f"{size_bytes / 1e6 / seconds:.0f} MB/s on this host), used for the revocation overhead and Young's "
+                "checkpoint interval")
+    else:
+        size_bytes, how = run.checkpoint_bytes()
+        ckpt = fit_checkpoint_model(find_data_dir(data))
+        seconds = ckpt.duration_s(size_bytes / 1e6)
+        note = (f"checkpoint: {size_bytes / 1e6:.2f} MB ({how}) -> {seconds:.2f} s from CM-DARE's checkpoint model "
+                f"({ckpt.selection.name}; sizes below its smallest measured, {ckpt.min_size_mb:g} MB, priced at that "
+                "size): the profiled run saved no checkpoint")
     prof = run.workload(catalog, worker_counts(max_workers), seconds)
-    note = (f"checkpoint: {size_bytes / 1e6:.2f} MB ({how}) -> {seconds:.2f} s from CM-DARE's checkpoint model "
-            f"({ckpt.selection.name}; sizes below its smallest measured, {ckpt.min_size_mb:g} MB, priced at that "
-            "size)")
     return dataclasses.replace(prof, notes=(*prof.notes, note)), run
 
 

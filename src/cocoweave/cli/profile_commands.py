@@ -38,21 +38,22 @@ def _store_rows(profile, runs) -> list[dict]:
              "total_ms": r.step_ms, "iters": len(r.steps_ms),
              "extra": {"source": "profile", "times_ms": r.steps_ms, "cpu_ms": r.cpu_ms,
                        "collectives": r.collectives, "script_args": profile.script_args,
-                       "threads_per_rank": r.threads, "load_avg": r.load_avg}, **prov} for r in runs]
+                       "threads_per_rank": r.threads, "load_avg": r.load_avg, "io": r.io}, **prov} for r in runs]
 
 
 def _measured_table(profile) -> Table:
     model = profile.model
     table = Table(title=f"{profile.name} measured on this host ({model.cores} cores, "
                         f"{profile.host['threads_per_rank']} thread per rank): ms per step", title_justify="left")
-    for col in ("ranks", "role", "step", "compute (CPU)", "comm (CPU)", "waiting", "core sharing", "others' CPU"):
+    for col in ("ranks", "role", "step", "input", "compute (CPU)", "comm (CPU)", "waiting", "core sharing",
+                "others' CPU"):
         table.add_column(col, justify="left" if col == "role" else "right")
     from ..cluster.profiling.host_scaling import measured_parts
 
     for r in sorted(profile.runs, key=lambda r: r.world_size):
         parts = measured_parts(r, model)
         role = "fit" if r.world_size in profile.fit_world_sizes else "check"
-        table.add_row(str(r.world_size), role, f"{r.step_ms:.1f}", f"{parts.compute_ms:.1f}",
+        table.add_row(str(r.world_size), role, f"{r.step_ms:.1f}", f"{parts.input_ms:.1f}", f"{parts.compute_ms:.1f}",
                       f"{parts.comm_cpu_ms:.1f}", f"{parts.wait_ms:.1f}", f"{parts.contention_ms:.1f}",
                       "—" if r.other_load is None else f"{100 * r.other_load:.0f}%")
     return table
@@ -60,11 +61,12 @@ def _measured_table(profile) -> Table:
 
 def _prediction_table(predictions) -> Table:
     table = Table(title="predicted step on this host (ms)", title_justify="left")
-    for col in ("ranks", "predicted", "compute", "communication", "core sharing", "measured", "error"):
+    for col in ("ranks", "predicted", "input", "compute", "communication", "core sharing", "measured", "error"):
         table.add_column(col, justify="right")
     for p in predictions:
         s = p.parts
-        table.add_row(str(p.world_size), f"{p.predicted_ms:.1f}", f"{s.compute_ms:.1f}", f"{s.comm_ms:.1f}",
+        table.add_row(str(p.world_size), f"{p.predicted_ms:.1f}", f"{s.input_ms:.1f}", f"{s.compute_ms:.1f}",
+                      f"{s.comm_ms:.1f}",
                       f"{s.contention_ms:.1f}", "—" if p.measured_ms is None else f"{p.measured_ms:.1f}",
                       "—" if p.error_pct is None else f"{p.error_pct:+.1f}%")
     return table
@@ -154,6 +156,10 @@ def profile(
     command = shlex.join(["cocoweave", "profile", *sys.argv[2:]])
     prof = RunProfile(str(script), list(script_args or []), fit_sizes, runs, host_info(n_cores, threads),
                       train_steps, command)
+    if sharing := prof.measure_core_sharing(predict_sizes, VALIDATE_UP_TO_CORES * n_cores):
+        err_console.print("[dim]core sharing measured beyond the cores (synchronised processes of the predicted CPU "
+                          "time per step): " + ", ".join(f"x{f:.2f} at {p} ranks" for p, f in sharing.items()) + "[/]",
+                          highlight=False)
     MeasurementStore(store).append(_store_rows(prof, runs))
     predictions = prof.predict(predict_sizes)
     catalog = load_catalog()
@@ -164,7 +170,12 @@ def profile(
     m = prof.model
     out.print(f"[dim]model: compute {m.a_ms:.2f} + {m.b_ms:.2f} x work share ms; communication CPU "
               f"{m.gamma_ms_per_mb:.2f} ms/MB + {m.delta_ms_per_hop:.3f} ms/hop; waiting {m.omega_ms_per_hop:.3f} "
-              f"ms/hop; core sharing x{m.eta:.2f} beyond {m.cores} ranks[/]", highlight=False)
+              f"ms/hop; core sharing x{m.eta:.2f} beyond {m.cores} ranks"
+              f"{''.join(f', x{f:.2f} measured at {p}' for p, f in m.sharing.items())}; input {m.input_ms:.2f} + "
+              f"{m.input_ms_per_rank:.2f} x (ranks - 1) ms waited, {m.input_cpu_ms:.2f} ms CPU[/]", highlight=False)
+    if (ckpt := prof.checkpoint_measured()) is not None:
+        out.print(f"checkpoint: {ckpt[2]} took {1e3 * ckpt[0]:.1f} ms for {ckpt[1] / 1e6:.2f} MB "
+                  f"({ckpt[1] / 1e6 / ckpt[0]:.0f} MB/s; the slowest rank's mean)", highlight=False)
     out.print(f"[bold]Bottleneck:[/] {doc['bottleneck']}", highlight=False)
     if predictions:
         out.print(_prediction_table(predictions))

@@ -86,3 +86,47 @@ def test_one_rank_waiting_off_the_cpu_is_not_communication(make_run):
     parts = measured_parts(runs[0], fitted)
     assert parts.idle_ms == pytest.approx(60.0) and parts.comm_ms == 0.0
     assert bottleneck([parts], 2).startswith("bound by time off the CPU from 1 rank")
+
+
+def with_input(run, wait_ms: float, cpu_ms: float):
+    """`run` whose ranks also waited `wait_ms` per step in a DataLoader, `cpu_ms` of it decoding on their thread."""
+    run.step_ms += wait_ms
+    run.cpu_ms["cpu_main_ms"] += cpu_ms
+    run.io = {"data_wait_ms": wait_ms, "data_cpu_ms": cpu_ms, "worker_cpu_ms": 0.0, "batches": 1}
+    return run
+
+
+def test_data_waiting_is_its_own_term_not_computation(make_run):
+    model = truth(cores=2)
+    runs = [with_input(measured(model, p, make_run), 60.0 + 10.0 * (p - 1), 55.0) for p in (1, 2, 3)]
+    fitted = fit_host_scaling(runs, cores=2)
+    assert fitted.input_ms == pytest.approx(60.0, rel=1e-3)
+    assert fitted.input_ms_per_rank == pytest.approx(10.0, rel=1e-3)
+    assert fitted.input_cpu_ms == pytest.approx(55.0) and fitted.a_ms == pytest.approx(5.0, rel=1e-3)
+    one = fitted.predict(1)
+    assert one.input_ms == pytest.approx(60.0, rel=1e-3) and one.compute_ms == pytest.approx(45.0, rel=1e-3)
+    shared = fitted.predict(4)  # beyond the cores the decoding's CPU time shares them with the model's
+    assert shared.input_ms == pytest.approx(55.0)
+    assert shared.total_ms == pytest.approx(fitted.eta * 4 * (shared.compute_ms + shared.comm_cpu_ms + 55.0) / 2)
+    sentence = bottleneck([measured_parts(r, fitted) for r in runs], 2, "raise num_workers from 0, or pre-tokenise")
+    assert sentence.startswith("input-bound from 1 rank: ranks wait 57% of the step for data: raise num_workers "
+                               "from 0, or pre-tokenise")
+
+
+def test_no_data_loader_leaves_the_model_as_it_was(make_run):
+    model = truth(cores=2)
+    plain = fit_host_scaling([measured(model, p, make_run) for p in (1, 2, 3)], cores=2)
+    assert (plain.input_ms, plain.input_ms_per_rank, plain.input_cpu_ms) == (0.0, 0.0, 0.0)
+    assert [plain.predict(p).input_ms for p in (1, 2, 4)] == [0.0, 0.0, 0.0]
+
+
+
+
+def test_core_sharing_measured_beyond_the_cores_when_no_fitted_world_shared_them(make_run):
+    model = truth(cores=2)
+    two = [measured(model, p, make_run) for p in (1, 2)]
+    fitted = fit_host_scaling(two, cores=2, sharing={3: 1.2, 5: 1.4})
+    assert fitted.eta == 1.0 and [fitted.sharing_at(p) for p in (3, 4, 5, 8)] == [1.2, 1.2, 1.4, 1.4]
+    assert fitted.predict(3).total_ms == pytest.approx(1.2 * 3 * fitted.busy_ms(3) / 2)
+    three = fit_host_scaling([*two, measured(model, 3, make_run)], cores=2, sharing={3: 1.2})
+    assert three.sharing == {} and three.eta == pytest.approx(1.3, rel=1e-6)  # a measured shared world wins

@@ -3,6 +3,9 @@ and the planner's MODELLED view of it in steps of the profiled run."""
 
 from __future__ import annotations
 
+import json
+from pathlib import Path
+
 import pytest
 
 from cocoweave.cluster.catalog import load_catalog
@@ -72,3 +75,17 @@ def test_checkpoint_size_and_memory(make_run):
 
 def test_worker_counts_are_powers_of_two_and_the_maximum():
     assert worker_counts(64) == [1, 2, 4, 8, 16, 32, 64] and worker_counts(6) == [1, 2, 4, 6]
+
+
+@pytest.mark.parametrize("name", [f"train_gpt-default3rounds-run{i}-cpu2-2026-11-24.json" for i in (1, 2, 3)]
+                         + ["train_lm-default3rounds-cpu2-2026-11-24.json"])
+def test_stored_profiles_of_scripts_without_a_data_loader_still_predict_within_10_percent(name):
+    """The input term is zero for scripts that make their batches in the loop, and the stored quiet-machine profiles
+    (measured before it existed) still predict the measured 4-rank step within 10%."""
+    path = Path(__file__).resolve().parents[3] / "benchmarks/results/profile" / name
+    doc = json.loads(path.read_text())
+    prof = RunProfile.from_json(doc, str(path))
+    measured = {p["world_size"]: p["measured_ms"] for p in doc["predictions"]}
+    for p in prof.predict(sorted(measured)):
+        assert p.parts.input_ms == 0.0
+        assert abs(p.predicted_ms - measured[p.world_size]) < 0.10 * measured[p.world_size]

@@ -11,11 +11,18 @@ Fitted on the worlds `cocoweave profile` measured (`worlds.WorldRun`), per rank 
   on the measured collectives rather than on microbenchmarks);
 - waiting w(p) = omega x hops(p): wall time not spent on a CPU while ranks have a core each (latency, skew),
   beyond the idle time one rank alone shows (other processes, I/O), which is kept as a constant;
+- input d(p) = u + v x (p - 1): wall time a rank waits inside its DataLoader per step (decoding, reading,
+  workers that fall behind), fitted on the worlds where ranks have a core each: u what one rank waits, v how
+  much more each rank sharing the host (its disk, page cache, memory bandwidth) adds; its CPU time (the rank's
+  thread inside the loader plus the loader's worker processes), i, is kept for core sharing. The data-making
+  CPU time is taken out of c, so decoding is not counted as the model's computation;
 - contention: with p ranks of one thread on K cores, p > K, the ranks share the cores, and the step takes
-  eta x p x (c + k) / K (waiting is then another rank's time on the core); eta >= 1 (time slices, ranks
-  waiting for a descheduled peer) is fitted on the oversubscribed worlds measured.
+  eta x p x (c + k + i) / K (waiting is then another rank's time on the core); eta >= 1 (a core idle while the
+  last rank of a step finishes, ranks unevenly spread over the cores, time slices) is fitted on the oversubscribed
+  worlds measured; when none was, it is measured at each predicted size by `core_sharing.sharing_factor`
+  (synthetic processes with the predicted CPU time per step meeting at a barrier every step), else 1.
 
-The step is c + k + w + idle while p <= K, and eta x p x (c + k) / K beyond.
+The step is c + k + w + idle + d while p <= K, and eta x p x (c + k + i) / K beyond.
 """
 
 from __future__ import annotations
@@ -23,11 +30,12 @@ from __future__ import annotations
 import math
 import statistics
 from collections.abc import Sequence
-from dataclasses import asdict, dataclass
+from dataclasses import asdict, dataclass, field
 
 import numpy as np
 from scipy.optimize import nnls
 
+from cocoweave.cluster.profiling.io_summary import input_cpu_ms, input_main_cpu_ms, input_wait_ms
 from cocoweave.cluster.profiling.worlds import WorldRun, ranks
 from cocoweave.errors import CocoweaveError
 
@@ -95,6 +103,7 @@ class StepParts:
     contention_ms: float
     comm_by_kind_ms: dict[str, float]
     idle_ms: float = 0.0  # off the CPU with no peer to wait for (other processes, I/O): what one rank shows
+    input_ms: float = 0.0  # waiting for data (the input pipeline); its CPU time when ranks share the cores
 
     @property
     def comm_ms(self) -> float:
@@ -131,6 +140,23 @@ class HostScaling:
     traffic: Traffic
     reference_flops: float  # per-rank FLOPs of the smallest world (work share 1)
     idle_ms: float = 0.0  # off-CPU time of a step with no peers (measured on one rank)
+    input_ms: float = 0.0  # u: a rank's wait for data per step, alone on the host
+    input_ms_per_rank: float = 0.0  # v: what each further rank sharing the host adds to it
+    input_cpu_ms: float = 0.0  # i: CPU time of a rank's input pipeline per step (its thread + loader workers)
+    sharing: dict[int, float] = field(default_factory=dict)  # eta measured at sizes beyond the cores (core_sharing)
+
+    def sharing_at(self, p: int) -> float:
+        """eta at p ranks: measured at p (or the largest size below it measured), else the fitted eta."""
+        below = [q for q in self.sharing if q <= p]
+        return self.sharing[max(below)] if below else self.eta
+
+    def busy_ms(self, p: int) -> float:
+        """CPU time of one rank's step on p ranks: computation, communication and its input pipeline."""
+        return _busy(self, p) + self.input_cpu_ms
+
+    def input_wait(self, p: int) -> float:
+        """Predicted wall time a rank waits for data per step on p ranks of this host (no core sharing)."""
+        return self.input_ms + self.input_ms_per_rank * (p - 1)
 
     def work_share(self, p: int) -> float:
         if self.reference_flops <= 0:
@@ -142,13 +168,15 @@ class HostScaling:
         comm = self.gamma_ms_per_mb * self.traffic.megabytes(p) + self.delta_ms_per_hop * self.traffic.hops(p)
         by_share = self.traffic.shares(p) if p > 1 else {}
         if p > self.cores:  # ranks share the cores: time off the CPU is another rank's time on it
-            total = self.eta * p * (compute + comm) / self.cores
-            return StepParts(p, total, compute, comm, 0.0, total - compute - comm,
-                             {k: s * comm for k, s in by_share.items()})
+            data = self.input_cpu_ms
+            total = self.sharing_at(p) * p * (compute + comm + data) / self.cores
+            return StepParts(p, total, compute, comm, 0.0, total - compute - comm - data,
+                             {k: s * comm for k, s in by_share.items()}, 0.0, data)
         wait = self.omega_ms_per_hop * self.traffic.hops(p)
-        total = compute + comm + wait + self.idle_ms
+        data = self.input_wait(p)
+        total = compute + comm + wait + self.idle_ms + data
         return StepParts(p, total, compute, comm, wait, 0.0, {k: s * (comm + wait) for k, s in by_share.items()},
-                         self.idle_ms)
+                         self.idle_ms, data)
 
     def to_json(self) -> dict:
         doc = asdict(self)
@@ -156,8 +184,9 @@ class HostScaling:
         return doc
 
 
-def fit_host_scaling(runs: Sequence[WorldRun], cores: int) -> HostScaling:
-    """Fit the model on measured worlds (at least two sizes, one of them with two or more ranks)."""
+def fit_host_scaling(runs: Sequence[WorldRun], cores: int, sharing: dict[int, float] | None = None) -> HostScaling:
+    """Fit the model on measured worlds (at least two sizes, one of them with two or more ranks); `sharing`: core
+    sharing factors measured at sizes beyond the cores, used when no fitted world oversubscribed them."""
     runs = sorted(runs, key=lambda r: r.world_size)
     sizes = [r.world_size for r in runs]
     if len(set(sizes)) < 2 or max(sizes) < 2:
@@ -174,24 +203,46 @@ def fit_host_scaling(runs: Sequence[WorldRun], cores: int) -> HostScaling:
     model = HostScaling(cores, 0.0, 0.0, flops0, flops1, 0.0, 0.0, 0.0, 1.0, traffic, reference)
     # compute: a + b x work share
     share = [model.work_share(p) for p in sizes]
-    a, b = _relative_nnls([[1.0] * len(share), share], [r.cpu_ms["cpu_main_ms"] for r in runs])
+    a, b = _relative_nnls([[1.0] * len(share), share], [model_cpu_ms(r) for r in runs])
     # communication CPU: gamma x MB + delta x hops on the worlds with peers, above what one rank's other
     # threads spend without any peer
     idle = runs[0].cpu_ms["cpu_other_ms"] if sizes[0] == 1 else 0.0
     gamma, delta = _relative_nnls([[traffic.megabytes(r.world_size) for r in multi],
                                    [traffic.hops(r.world_size) for r in multi]],
                                   [max(r.cpu_ms["cpu_other_ms"] - idle, 1e-6) for r in multi])
-    model = HostScaling(cores, a, b, flops0, flops1, gamma, delta, 0.0, 1.0, traffic, reference)
+    u, v, i = fit_input(runs, cores)
+    model = HostScaling(cores, a, b, flops0, flops1, gamma, delta, 0.0, 1.0, traffic, reference, 0.0, u, v, i)
     # off the CPU with no peer (one rank): other processes, I/O; with peers, the rest is waiting for them
-    idle = max(runs[0].step_ms - _busy(model, 1), 0.0) if sizes[0] == 1 else 0.0
+    idle = max(runs[0].step_ms - _busy(model, 1) - model.input_wait(1), 0.0) if sizes[0] == 1 else 0.0
     uncontended = [r for r in multi if r.world_size <= cores]
-    waits = [(r.step_ms - _busy(model, r.world_size) - idle, traffic.hops(r.world_size)) for r in uncontended]
+    waits = [(r.step_ms - _busy(model, r.world_size) - model.input_wait(r.world_size) - idle,
+              traffic.hops(r.world_size)) for r in uncontended]
     omega = max(sum(w for w, _ in waits) / sum(h for _, h in waits), 0.0) if waits and traffic.hops(2) else 0.0
     # contention: measured / ideal processor sharing on the oversubscribed worlds (geometric mean)
     shared = [r for r in runs if r.world_size > cores]
-    ratios = [r.step_ms / (r.world_size * _busy(model, r.world_size) / cores) for r in shared]
+    ratios = [r.step_ms / (r.world_size * (_busy(model, r.world_size) + i) / cores) for r in shared]
     eta = max(math.exp(statistics.fmean(math.log(x) for x in ratios)), 1.0) if ratios else 1.0
-    return HostScaling(cores, a, b, flops0, flops1, gamma, delta, float(omega), eta, traffic, reference, idle)
+    return HostScaling(cores, a, b, flops0, flops1, gamma, delta, float(omega), eta, traffic, reference, idle,
+                       u, v, i, {} if ratios else dict(sharing or {}))
+
+
+def model_cpu_ms(run: WorldRun) -> float:
+    """The main thread's CPU time per step without what it spent making data (the model's computation)."""
+    return max(run.cpu_ms["cpu_main_ms"] - input_main_cpu_ms(run.io), 1e-6)
+
+
+def fit_input(runs: Sequence[WorldRun], cores: int) -> tuple[float, float, float]:
+    """(u, v, i) of the input term (module docstring) from the worlds where ranks have a core each (all worlds
+    when none has); zeros for a script that takes no batch from a DataLoader."""
+    if not any(r.io.get("batches", 0) for r in runs):
+        return 0.0, 0.0, 0.0
+    own = [r for r in runs if r.world_size <= cores] or list(runs)
+    cpu = statistics.fmean(input_cpu_ms(r.io) for r in own)
+    if len({r.world_size for r in own}) < 2:
+        return statistics.fmean(input_wait_ms(r.io) for r in own), 0.0, cpu
+    u, v = _relative_nnls([[1.0] * len(own), [r.world_size - 1.0 for r in own]],
+                          [max(input_wait_ms(r.io), 1e-6) for r in own])
+    return u, v, cpu
 
 
 def _relative_nnls(columns: Sequence[Sequence[float]], y: Sequence[float]) -> tuple[float, ...]:
@@ -210,22 +261,25 @@ def _busy(model: HostScaling, p: int) -> float:
 def measured_parts(run: WorldRun, model: HostScaling) -> StepParts:
     """A measured world split as the model splits a prediction: CPU times measured; the off-CPU rest is core
     sharing beyond the cores, else the model's idle time and then waiting for peers."""
-    compute, comm = run.cpu_ms["cpu_main_ms"], run.cpu_ms["cpu_other_ms"]
+    compute, comm = model_cpu_ms(run), run.cpu_ms["cpu_other_ms"]
     p = run.world_size
-    off_cpu = max(run.step_ms - compute - comm, 0.0)
+    data = input_cpu_ms(run.io) if p > model.cores else input_wait_ms(run.io)
+    data = min(data, max(run.step_ms - compute - comm, 0.0))
+    off_cpu = max(run.step_ms - compute - comm - data, 0.0)
     contention = off_cpu if p > model.cores else 0.0
     idle = 0.0 if p > model.cores else (off_cpu if p == 1 else min(model.idle_ms, off_cpu))
     wait = off_cpu - contention - idle
     by_kind = {k: s * (comm + wait) for k, s in model.traffic.shares(p).items()} if p > 1 else {}
-    return StepParts(p, run.step_ms, compute, comm, wait, contention, by_kind, idle)
+    return StepParts(p, run.step_ms, compute, comm, wait, contention, by_kind, idle, data)
 
 
-def bottleneck(parts: Sequence[StepParts], cores: int) -> str:
-    """One sentence naming what bounds the step, from the smallest world where it is not computation."""
+def bottleneck(parts: Sequence[StepParts], cores: int, input_hint: str = "raise num_workers, or pre-tokenise") -> str:
+    """One sentence naming what bounds the step, from the smallest world where it is not computation;
+    `input_hint` says what to change when it is the input pipeline."""
     ordered = sorted(parts, key=lambda s: s.world_size)
     for s in ordered:
         pieces = {"compute": s.compute_ms, "communication": s.comm_ms, "contention": s.contention_ms,
-                  "idle": s.idle_ms}
+                  "idle": s.idle_ms, "input": s.input_ms}
         name = max(pieces, key=lambda n: pieces[n])
         share = pieces[name] / s.total_ms if s.total_ms else 0.0
         at = ranks(s.world_size)
@@ -237,6 +291,9 @@ def bottleneck(parts: Sequence[StepParts], cores: int) -> str:
             return (f"core-bound from {at}: {s.world_size} ranks share {cores} cores and waiting for a core is "
                     f"{100 * share:.0f}% of the step (communication {100 * s.comm_ms / s.total_ms:.0f}%, "
                     f"computation {100 * s.compute_ms / s.total_ms:.0f}%).")
+        if name == "input":
+            return (f"input-bound from {at}: ranks wait {100 * share:.0f}% of the step for data: {input_hint} "
+                    f"(computation {100 * s.compute_ms / s.total_ms:.0f}%).")
         if name == "idle":
             return (f"bound by time off the CPU from {at}: the ranks wait {100 * share:.0f}% of the step for the CPU "
                     "or I/O with no peer to wait for (other processes on this machine?).")

@@ -10,6 +10,8 @@ it further. Each rank also records its CPU time (the main thread computes; Gloo'
 bytes), every `torch.distributed` collective called from Python and every collective of cocoweave's
 shared-memory algorithm (count, bytes, wall time when synchronous), DDP's gradient all-reduce, and, in
 one untimed step, the FLOPs and memory traffic of every operation (for roofline predictions on other hardware).
+With the environment set, each step's record also carries its I/O (`io_recorder.py`): time waiting on the
+DataLoader, bytes read, checkpoints saved and loaded, host-device copies.
 
 After `warmup + steps` steps every rank meets at a barrier and the process ends (exit code 0): what
 the script does after its training loop (evaluation, saving) does not run under the profiler.
@@ -35,6 +37,8 @@ from torch.utils._python_dispatch import TorchDispatchMode
 
 from ... import settings
 from ...rankenv import RankEnv
+from . import io_recorder
+from .io_recorder import IoRecorder
 
 DIR_ENV, STEPS_ENV, WARMUP_ENV = settings.PROFILE_DIR.name, settings.PROFILE_STEPS.name, settings.PROFILE_WARMUP.name
 COUNTED_STEP = 1  # the untimed step whose operations are counted (step 0 has no start boundary)
@@ -100,8 +104,9 @@ class StepRecorder:
     """Per-rank step timings, written as JSON lines to `out`; ends the process after `warmup + steps` steps."""
 
     def __init__(self, out: Path, steps: int, warmup: int, clock: Callable[[], float] = time.perf_counter,
-                 exit_process: Callable[[int], Any] = os._exit) -> None:
+                 exit_process: Callable[[int], Any] = os._exit, io: IoRecorder | None = None) -> None:
         self.out, self.steps, self.warmup, self.clock, self.exit_process = out, steps, warmup, clock, exit_process
+        self.io = io  # the input pipeline, checkpoints and host-device copies (io_recorder.py)
         self.step = 0
         self.depth = 0
         self.optimizer_id: int | None = None
@@ -174,7 +179,8 @@ class StepRecorder:
                 "forward_ms": 1e3 * (fe - fs), "backward_ms": 1e3 * (us - fe), "update_ms": 1e3 * (end - us),
                 "cpu_main_ms": 1e3 * main, "cpu_other_ms": 1e3 * max(proc - main, 0.0),
                 "collectives": colls,
-                "optimizer_phases_ms": dict(phases) if isinstance(phases, dict) else None}
+                "optimizer_phases_ms": dict(phases) if isinstance(phases, dict) else None,
+                "io": self.io.take_step() if self.io is not None else None}
 
     def _header(self) -> dict[str, Any]:
         opt = self.optimizer
@@ -299,6 +305,8 @@ def install(recorder: StepRecorder) -> None:
         recorder.ddp_bytes.append((grads, dist.get_world_size(self.process_group)))
 
     DistributedDataParallel.__init__ = ddp_init  # type: ignore[method-assign]
+    if recorder.io is not None:
+        io_recorder.install(recorder.io)
 
 
 def install_from_env() -> StepRecorder | None:
@@ -311,7 +319,7 @@ def install_from_env() -> StepRecorder | None:
         torch.set_num_threads(env.threads)
     out = folder / f"rank{env.rank}.jsonl"
     out.unlink(missing_ok=True)
-    recorder = StepRecorder(out, settings.PROFILE_STEPS.get(), settings.PROFILE_WARMUP.get())
+    recorder = StepRecorder(out, settings.PROFILE_STEPS.get(), settings.PROFILE_WARMUP.get(), io=IoRecorder())
     install(recorder)
     atexit.register(recorder.write_counts)  # the script ended before warmup + steps steps
     return recorder

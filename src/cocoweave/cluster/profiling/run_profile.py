@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import math
 import platform
+import statistics
 from collections.abc import Sequence
 from dataclasses import asdict, dataclass, field
 from typing import Any
@@ -25,6 +26,7 @@ from cocoweave.cluster.profiling.host_scaling import (
     fit_host_scaling,
     measured_parts,
 )
+from cocoweave.cluster.profiling.io_summary import input_hint, measured_checkpoint
 from cocoweave.cluster.profiling.worlds import WorldRun
 from cocoweave.errors import PlanningError
 
@@ -71,6 +73,7 @@ class RunProfile:
     host: dict[str, Any]
     train_steps: int = DEFAULT_TRAIN_STEPS
     command: str = ""
+    core_sharing: dict[int, float] = field(default_factory=dict)  # measured eta per size beyond the cores
     _model: HostScaling | None = field(default=None, repr=False)
 
     @property
@@ -84,7 +87,7 @@ class RunProfile:
     def model(self) -> HostScaling:
         if self._model is None:
             fit = [r for r in self.runs if r.world_size in self.fit_world_sizes]
-            self._model = fit_host_scaling(fit, int(self.host["cores"]))
+            self._model = fit_host_scaling(fit, int(self.host["cores"]), self.core_sharing)
         return self._model
 
     def predict(self, sizes: Sequence[int]) -> list[Prediction]:
@@ -99,7 +102,7 @@ class RunProfile:
         worlds = sorted(set(self.fit_world_sizes) | set(sizes))
         parts = [measured_parts(r, self.model) if p in self.fit_world_sizes and (r := self.run(p)) else
                  self.model.predict(p) for p in worlds]
-        return bottleneck(parts, self.model.cores)
+        return bottleneck(parts, self.model.cores, input_hint(min(self.runs, key=lambda r: r.world_size).io))
 
     def busy_warning(self) -> str | None:
         """A sentence when other processes used more than BUSY of the cores during a measured world."""
@@ -125,6 +128,60 @@ class RunProfile:
         state = ADAM_STATE_PER_PARAM_BYTE * run.param_bytes
         return run.param_bytes + state, (f"parameters + optimizer state assumed 2x parameters ({run.optimizer} "
                                          "keeps its state out of optimizer.state)")
+
+    def measure_core_sharing(self, sizes: Sequence[int], up_to: int) -> dict[int, float]:
+        """Measure eta (`core_sharing.sharing_factor`) at each of `sizes` beyond the cores and up to `up_to` ranks
+        when no fitted world shared the cores; refits the model with them. Returns what was measured."""
+        from cocoweave.cluster.profiling.core_sharing import CoreSharingError, sharing_factor
+
+        cores = int(self.host["cores"])
+        if any(p > cores for p in self.fit_world_sizes):
+            return {}
+        model = self.model
+        alone = min(self.runs, key=lambda r: r.world_size)  # its steps' spread: how unequal a rank's steps are
+        median = statistics.median(alone.steps_ms)
+        spread = [s / median for s in alone.steps_ms] if median > 0 else [1.0]
+        measured = {}
+        for p in sorted(set(sizes)):
+            if cores < p <= up_to:
+                try:
+                    measured[p] = sharing_factor(p, cores, model.busy_ms(p), spread, round(model.traffic.hops(p)),
+                                                 timeout_s=max(10.0, 0.05 * p * model.busy_ms(p)))
+                except CoreSharingError:  # the fitted eta (1) stands; the profile still says what it measured
+                    continue
+        self.core_sharing, self._model = {**self.core_sharing, **measured}, None
+        return measured
+
+    def checkpoint_measured(self) -> tuple[float, float, str] | None:
+        """(seconds, bytes, operation) of one checkpoint as the script took it in the smallest world that saved
+        one (the slowest rank's mean save), or None when the profiled steps saved nothing."""
+        for run in sorted(self.runs, key=lambda r: r.world_size):
+            if (found := measured_checkpoint(run.io)) is not None:
+                return found
+        return None
+
+    def io_report(self, predictions: Sequence[Prediction]) -> dict[str, Any]:
+        """The I/O figures of the document: per measured world the input pipeline (wait, its share of the step,
+        bytes read, loaders), checkpoints and transfers; the fitted input term and its predicted share."""
+        worlds = []
+        for run in sorted(self.runs, key=lambda r: r.world_size):
+            io = run.io
+            wait = float(io.get("data_wait_ms", 0.0))
+            worlds.append({"world_size": run.world_size, "data_wait_ms": wait,
+                           "data_share_pct": 100 * wait / run.step_ms if run.step_ms else 0.0,
+                           **{k: io.get(k) for k in ("data_cpu_ms", "worker_cpu_ms", "batches", "read_bytes",
+                                                     "rchar", "worker_read_bytes", "worker_rchar", "loaders",
+                                                     "checkpoints", "transfers")}})
+        m = self.model
+        ckpt = self.checkpoint_measured()
+        return {"worlds": worlds,
+                "input_model": {"wait_ms": m.input_ms, "wait_ms_per_extra_rank": m.input_ms_per_rank,
+                                "cpu_ms": m.input_cpu_ms},
+                "predicted_input": [{"world_size": p.world_size, "input_ms": p.parts.input_ms,
+                                     "share_pct": 100 * p.parts.input_ms / p.predicted_ms if p.predicted_ms else 0.0}
+                                    for p in predictions],
+                "checkpoint": None if ckpt is None else {"seconds": ckpt[0], "bytes": ckpt[1], "operation": ckpt[2],
+                                                         "mb_per_s": ckpt[1] / 1e6 / ckpt[0] if ckpt[0] else 0.0}}
 
     def modelled(self, catalog: Catalog, sizes: Sequence[int]) -> list[ModelledStep]:
         """MODELLED steps on every catalog machine that can be modelled, at each size."""
@@ -152,6 +209,7 @@ class RunProfile:
         need_bytes, _ = self.checkpoint_bytes()
         need_bytes += min(self.runs, key=lambda r: r.world_size).param_bytes  # gradients
         points, skipped = [], []
+        input_ms = self.model.input_wait(1)  # the input pipeline runs on the host's CPU, not on the GPU
         for machine in catalog.machines:
             if not modellable(machine, catalog):
                 continue
@@ -160,7 +218,7 @@ class RunProfile:
                 continue
             for w in workers:
                 step = modelled_step(work, traffic, machine, w, catalog)
-                points.append(ProfilePoint(machine.gpu, 0, w, step.total_ms / 1e3 / self.global_work(w),
+                points.append(ProfilePoint(machine.gpu, 0, w, (step.total_ms + input_ms) / 1e3 / self.global_work(w),
                                            machine=machine.name))
         if not points:
             raise PlanningError(f"no machine of the catalog {catalog.source} can be modelled for {self.name}: it "
@@ -169,6 +227,9 @@ class RunProfile:
         notes = [f"{self.name}: {MODELLED}.",
                  f"steps are steps of the profiled run on {p0} rank{'s' * (p0 > 1)}; a world doing more work per step "
                  "is counted as proportionally more of them."]
+        if input_ms > 0:
+            notes.append(f"each MODELLED step adds the input pipeline's wait as measured on this host, "
+                         f"{input_ms:.1f} ms per step (a rank alone): it runs on the host CPU, not the GPU.")
         if skipped:
             notes.append(f"left out (parameters, gradients and state exceed the GPU's memory): {', '.join(skipped)}.")
         return WorkloadProfile(self.name, checkpoint_s, tuple(points), tuple(notes), modelled=True)
@@ -181,9 +242,11 @@ class RunProfile:
             "kind": KIND, "version": VERSION, "script": self.script, "script_args": list(self.script_args),
             "command": self.command, "host": self.host, "train_steps": self.train_steps,
             "fit_world_sizes": list(self.fit_world_sizes), "runs": [r.to_json() for r in self.runs],
+            "core_sharing": {str(p): f for p, f in sorted(self.core_sharing.items())},
             "model": self.model.to_json(), "bottleneck": self.bottleneck(predict_sizes),
             "predictions": [p.to_json() for p in predictions],
             "validation_mape_pct": self.validation_mape(predictions), "warning": self.busy_warning(),
+            "io": self.io_report(predictions),
         }
         if catalog is not None and predict_sizes:
             try:
@@ -206,7 +269,8 @@ class RunProfile:
             steps = int(doc.get("train_steps", DEFAULT_TRAIN_STEPS))
             return cls(str(doc["script"]), [str(a) for a in doc.get("script_args", [])],
                        [int(p) for p in doc["fit_world_sizes"]], runs, dict(doc["host"]), steps,
-                       str(doc.get("command", "")))
+                       str(doc.get("command", "")),
+                       {int(p): float(f) for p, f in (doc.get("core_sharing") or {}).items()})
         except (KeyError, TypeError, ValueError) as exc:
             raise PlanningError(f"{source} is not a valid run profile: {type(exc).__name__}: {exc}.") from None
 

@@ -28,6 +28,7 @@ from typing import Any
 from torch.distributed.elastic.multiprocessing.errors import ProcessFailure
 
 from cocoweave.cluster.profiling import recorder
+from cocoweave.cluster.profiling.io_summary import merge_io, summarise_io
 from cocoweave.errors import CocoweaveError
 from cocoweave.lifetime import run_bounded
 from cocoweave.rankenv import cores
@@ -61,6 +62,7 @@ class WorldRun:
     seconds: float
     per_rank_step_ms: list[float] = field(default_factory=list)  # each rank's median step time
     other_load: float | None = None  # share of the machine's cores other processes used during the run
+    io: dict[str, Any] = field(default_factory=dict)  # input pipeline, checkpoints, transfers (io_summary.py)
 
     def to_json(self) -> dict[str, Any]:
         return asdict(self)
@@ -160,7 +162,8 @@ def summarise(world_size: int, folder: Path, seconds: float) -> WorldRun:
         collectives=colls, optimizer_phases_ms=opt_phases, counts=counts0, optimizer=header0.get("optimizer", "?"),
         param_bytes=float(header0.get("param_bytes", 0)), state_bytes=float(header0.get("state_bytes", 0)),
         threads=int(header0.get("threads", 1)), load_avg=list(header0.get("load_avg", [])), seconds=seconds,
-        per_rank_step_ms=[_median([s["wall_ms"] for s in t]) for t in timed])
+        per_rank_step_ms=[_median([s["wall_ms"] for s in t]) for t in timed],
+        io=summarise_io([t[:n] for t in timed], [steps for _, steps, _ in parsed]))
 
 
 def ranks(n: int) -> str:
@@ -249,7 +252,7 @@ def merge_rounds(runs: Sequence[WorldRun]) -> WorldRun:
         first, step_ms=_median(steps), steps_ms=steps, phases_ms=mean(lambda r: r.phases_ms),
         cpu_ms=mean(lambda r: r.cpu_ms), collectives=colls, seconds=sum(r.seconds for r in runs),
         per_rank_step_ms=[statistics.fmean(x) for x in zip(*(r.per_rank_step_ms for r in runs))],
-        other_load=statistics.fmean(loads) if loads else None)
+        other_load=statistics.fmean(loads) if loads else None, io=merge_io([r.io for r in runs]))
 
 
 def profile_worlds(script: Path, script_args: Sequence[str], world_sizes: Sequence[int], steps: int = 20,
