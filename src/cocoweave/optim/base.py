@@ -109,11 +109,11 @@ def resolve_schedule(program: Program, schedule: str, world_size: int, whole: se
     if world_size == 1:
         return next((s for s in legal if s.name in ("AR-C", "C")), legal[0])
     most = max(len(s.sliced_state) for s in legal)
-    best = [s for s in legal if len(s.sliced_state) == most and "@ring" not in s.name and "fuse(" not in s.name
+    best = [s for s in legal if len(s.sliced_state) == most and "fuse(" not in s.name
             and not any(st.kind == "compute" and not st.fused for st in s.stages)]  # every computation one loop
-    on_shm = [s for s in best if "@shm" in s.name]
-    library = [s for s in best if "@" not in s.name]
-    return (on_shm if shared_host and device == "cpu" and on_shm else library or best or legal)[0]
+    from ..collectives import choose  # on the algorithms by the table of collective algorithms
+
+    return (choose(best, device, shared_host) or legal)[0]
 
 
 class DistributedOptimizer(torch.optim.Optimizer):
