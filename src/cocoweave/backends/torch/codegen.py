@@ -587,8 +587,8 @@ def _emit_fused_ring(em: Emitter, stage: FusedCollective, index: int) -> None:
     def spec(v: Value) -> str:
         return f'("{v.name}", {em.view.local_shape(v)}, torch.{v.dtype})'
 
-    call = runtime_method(stage.algorithm, collectives.FUSED)
-    em.emit(f"[{', '.join(em.var(a) for a in ags)}], [{', '.join(em.var(v) for v in kept)}] = ctx.{call}(", 2)
+    outs = f"[{', '.join(em.var(a) for a in ags)}], [{', '.join(em.var(v) for v in kept)}]"
+    em.emit(f"{outs} = ctx.{runtime_method(stage.algorithm, collectives.FUSED)}(", 2)
     em.emit(f"{x}, {rs.attrs['dim']}, {em.op(rs)!r}, {g}, ring{index},", 3)
     shares = f", shares={rs.attrs['shares']}" if rs.attrs.get("shares") is not None else ""
     em.emit(f"gathered=[{', '.join(spec(a) for a in ags)}], kept=[{', '.join(spec(v) for v in kept)}]{shares})", 3)
