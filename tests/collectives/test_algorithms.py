@@ -13,6 +13,8 @@ import pytest
 import torch
 import torch.distributed as dist
 
+import cocoweave.optim.base as optim_base
+import cocoweave.tune as tune
 from cocoweave import collectives
 from cocoweave.backends import reference
 from cocoweave.backends.inputs import make_inputs
@@ -20,7 +22,6 @@ from cocoweave.backends.torch.codegen import generate
 from cocoweave.backends.torch.worker import run_schedules
 from cocoweave.errors import CocoweaveError, ScheduleError
 from cocoweave.loader import load_example
-from cocoweave.optim.base import resolve_schedule
 from cocoweave.perf.costmodel import AlphaBeta, Calibration, PlanCoster, predict_plan
 from cocoweave.plan import lower
 from cocoweave.schedule.enumerate import enumerate_schedules
@@ -46,7 +47,9 @@ def _register() -> collectives.Algorithm:
 
 
 @pytest.fixture
-def naive() -> Iterator[collectives.Algorithm]:
+def naive(monkeypatch) -> Iterator[collectives.Algorithm]:
+    monkeypatch.setattr(optim_base, "_SCHEDULES", {})  # the optimizers' enumerations, memoised, made without it
+    monkeypatch.setattr(tune, "cached_schedule", lambda *a, **k: None)  # no tuner's choice from an earlier run
     algorithm = _register()
     try:
         yield algorithm
@@ -117,10 +120,10 @@ def test_the_cost_model_prices_it_with_its_own_traffic(naive):
 def test_the_optimizers_automatic_choice_asks_the_table(naive):
     program = _adam()
     whole = set(program.updates)  # nothing sliced: the choice is between algorithms
-    assert resolve_schedule(program, "auto", 2, whole, "cpu", shared_host=False).name == "AR@naive-C"
+    assert optim_base.resolve_schedule(program, "auto", 2, whole, "cpu", shared_host=False).name == "AR@naive-C"
     collectives.unregister("naive")
     collectives.register(replace(naive, auto="never"))
-    assert resolve_schedule(program, "auto", 2, whole, "cpu", shared_host=False).name == "AR-C"
+    assert optim_base.resolve_schedule(program, "auto", 2, whole, "cpu", shared_host=False).name == "AR-C"
 
 
 def test_an_unknown_algorithm_is_an_error_not_a_fallback():

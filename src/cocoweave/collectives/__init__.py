@@ -8,6 +8,7 @@ from .algorithms import (
     UnknownAlgorithmError,
     algorithms,
     choose,
+    generation,
     get,
     implement,
     implementation,
@@ -19,5 +20,6 @@ from .algorithms import (
 )
 from .traffic import moved, steps
 
-__all__ = ["DEFAULT", "FUSED", "Algorithm", "UnknownAlgorithmError", "algorithms", "choose", "get", "implement",
-           "implementation", "implementations", "moved", "names", "register", "steps", "unregister", "uses"]
+__all__ = ["DEFAULT", "FUSED", "Algorithm", "UnknownAlgorithmError", "algorithms", "choose", "generation", "get",
+           "implement", "implementation", "implementations", "moved", "names", "register", "steps", "unregister",
+           "uses"]

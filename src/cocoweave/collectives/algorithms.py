@@ -70,6 +70,7 @@ class Algorithm:
 
 
 _TABLE: dict[str, Algorithm] = {}
+_GENERATION = [0]  # bumped by every change of the table: memoised enumerations key on it
 _IMPLEMENTATIONS: dict[str, dict[tuple[str, str], Callable[..., Any]]] = {}  # backend -> (algorithm, op) -> fn
 
 
@@ -86,6 +87,7 @@ def register(algorithm: Algorithm, implementations: Mapping[str, Mapping[str, Ca
             raise CocoweaveError(f"algorithm {algorithm.name!r} names enumeration base {base!r}; "
                                  f"choose one of {', '.join(BASES)}")
     _TABLE[algorithm.name] = algorithm
+    _GENERATION[0] += 1
     for backend, ops in (implementations or {}).items():
         implement(backend, algorithm.name, **ops)
     return algorithm
@@ -96,6 +98,7 @@ def unregister(name: str) -> None:
     if name == DEFAULT:
         raise CocoweaveError(f"the {DEFAULT} algorithm cannot be removed")
     _TABLE.pop(name, None)
+    _GENERATION[0] += 1
     for impls in _IMPLEMENTATIONS.values():
         for key in [k for k in impls if k[0] == name]:
             del impls[key]
@@ -108,6 +111,11 @@ def get(name: str) -> Algorithm:
     except KeyError:
         raise UnknownAlgorithmError(f"unknown collective algorithm {name!r}; "
                                     f"choose one of {', '.join(_TABLE)}") from None
+
+
+def generation() -> int:
+    """A number that changes whenever an algorithm is registered or removed (what was enumerated before is stale)."""
+    return _GENERATION[0]
 
 
 def names() -> tuple[str, ...]:

@@ -174,8 +174,9 @@ _ENUMERATED: dict[str, list[Schedule]] = {}
 
 
 def schedules_of(program: Program) -> list[Schedule]:
-    """enumerate_schedules, memoised by program fingerprint (a model's layers of one shape share them)."""
-    key = program.fingerprint()
+    """enumerate_schedules, memoised by program fingerprint (a model's layers of one shape share them) and the
+    table of collective algorithms' generation."""
+    key = f"{program.fingerprint()}/{collectives.generation()}"
     if key not in _ENUMERATED:
         _ENUMERATED[key] = enumerate_schedules(program)
     return _ENUMERATED[key]
