@@ -116,6 +116,117 @@ def test_imports_flow_one_way(prefix: str, forbidden: str):
     assert _reaches(prefix, forbidden) == []
 
 
+# -- the environment is read in two homes (issue #30): rankenv (the rank's place) and settings (COCOWEAVE_*) ---------
+
+ENV_HOMES = {"cocoweave.rankenv", "cocoweave.settings"}
+# Every other use of os.environ, with its reason; keyed by file name (not its folder, so that a move keeps its entry)
+# and variable ("*": the whole environment).
+ENV_EXCEPTIONS = {
+    ("launch", "GLOO_SOCKET_IFNAME"): "Gloo's own variable: read, and set for this process when a world meets on "
+                                      "a loopback address",
+    ("precise", "TRITON_INTERPRET"): "Triton's own switch (its interpreter), asked of Triton before 3.3",
+    ("executable", "TRITON_INTERPRET"): "Triton's own switch: kernels on the CPU run only under its interpreter",
+    ("codecache", "XDG_CACHE_HOME"): "the XDG rule for the code cache's default folder",
+    ("profiler", "*"): "copies the whole environment for the torchrun it starts (and adds the profiler's settings)",
+}
+
+
+def _environ_uses(path: Path) -> list[tuple[int, str]]:
+    """(line, variable) of each use of os.environ or os.getenv in a file: "*" where the whole environment is used,
+    "?" where the variable is not a literal."""
+    tree = ast.parse(path.read_text(encoding="utf-8"))
+    parent = {child: node for node in ast.walk(tree) for child in ast.iter_child_nodes(node)}
+    uses = []
+    for node in ast.walk(tree):
+        if isinstance(node, ast.ImportFrom) and node.module == "os" and \
+                {a.name for a in node.names} & {"environ", "getenv", "environb"}:
+            uses.append((node.lineno, "?"))
+        if not (isinstance(node, ast.Attribute) and isinstance(node.value, ast.Name) and node.value.id == "os"
+                and node.attr in ("environ", "getenv", "environb")):
+            continue
+        up, key = parent.get(node), None
+        if isinstance(up, ast.Subscript):
+            key = up.slice
+        elif isinstance(up, ast.Compare) and up.comparators and up.comparators[0] is node:
+            key = up.left
+        elif isinstance(up, ast.Attribute) and isinstance(parent.get(up), ast.Call) and parent[up].args:
+            key = parent[up].args[0]  # os.environ.get(KEY), .pop(KEY), .setdefault(KEY)
+        elif isinstance(up, ast.Call) and node.attr == "getenv" and up.args:
+            key = up.args[0]
+        name = key.value if isinstance(key, ast.Constant) and isinstance(key.value, str) else "?" if key else "*"
+        uses.append((node.lineno, name))
+    return uses
+
+
+def test_the_environment_is_read_only_by_rankenv_and_settings():
+    stray = sorted(f"{name}:{line} uses os.environ[{var!r}]" for name, path in MODULES.items() if name not in ENV_HOMES
+                   for line, var in _environ_uses(path) if (path.stem, var) not in ENV_EXCEPTIONS)
+    assert stray == [], "read COCOWEAVE_* through cocoweave.settings and rank variables through cocoweave.rankenv"
+    from cocoweave.rankenv import LAUNCHERS
+    from cocoweave.settings import SETTINGS
+
+    launcher_vars = {v for launcher in LAUNCHERS for v in vars(launcher).values() if v}
+    assert not {var for _, var in ENV_EXCEPTIONS} & (launcher_vars | {s.name for s in SETTINGS})
+
+
+def test_cores_are_counted_in_one_place():
+    assert sorted(name for name, path in MODULES.items()
+                  if "sched_getaffinity" in path.read_text(encoding="utf-8")) == ["cocoweave.rankenv"]
+
+
+# -- the optimizer (issue #30, item 3) ------------------------------------------------------------------------------
+OPTIM = sorted((SRC / "optim").glob("*.py"))
+CONTRACT_NAMES = {"g", "w", "p", "t", "active", "started", "max_norm", "m", "v", "buf",  # the programs' tensors
+                  "exp_avg", "exp_avg_sq", "momentum_buffer"}  # torch's state-dict keys of the moments
+
+
+def _strings(tree: ast.AST) -> list[ast.Constant]:
+    """The string literals of a module, its docstrings and f-strings' format specs (`:g`) aside."""
+    skip = {id(n.body[0].value) for n in ast.walk(tree) if isinstance(n, ast.Module | ast.ClassDef | ast.FunctionDef)
+            and n.body and isinstance(n.body[0], ast.Expr) and isinstance(n.body[0].value, ast.Constant)}
+    skip |= {id(c) for n in ast.walk(tree) if isinstance(n, ast.FormattedValue) and n.format_spec is not None
+             for c in ast.walk(n.format_spec)}
+    return [n for n in ast.walk(tree) if isinstance(n, ast.Constant) and isinstance(n.value, str) and id(n) not in skip]
+
+
+def test_the_optimizers_contract_with_its_programs_is_written_once():
+    """The names of the optimizer programs' inputs and state live in workloads/optimizer_contract.py alone: optim/
+    spells none of them, and the programs declare none by a literal name."""
+    spelt = [f"{p.name}:{n.lineno} {n.value!r}" for p in OPTIM for n in _strings(ast.parse(p.read_text()))
+             if n.value in CONTRACT_NAMES]
+    assert spelt == []
+    programs = SRC / "workloads" / "optimizers.py"
+    declared = [f"{programs.name}:{n.lineno}" for n in ast.walk(ast.parse(programs.read_text()))
+                if isinstance(n, ast.Call) and isinstance(n.func, ast.Attribute)
+                and n.func.attr in ("tensor", "state", "scalar", "scalars", "output")
+                and any(isinstance(a, ast.Constant) and isinstance(a.value, str)  # the name: first (output: second)
+                        for a in n.args[1 if n.func.attr == "output" else 0:][:1])]
+    assert declared == []
+
+
+def test_the_optimizer_reaches_its_executables_only_through_their_one_interface():
+    """optim/ uses of a bucket's executable only the members BucketProgram declares, all public, and Executable has
+    every one of them."""
+    from cocoweave.backends.torch.executable import Executable
+    from cocoweave.optim.bucket_program import BucketProgram
+
+    interface = {n for n in vars(BucketProgram) if not n.startswith("_")}
+    assert interface and all(hasattr(Executable, n) for n in interface)
+    used = set()
+    for p in OPTIM:
+        for n in ast.walk(ast.parse(p.read_text())):
+            if isinstance(n, ast.Attribute) and (isinstance(n.value, ast.Name) and n.value.id == "exe" or
+                                                 isinstance(n.value, ast.Attribute) and n.value.attr == "exe"):
+                used.add(n.attr)
+    assert used and used <= interface
+
+
+def test_no_optimizer_file_holds_more_than_one_job():
+    """optim/'s files stay small (one job each, ~350 lines at most); the torch face (base.py) smaller still."""
+    lines = {p.name: len(p.read_text().splitlines()) for p in OPTIM}
+    assert max(lines.values()) <= 350 and lines["base.py"] <= 200, lines
+
+
 # -- collective algorithms: one table (cocoweave.collectives), issue #30 --------------------------------------------
 def _ctx_calls(path: Path) -> list[tuple[int, str]]:
     """(line, expression) of every name an f-string of `path` formats straight after `ctx.`: a runtime method name

@@ -20,15 +20,14 @@ import tempfile
 import warnings
 from pathlib import Path
 
+from . import settings
 from .atomic import write_text
 
 log = logging.getLogger(__name__)
 
-CACHE_ENV = "COCOWEAVE_CACHE"
-MAX_FILES_ENV = "COCOWEAVE_CACHE_MAX_FILES"
-MAX_MB_ENV = "COCOWEAVE_CACHE_MAX_MB"
-DEFAULT_MAX_FILES = 1000
-DEFAULT_MAX_MB = 100.0
+CACHE_ENV = settings.CODE_CACHE.name
+MAX_FILES_ENV = settings.CACHE_MAX_FILES.name
+MAX_MB_ENV = settings.CACHE_MAX_MB.name
 SUFFIX = ".py"
 
 _WARNED: set[str] = set()  # folders this process has warned about
@@ -42,29 +41,22 @@ class CacheWarning(UserWarning):
 def cache_dir() -> Path:
     """Where generated modules are kept: $COCOWEAVE_CACHE/plans, else the user's cache folder (the XDG rule:
     $XDG_CACHE_HOME when it is an absolute path, else ~/.cache) /cocoweave/plans."""
-    if os.environ.get(CACHE_ENV):
-        return Path(os.environ[CACHE_ENV]) / "plans"
+    folder = settings.CODE_CACHE.get()
+    if folder:
+        return folder / "plans"
     xdg = os.environ.get("XDG_CACHE_HOME", "")
     base = Path(xdg) if os.path.isabs(xdg) else Path.home() / ".cache"
     return base / "cocoweave" / "plans"
 
 
-def _limit(env: str, default: float) -> float:
-    try:
-        value = float(os.environ.get(env, default))
-    except ValueError:
-        return default
-    return value if value > 0 else default
-
-
 def max_files() -> int:
     """How many files the cache keeps: $COCOWEAVE_CACHE_MAX_FILES, default 1000."""
-    return int(_limit(MAX_FILES_ENV, DEFAULT_MAX_FILES))
+    return int(settings.CACHE_MAX_FILES.get())
 
 
 def max_bytes() -> int:
     """How many bytes the cache keeps: $COCOWEAVE_CACHE_MAX_MB megabytes, default 100."""
-    return int(_limit(MAX_MB_ENV, DEFAULT_MAX_MB) * 1e6)
+    return int(settings.CACHE_MAX_MB.get() * 1e6)
 
 
 def _warn_once(folder: Path, exc: OSError) -> None:

@@ -49,3 +49,8 @@ class CheckpointError(CocoweaveError):
 
 class ElasticError(CocoweaveError, ValueError):
     """An elastic-training policy, sampler state or resize schedule cannot be used as given."""
+
+
+class SettingsError(CocoweaveError, ValueError):
+    """An environment variable cocoweave reads (a COCOWEAVE_* setting, a launcher's rank variable) is malformed,
+    or two launchers' variables disagree."""

@@ -24,12 +24,13 @@ import time
 from dataclasses import dataclass
 from typing import Any
 
+from . import settings
 from .errors import CocoweaveError
 from .log import log_to_stderr
 
 log = logging.getLogger(__name__)
 
-ENV_VAR = "COCOWEAVE_FAULT"
+ENV_VAR = settings.FAULT.name
 ACTIONS = ("exit", "kill", "sleep", "raise")
 
 ACTIVE = False  # whether `enter` must be called at stage entries (checked inline by the runtime)
@@ -173,9 +174,9 @@ def maybe_fault(rank: int, stage: int, label: str) -> None:
     raise InjectedFault(f"injected fault on rank {rank} at {at}")
 
 
-if os.environ.get(ENV_VAR):  # faults asked for in the environment announce themselves on stderr
+if settings.FAULT.text():  # faults asked for in the environment announce themselves on stderr
     log_to_stderr(logging.WARNING, __name__)
 try:
-    configure(os.environ.get(ENV_VAR))
+    configure(settings.FAULT.text())
 except CocoweaveError as _exc:  # never fail an import; say why the fault is not armed
     log.warning("fault not armed: %s", _exc)

@@ -37,17 +37,19 @@ import cloudpickle
 import torch
 import torch.distributed as dist
 
-from . import faults
+from . import faults, settings
 from .backends.torch.placement import group_backend
 from .errors import BackendError
 from .lifetime import die_with_parent
 from .loader import import_module_file
+from .rankenv import RankEnv, cores, missing_to_join
+from .rankenv import in_torchrun as in_torchrun  # re-exported: examples and the CLI ask launch
+from .rankenv import torchrun_device as torchrun_device
 
 log = logging.getLogger(__name__)
 
-_ENV_VARS = ("RANK", "WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT")
 MAX_TIMEOUT_S = 7 * 24 * 3600.0  # a week: longer waits are a mistake (and overflow some timers)
-MAX_RANKS_ENV = "COCOWEAVE_MAX_LOCAL_RANKS"
+MAX_RANKS_ENV = settings.MAX_LOCAL_RANKS.name
 _ERROR_GRACE_S = 2.0  # after a rank raises, how long the others may take to finish before teardown
 _EXIT_GRACE_S = 0.25  # after a rank exits, how long to gather other exits before tearing down
 _CLOSE_WAIT_S = 5.0
@@ -88,10 +90,7 @@ def check_seconds(value: float, what: str) -> float:
 
 def max_local_ranks() -> int:
     """How many ranks a LocalWorld may start: $COCOWEAVE_MAX_LOCAL_RANKS, else 4 per core and at least 16."""
-    env = os.environ.get(MAX_RANKS_ENV, "")
-    if env.strip().isdigit() and int(env) > 0:
-        return int(env)
-    return max(16, 4 * _cores())
+    return settings.MAX_LOCAL_RANKS.get() or max(16, 4 * cores())
 
 
 def check_local_ranks(world_size: int) -> int:
@@ -103,13 +102,6 @@ def check_local_ranks(world_size: int) -> int:
                            f"(at most {max_local_ranks()}: 4 per core, at least 16; set {MAX_RANKS_ENV} "
                            "to allow more)")
     return world_size
-
-
-def _cores() -> int:
-    try:
-        return len(os.sched_getaffinity(0))
-    except AttributeError:
-        return os.cpu_count() or 1
 
 
 def listening_store(host: str, port: int, timeout_s: float, world_size: int | None = None) -> dist.TCPStore:
@@ -141,54 +133,34 @@ def _is_loopback(host: str) -> bool:
 # ---------------------------------------------------------------------------------------------------------
 
 
-def in_torchrun() -> bool:
-    """Whether this process was started by torchrun (or has RANK, WORLD_SIZE, MASTER_ADDR, MASTER_PORT)."""
-    return "TORCHELASTIC_RUN_ID" in os.environ or all(k in os.environ for k in _ENV_VARS)
-
-
-def torchrun_device(local_rank: int, local_size: int, backend: str | None = None) -> tuple[torch.device, str]:
-    """(device, backend) of a torchrun rank: the CPU and Gloo without a GPU; with GPUs, GPU local_rank % count and
-    NCCL when every local rank has its own GPU, Gloo with CUDA tensors when ranks share one. Examples must build
-    their model on this device: NCCL refuses CPU tensors."""
-    if torch.cuda.is_available():
-        n_gpus = torch.cuda.device_count()
-        return torch.device("cuda", local_rank % n_gpus), backend or ("nccl" if local_size <= n_gpus else "gloo")
-    if backend == "nccl":
-        raise BackendError("backend nccl needs CUDA, and no GPU is visible to this rank")
-    return torch.device("cpu"), backend or "gloo"
-
-
 def init_from_env(timeout_s: float = 60.0, backend: str | None = None) -> tuple[int, int, torch.device]:
-    """Initialise the default process group from torchrun's env vars; returns (rank, world_size, device).
+    """Initialise the default process group from the launcher's env vars (torchrun's, or SLURM's with MASTER_ADDR
+    and MASTER_PORT exported: see `cocoweave.rankenv`); returns (rank, world_size, device).
 
     Gloo on CPU; on CUDA, NCCL with one GPU per local rank, or Gloo with CUDA tensors if ranks share GPUs."""
-    missing = [k for k in _ENV_VARS if k not in os.environ]
+    missing = missing_to_join()
     if missing:
         raise BackendError(f"init_from_env needs {', '.join(missing)} in the environment; "
-                           "start the program with torchrun")
-    try:
-        rank, world_size = int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"])
-        local_rank = int(os.environ.get("LOCAL_RANK", rank))
-        local_size = int(os.environ.get("LOCAL_WORLD_SIZE", world_size))
-    except ValueError as exc:
-        raise BackendError(f"torchrun environment variables must be integers: {exc}") from None
-    device, chosen = torchrun_device(local_rank, local_size, backend or os.environ.get("COCOWEAVE_BACKEND"))
+                           "start the program with torchrun (under srun, export MASTER_ADDR and MASTER_PORT)")
+    env = RankEnv.from_env()
+    rank, world_size, local_size = env.rank, env.world_size, env.local_world_size
+    device, chosen = env.device(backend)
     if device.type == "cuda":
         torch.cuda.set_device(device)
     timeout_s = check_seconds(timeout_s, "timeout_s")
     if dist.is_initialized():
         return dist.get_rank(), dist.get_world_size(), device
-    host = os.environ["MASTER_ADDR"]
+    host = env.master_addr or ""
     if chosen == "gloo" and "GLOO_SOCKET_IFNAME" not in os.environ and local_size == world_size \
             and _is_loopback(host):
         _use_loopback_for_gloo()  # the whole world on this host, met at a loopback address: Gloo stays there too
     try:
-        store = _rank_store(rank, world_size, timeout_s)
+        store = _rank_store(rank, world_size, timeout_s, env)
         dist.init_process_group(group_backend(chosen), store=store, rank=rank, world_size=world_size,
                                 timeout=timedelta(seconds=timeout_s),
                                 device_id=device if chosen == "nccl" else None)  # NCCL: eager init on this GPU
     except Exception as exc:  # noqa: BLE001 - every init failure becomes one sentence
-        _raise(f"rank {rank} could not join the process group at {host}:{os.environ['MASTER_PORT']}: "
+        _raise(f"rank {rank} could not join the process group at {host}:{env.master_port}: "
                f"{type(exc).__name__}: {_first_line(exc)}", ranks=[rank])
     _RANK.update(rank=rank, world_size=world_size, device=device, backend=chosen)
     faults.track(faults.Progress(-1))  # record the stage this rank is in, for error messages
@@ -224,16 +196,16 @@ def rank_failure(exc: BaseException, rank: int | None = None) -> BackendError:
     return err
 
 
-def _rank_store(rank: int, world_size: int, timeout_s: float) -> dist.Store:
+def _rank_store(rank: int, world_size: int, timeout_s: float, env: RankEnv) -> dist.Store:
     """The store of the process group: under torchrun's agent store, a prefix of it private to this restart
     attempt; otherwise rank 0 serves one on MASTER_ADDR:MASTER_PORT (bound to that address only).
 
     torchrun's agent TCPStore outlives a restart (torch 2.13, c10d rendezvous): keys the killed workers
     wrote are still there for the restarted ones, which then may read stale process-group keys (restarts
     that failed to connect or hung were seen without this prefix); the prefix keeps attempts apart."""
-    host, port = os.environ["MASTER_ADDR"], int(os.environ["MASTER_PORT"])
-    if os.environ.get("TORCHELASTIC_USE_AGENT_STORE") == "True":
-        attempt = os.environ.get("TORCHELASTIC_RESTART_COUNT", "0")
+    host, port = env.master_addr or "", env.master_port or 0
+    if env.agent_store:
+        attempt = env.restart_count
         store = dist.TCPStore(host, port, world_size, is_master=False, timeout=timedelta(seconds=timeout_s))
         return dist.PrefixStore(f"cocoweave/attempt-{attempt}", store)
     if rank == 0:
@@ -421,7 +393,7 @@ def _ranks(ranks: list[int]) -> str:
 
 
 def _default_threads(world_size: int) -> int:
-    return max(1, _cores() // world_size)
+    return max(1, cores() // world_size)
 
 
 def _stopped(pid: int | None) -> bool:

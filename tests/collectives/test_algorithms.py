@@ -13,7 +13,7 @@ import pytest
 import torch
 import torch.distributed as dist
 
-import cocoweave.optim.base as optim_base
+import cocoweave.optim.schedule_choice as schedule_choice
 import cocoweave.tune as tune
 from cocoweave import collectives
 from cocoweave.backends import reference
@@ -48,7 +48,6 @@ def _register() -> collectives.Algorithm:
 
 @pytest.fixture
 def naive(monkeypatch) -> Iterator[collectives.Algorithm]:
-    monkeypatch.setattr(optim_base, "_SCHEDULES", {})  # the optimizers' enumerations, memoised, made without it
     monkeypatch.setattr(tune, "cached_schedule", lambda *a, **k: None)  # no tuner's choice from an earlier run
     algorithm = _register()
     try:
@@ -120,10 +119,10 @@ def test_the_cost_model_prices_it_with_its_own_traffic(naive):
 def test_the_optimizers_automatic_choice_asks_the_table(naive):
     program = _adam()
     whole = set(program.updates)  # nothing sliced: the choice is between algorithms
-    assert optim_base.resolve_schedule(program, "auto", 2, whole, "cpu", shared_host=False).name == "AR@naive-C"
+    assert schedule_choice.resolve_schedule(program, "auto", 2, whole, "cpu", shared_host=False).name == "AR@naive-C"
     collectives.unregister("naive")
     collectives.register(replace(naive, auto="never"))
-    assert optim_base.resolve_schedule(program, "auto", 2, whole, "cpu", shared_host=False).name == "AR-C"
+    assert schedule_choice.resolve_schedule(program, "auto", 2, whole, "cpu", shared_host=False).name == "AR-C"
 
 
 def test_an_unknown_algorithm_is_an_error_not_a_fallback():

@@ -4,12 +4,12 @@ per-rank values back into logical tensors."""
 from __future__ import annotations
 
 import math
-import os
 from collections.abc import Mapping, Sequence
 from typing import Any
 
 import torch
 
+from .. import settings
 from ..errors import InputError
 from ..ir.graph import Program, Value
 from ..ir.layout import Layout, Replicated, cut, local_shape, part_bounds, placements
@@ -18,7 +18,7 @@ from ..ir.types import DTYPES, bind_shape
 
 RankInputs = dict[str, Any]
 # Whether check_rank_inputs rejects NaN/Inf inputs by default (one pass over every input; off by default).
-CHECK_FINITE = os.environ.get("COCOWEAVE_CHECK_FINITE", "") not in ("", "0")
+CHECK_FINITE = settings.CHECK_FINITE.get()
 
 
 def bound_sizes(program: Program, sizes: Mapping[str, int] | None) -> dict[str, int]:

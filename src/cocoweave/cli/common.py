@@ -5,7 +5,6 @@ tables that never cut what they print."""
 from __future__ import annotations
 
 import functools
-import os
 from collections.abc import Callable
 from typing import Any
 
@@ -14,6 +13,7 @@ from rich.console import Console
 from rich.table import Table
 from rich.text import Text
 
+from .. import settings
 from ..errors import CocoweaveError
 
 console = Console()
@@ -56,7 +56,7 @@ def user_errors(fn: Callable[..., Any]) -> Callable[..., Any]:
         except MemoryError:
             raise fail("this machine ran out of memory; use smaller sizes or fewer ranks") from None
         except Exception as e:  # a bug of ours: one line, the traceback only on request
-            if os.environ.get("COCOWEAVE_DEBUG"):
+            if settings.DEBUG.get():
                 raise
             raise fail(f"internal error: {type(e).__name__}: {e} (set COCOWEAVE_DEBUG=1 for the traceback; "
                        "please report it)", EXIT_INTERNAL) from None

@@ -14,7 +14,7 @@ from typing import Annotated, Any, Literal
 
 import typer
 
-from .. import jsonable
+from .. import jsonable, settings
 from ..atomic import write_text
 from ..errors import BackendError, LoadError
 from ..ir.graph import Program
@@ -27,7 +27,7 @@ from ..schedule.schedule import Schedule
 
 DEFAULT_WORLD = "4"
 DEFAULT_TIMEOUT_S = 60.0
-LOAD_TIMEOUT_ENV = "COCOWEAVE_LOAD_TIMEOUT"
+LOAD_TIMEOUT_ENV = settings.LOAD_TIMEOUT.name
 DEFAULT_LOAD_TIMEOUT_S = 60.0
 
 SizeOpt = Annotated[list[str] | None, typer.Option("--size", "-s", help="A size as NAME=INT (repeatable).")]
@@ -77,14 +77,8 @@ def parse_timeouts(timeout: float, wall_timeout: float | None) -> tuple[float, f
 
 def load_timeout() -> float:
     """How long loading a program file may take: $COCOWEAVE_LOAD_TIMEOUT seconds, default 60."""
-    text = os.environ.get(LOAD_TIMEOUT_ENV, "")
-    if not text:
-        return DEFAULT_LOAD_TIMEOUT_S
-    try:
-        seconds = float(text)
-    except ValueError:
-        raise LoadError(f"{LOAD_TIMEOUT_ENV} must be a number of seconds, got {text!r}") from None
-    return parse_seconds(seconds, LOAD_TIMEOUT_ENV)
+    seconds = settings.LOAD_TIMEOUT.get()
+    return DEFAULT_LOAD_TIMEOUT_S if seconds is None else parse_seconds(seconds, LOAD_TIMEOUT_ENV)
 
 
 def select(program: Program, name: str | None, device: str | None = "cpu") -> list[Schedule]:

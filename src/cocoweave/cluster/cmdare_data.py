@@ -13,9 +13,10 @@ from pathlib import Path
 import numpy as np
 import pandas as pd
 
+from cocoweave import settings
 from cocoweave.errors import CocoweaveError
 
-DATA_ENV = "COCOWEAVE_CMDARE_DATA"
+DATA_ENV = settings.CMDARE_DATA.name
 PACKAGED_DATA = Path(__file__).resolve().parent / "data" / "cmdare"
 HELD_OUT_MODELS = ("custom9", "custom10", "shakesmall32d", "shakemid32d")
 # Vendor datasheet memory bandwidth per GPU die, GB/s (a K80 board holds two dies of 240.5 GB/s).
@@ -37,7 +38,7 @@ def canonical_model(name: str) -> str:
 def find_data_dir(explicit: str | os.PathLike | None = None) -> Path:
     """The CM-DARE data folder: `explicit`, else $COCOWEAVE_CMDARE_DATA, else the copy shipped with the
     package (`cluster/data/cmdare`, Apache-2.0, see its LICENSE)."""
-    given = explicit if explicit is not None else os.environ.get(DATA_ENV)
+    given = explicit if explicit is not None else settings.CMDARE_DATA.text()
     path = Path(given) if given else PACKAGED_DATA
     if (path / "speed_data").is_dir():
         return path

@@ -33,9 +33,10 @@ import torch
 import torch.distributed as dist
 from torch.utils._python_dispatch import TorchDispatchMode
 
-DIR_ENV = "COCOWEAVE_PROFILE_DIR"
-STEPS_ENV = "COCOWEAVE_PROFILE_STEPS"
-WARMUP_ENV = "COCOWEAVE_PROFILE_WARMUP"
+from .. import settings
+from ..rankenv import RankEnv
+
+DIR_ENV, STEPS_ENV, WARMUP_ENV = settings.PROFILE_DIR.name, settings.PROFILE_STEPS.name, settings.PROFILE_WARMUP.name
 COUNTED_STEP = 1  # the untimed step whose operations are counted (step 0 has no start boundary)
 
 # Collectives wrapped at torch.distributed's Python surface: name -> (index of the tensor whose bytes count,
@@ -266,13 +267,11 @@ def _difference(total: dict[str, Any], before: dict[str, Any] | None) -> dict[st
 
 
 def _rank() -> int:
-    return dist.get_rank() if dist.is_available() and dist.is_initialized() else int(os.environ.get("RANK", 0))
+    return RankEnv.current().rank
 
 
 def _world_size() -> int:
-    if dist.is_available() and dist.is_initialized():
-        return dist.get_world_size()
-    return int(os.environ.get("WORLD_SIZE", 1))
+    return RankEnv.current().world_size
 
 
 def install(recorder: StepRecorder) -> None:
@@ -304,16 +303,15 @@ def install(recorder: StepRecorder) -> None:
 
 def install_from_env() -> StepRecorder | None:
     """Install a recorder as the environment asks (see the module's docstring); None when it asks nothing."""
-    folder = os.environ.get(DIR_ENV)
+    folder = settings.PROFILE_DIR.get()
     if not folder:
         return None
-    threads = os.environ.get("OMP_NUM_THREADS")
-    if threads and threads.isdigit():
-        torch.set_num_threads(int(threads))
-    rank = int(os.environ.get("RANK", 0))
-    out = Path(folder) / f"rank{rank}.jsonl"
+    env = RankEnv.from_env()
+    if env.threads:
+        torch.set_num_threads(env.threads)
+    out = folder / f"rank{env.rank}.jsonl"
     out.unlink(missing_ok=True)
-    recorder = StepRecorder(out, int(os.environ.get(STEPS_ENV, "20")), int(os.environ.get(WARMUP_ENV, "3")))
+    recorder = StepRecorder(out, settings.PROFILE_STEPS.get(), settings.PROFILE_WARMUP.get())
     install(recorder)
     atexit.register(recorder.write_counts)  # the script ended before warmup + steps steps
     return recorder

@@ -30,6 +30,7 @@ from torch.distributed.elastic.multiprocessing.errors import ProcessFailure
 from cocoweave.cluster import profile_hooks
 from cocoweave.errors import CocoweaveError
 from cocoweave.lifetime import run_bounded
+from cocoweave.rankenv import cores
 
 PHASES = ("data_ms", "forward_ms", "backward_ms", "update_ms")
 CPU = ("cpu_main_ms", "cpu_other_ms")
@@ -99,14 +100,6 @@ def default_script_args(script: Path) -> list[str]:
             except ValueError as exc:
                 raise ProfileError(f"{script}: the '# cocoweave profile:' line cannot be split: {exc}.") from None
     return []
-
-
-def cores() -> int:
-    """CPU cores this process may run on."""
-    try:
-        return len(os.sched_getaffinity(0))
-    except AttributeError:
-        return os.cpu_count() or 1
 
 
 def _median(xs: Sequence[float]) -> float:

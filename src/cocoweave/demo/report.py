@@ -16,6 +16,7 @@ import torch
 from rich.table import Table
 
 from .. import jsonable
+from ..rankenv import cores
 from ..trace import merge_and_write
 from ..version import __version__
 from .runner import BaselineRow, DemoResult, Row, WorkloadResult
@@ -29,13 +30,9 @@ def machine() -> dict[str, Any]:
             cpu = next((line.split(":", 1)[1].strip() for line in f if line.startswith("model name")), cpu)
     except OSError:
         pass
-    try:
-        cores = len(os.sched_getaffinity(0))
-    except AttributeError:
-        cores = os.cpu_count() or 1
     gpu = torch.cuda.get_device_name(0) if torch.cuda.is_available() else None
     load = os.getloadavg()[0] if hasattr(os, "getloadavg") else None  # other work on the machine skews timings
-    return {"host": platform.node(), "os": platform.platform(), "cpu": cpu, "cores": cores, "gpu": gpu, "load": load,
+    return {"host": platform.node(), "os": platform.platform(), "cpu": cpu, "cores": cores(), "gpu": gpu, "load": load,
             "python": platform.python_version(), "torch": torch.__version__, "cocoweave": __version__}
 
 

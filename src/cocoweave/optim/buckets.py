@@ -16,6 +16,9 @@ from typing import Any
 
 import torch
 
+from .bucket_policy import BucketPolicy, flat_size
+from .bucket_program import BucketProgram
+
 
 @dataclass
 class Bucket:
@@ -29,7 +32,7 @@ class Bucket:
     data: torch.Tensor | None = None  # the parameters, flat ([N], or [T, N] for rows)
     grad: torch.Tensor | None = None  # their gradients, the same shape
     schedule: Any = None
-    exe: Any = None  # the compiled program (cocoweave Executable)
+    exe: BucketProgram | None = None  # the compiled program (cocoweave Executable), through its one interface
     masked: bool = False  # it runs the masked program: a parameter of the bucket once went without a gradient
     state: dict[str, torch.Tensor] = field(default_factory=dict)  # state given on every call (not kept sliced)
     step: int = 0  # steps taken while every parameter of the bucket had a gradient
@@ -50,8 +53,7 @@ class Bucket:
     def shape(self) -> tuple[int, ...]:
         if self.rows:
             return (len(self.params), self.params[0].numel())
-        used = sum(p.numel() for p in self.params)
-        return (-(-used // self.pad_to) * self.pad_to,)
+        return (flat_size(sum(p.numel() for p in self.params), self.pad_to),)
 
     @property
     def numel(self) -> int:
@@ -163,20 +165,10 @@ class Bucket:
 
 def make_buckets(group_index: int, params: Iterable[torch.nn.Parameter], cap_bytes: int,
                  rows: bool = False, pad_to: int = 1) -> list[Bucket]:
-    """Buckets of one parameter group: parameters that need gradients, by dtype and device (and size for rows), in
-    reverse order of registration (the order backward produces gradients), each at most `cap_bytes` unless one
-    parameter alone is larger. Flat buckets are padded to a multiple of `pad_to` (the world size), so that their
-    reduce-scatter and all-gather split evenly and take no padding copy."""
-    out: list[Bucket] = []
-    open_: dict[tuple, list[torch.nn.Parameter]] = {}
-    sizes: dict[tuple, int] = {}
-    for p in reversed([p for p in params if p.requires_grad]):
-        key = (p.dtype, p.device) + ((p.numel(),) if rows else ())
-        nbytes = p.numel() * p.element_size()
-        if key in open_ and sizes[key] + nbytes > cap_bytes:
-            out.append(Bucket(group_index, open_.pop(key), rows, pad_to))
-            sizes[key] = 0
-        open_.setdefault(key, []).append(p)
-        sizes[key] = sizes.get(key, 0) + nbytes
-    out += [Bucket(group_index, ps, rows, pad_to) for ps in open_.values()]
-    return out
+    """Buckets of one parameter group, as BucketPolicy(cap_bytes, rows, pad_to) partitions them."""
+    return buckets_of(BucketPolicy(cap_bytes, rows, pad_to), group_index, params)
+
+
+def buckets_of(policy: BucketPolicy, group_index: int, params: Iterable[torch.nn.Parameter]) -> list[Bucket]:
+    """Buckets of one parameter group: its parameters that need gradients as `policy` partitions them."""
+    return [Bucket(group_index, ps, policy.rows, policy.pad_to) for ps in policy.partition(params)]

@@ -10,6 +10,7 @@ from typing import Any, TypedDict, Unpack
 import torch
 
 from ..errors import OptimizerError
+from ..workloads.optimizer_contract import ADAM_STATE, ADAMW_SCALARS, SGD_SCALARS, SGD_STATE, STARTED
 from ..workloads.optimizers import adam_l2, adamw, lamb, sgd
 from .base import DistributedOptimizer
 from .buckets import Bucket
@@ -75,7 +76,7 @@ def _torch_keys(torch_class: type[torch.optim.Optimizer], options: dict[str, Any
 
 
 class _AdamLike(DistributedOptimizer):
-    state_keys = {"m": "exp_avg", "v": "exp_avg_sq"}
+    state_keys = ADAM_STATE
     torch_class: type[torch.optim.Optimizer] | None = None  # the torch optimizer it replaces (LAMB: none)
 
     def __init__(self, params: Iterable[Any], lr: float, betas: tuple[float, float], eps: float,
@@ -100,8 +101,7 @@ class _AdamLike(DistributedOptimizer):
 
     def scalars(self, group: dict[str, Any], step: int, b: Bucket) -> dict[str, float]:
         b1, b2 = group["betas"]
-        return {"lr": group["lr"], "beta1": b1, "beta2": b2, "eps": group["eps"],
-                "weight_decay": group["weight_decay"], "step": step}
+        return dict(zip(ADAMW_SCALARS, (group["lr"], b1, b2, group["eps"], group["weight_decay"], step), strict=True))
 
 
 class DistributedAdamW(_AdamLike):
@@ -162,7 +162,7 @@ class DistributedSGD(DistributedOptimizer):
     compiled program per bucket; sliced schedules keep the momentum buffer sliced."""
 
     workload = staticmethod(sgd)
-    state_keys = {"buf": "momentum_buffer"}
+    state_keys = SGD_STATE
     has_step = False
     sparse_grads = True
 
@@ -185,14 +185,13 @@ class DistributedSGD(DistributedOptimizer):
         # momentum the buffer is neither used nor changed (momentum_on = 0)
         on = group["momentum"] != 0
         fresh = not on or (not b.started and not b.masked)
-        return {"lr": group["lr"], "momentum": group["momentum"], "dampening": 0.0 if fresh else group["dampening"],
-                "weight_decay": group["weight_decay"], "nesterov": float(bool(group["nesterov"])),
-                "momentum_on": float(on)}
+        return dict(zip(SGD_SCALARS, (group["lr"], group["momentum"], 0.0 if fresh else group["dampening"],
+                                      group["weight_decay"], float(bool(group["nesterov"])), float(on)), strict=True))
 
     def stepped(self, group: dict[str, Any], b: Bucket) -> None:
         b.started = b.started or group["momentum"] != 0
 
     def has_state(self, b: Bucket, whole: Mapping[str, torch.Tensor], i: int) -> bool:
-        if "started" in whole and b.params[i].numel():
-            return bool(b.part(whole["started"], i).reshape(-1)[0] > 0.5)
+        if STARTED in whole and b.params[i].numel():
+            return bool(b.part(whole[STARTED], i).reshape(-1)[0] > 0.5)
         return b.started

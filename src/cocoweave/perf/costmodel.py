@@ -11,7 +11,6 @@ from __future__ import annotations
 
 import json
 import math
-import os
 from collections.abc import Mapping, Sequence
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
@@ -19,7 +18,7 @@ from typing import Any
 
 import numpy as np
 
-from .. import collectives
+from .. import collectives, settings
 from ..atomic import write_text
 from ..errors import CocoweaveError
 from ..ir import registry as R
@@ -32,7 +31,7 @@ from ..statedir import state_dir
 COLLECTIVE_OPS = R.names(R.COLLECTIVE)
 COMM_OPS = R.names(R.COLLECTIVE, R.P2P)
 FREE_OPS = ("update",)  # aliases: the write happens in the end-of-step state copy
-CALIBRATION_ENV = "COCOWEAVE_CALIBRATION_DIR"
+CALIBRATION_ENV = settings.CALIBRATION_DIR.name
 
 
 @dataclass(frozen=True)
@@ -95,8 +94,7 @@ class Calibration:
 
 def calibration_dir() -> Path:
     """$COCOWEAVE_CALIBRATION_DIR if set, else .cocoweave/ under the current directory."""
-    env = os.environ.get(CALIBRATION_ENV)
-    return Path(env) if env else state_dir()
+    return settings.CALIBRATION_DIR.get() or state_dir()
 
 
 def calibration_path(backend: str, device: str, world_size: int, folder: Path | None = None) -> Path:

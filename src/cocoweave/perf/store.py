@@ -28,10 +28,11 @@ import pandas as pd
 import pyarrow as pa
 import pyarrow.parquet as pq
 
+from cocoweave import settings
 from cocoweave.errors import StoreError
 from cocoweave.statedir import state_dir
 
-STORE_ENV = "COCOWEAVE_STORE"
+STORE_ENV = settings.STORE.name
 DEFAULT_STORE = Path(".cocoweave") / "store"
 PART_PREFIX = "part-"
 PART_SUFFIX = ".parquet"
@@ -172,8 +173,7 @@ def provenance(cwd: str | os.PathLike | None = None) -> dict[str, Any]:
 
 def default_store_path() -> Path:
     """$COCOWEAVE_STORE if set, else .cocoweave/store under the current directory."""
-    env = os.environ.get(STORE_ENV)
-    return Path(env) if env else state_dir() / DEFAULT_STORE.name
+    return settings.STORE.get() or state_dir() / DEFAULT_STORE.name
 
 
 class MeasurementStore:

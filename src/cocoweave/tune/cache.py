@@ -19,6 +19,7 @@ from typing import Any
 
 from filelock import FileLock, Timeout
 
+from .. import settings
 from ..atomic import write_text
 from ..errors import CocoweaveError, ScheduleError
 from ..ir.graph import Program
@@ -27,15 +28,14 @@ from ..statedir import state_dir
 
 log = logging.getLogger(__name__)
 
-CACHE_ENV = "COCOWEAVE_TUNE_CACHE"
+CACHE_ENV = settings.TUNE_CACHE.name
 VERSION = 1
 LOCK_TIMEOUT_S = 60.0  # how long a write waits for another process's write to the same cache
 
 
 def default_cache_path() -> Path:
     """$COCOWEAVE_TUNE_CACHE if set, else .cocoweave/tune-cache.json under the current directory."""
-    env = os.environ.get(CACHE_ENV)
-    return Path(env) if env else state_dir() / "tune-cache.json"
+    return settings.TUNE_CACHE.get() or state_dir() / "tune-cache.json"
 
 
 def cache_key(program: Program, sizes: Mapping[str, int], world_size: int, backend: str, device: str) -> str:

@@ -29,6 +29,21 @@ from ..errors import ProgramError
 from ..ir import Local, Program, Replicated, Value
 from ..ir.ops import all_reduce, cast, minimum, norm, sqrt, where
 from ..ir.types import Dim
+from .optimizer_contract import (
+    ACTIVE,
+    ADAM_SCALARS,
+    ADAMW_SCALARS,
+    EXP_AVG,
+    EXP_AVG_SQ,
+    GRAD,
+    MAX_NORM,
+    MOMENTUM,
+    PARAMS,
+    SGD_SCALARS,
+    STARTED,
+    STEPS,
+    WEIGHTS,
+)
 
 GRADS = ("local", "reduced")
 _PARAM_DTYPES = ("float32", "bfloat16", "float16")
@@ -60,20 +75,20 @@ class _Parts:
         _check(p, grad, reduction, param_dtype)
         self.p, self.shape, self.low = p, shape, param_dtype != "float32"
         self.state_dtype = "float32" if master_weights or not self.low else param_dtype
-        g = p.tensor("g", shape, param_dtype, Replicated if grad == "reduced" else Local)
+        g = p.tensor(GRAD, shape, param_dtype, Replicated if grad == "reduced" else Local)
         if grad == "local":  # with fp32 masters the gradients are reduced in float32 too (as Megatron does)
             g = _f32(all_reduce(_f32(g), reduction, weights=weights) if master_weights
                      else all_reduce(g, reduction, weights=weights))
         if clip:
-            (max_norm,) = p.scalars("max_norm")
+            (max_norm,) = p.scalars(MAX_NORM)
             g = g * minimum(max_norm / (norm(g) + CLIP_EPS), 1.0)
         self.g = _f32(g)
-        self.active = p.tensor("active", shape, "bool", Replicated) if masked else None
+        self.active = p.tensor(ACTIVE, shape, "bool", Replicated) if masked else None
         if self.low and master_weights:
-            self._w = p.tensor("w", shape, "float32", Replicated)
-            self._p = p.tensor("p", shape, param_dtype, Replicated)
+            self._w = p.tensor(WEIGHTS, shape, "float32", Replicated)
+            self._p = p.tensor(PARAMS, shape, param_dtype, Replicated)
         else:
-            self._w, self._p = p.tensor("w", shape, param_dtype, Replicated), None
+            self._w, self._p = p.tensor(WEIGHTS, shape, param_dtype, Replicated), None
         self.w = _f32(self._w)
 
     def state(self, name: str, init: str = "normal") -> tuple[Value, Value]:
@@ -102,7 +117,7 @@ class _Parts:
         """The step count to correct biases with: the runtime scalar, or per element `t` + 1 where active."""
         if self.active is None:
             return step
-        t = self.p.tensor("t", self.shape, "float32", Replicated, init="positive")
+        t = self.p.tensor(STEPS, self.shape, "float32", Replicated, init="positive")
         return self.write(t, t + where(self.active, 1.0, 0.0))
 
 
@@ -115,12 +130,12 @@ def sgd(N: int = 1 << 20, grad: str = "local", reduction: str = "avg", param_dty
     buffer as it is (torch neither uses nor changes it); a masked program tracks per element whether it started."""
     p = Program("sgd")
     x = _Parts(p, (N,), grad, reduction, param_dtype, master_weights, clip, masked)
-    buf, b = x.state("buf")
-    lr, momentum, dampening, wd, nesterov, on = p.scalars("lr momentum dampening weight_decay nesterov momentum_on")
+    buf, b = x.state(MOMENTUM)
+    lr, momentum, dampening, wd, nesterov, on = p.scalars(" ".join(SGD_SCALARS))
     d = x.g + wd * x.w
     damp = dampening
     if masked:
-        started = p.tensor("started", (N,), "float32", Replicated, init="unit")
+        started = p.tensor(STARTED, (N,), "float32", Replicated, init="unit")
         damp = where(started > 0.5, dampening, 0.0)  # torch's buffer starts as the gradient itself
         x.write(started, where(x.active, started + on - started * on, started))  # started or on (0/1 values)
     b1 = momentum * b + (1 - damp) * d
@@ -130,12 +145,11 @@ def sgd(N: int = 1 << 20, grad: str = "local", reduction: str = "avg", param_dty
     return p
 
 
-def _moments(x: _Parts, torch_order: bool = True) -> tuple[Value, Value]:
+def _moments(x: _Parts, b1: Value, b2: Value, torch_order: bool = True) -> tuple[Value, Value]:
     """Adam's moments; in torch's order of operations (m.lerp_(g, 1 - b1); v.mul_(b2).addcmul_(g, g,
     1 - b2)) or as the paper writes them (b1 * m + (1 - b1) * g)."""
-    b1, b2 = x.p.inputs["beta1"], x.p.inputs["beta2"]
-    m, mf = x.state("m")
-    v, vf = x.state("v", init="positive")  # a second moment is >= 0
+    m, mf = x.state(EXP_AVG)
+    v, vf = x.state(EXP_AVG_SQ, init="positive")  # a second moment is >= 0
     m_new = mf + (1 - b1) * (x.g - mf) if torch_order else b1 * mf + (1 - b1) * x.g
     return x.write(m, x.keep(m_new, mf)), x.write(v, x.keep(b2 * vf + (1 - b2) * (x.g * x.g), vf))
 
@@ -147,8 +161,8 @@ def adam(N: int = 1 << 20, grad: str = "local", reduction: str = "avg", param_dt
     w, m, v."""
     p = Program("adam")
     x = _Parts(p, (N,), grad, reduction, param_dtype, master_weights, clip, masked, weights)
-    lr, b1, b2, eps, step = p.scalars("lr beta1 beta2 eps step")
-    m1, v1 = _moments(x, torch_order=False)
+    lr, b1, b2, eps, step = p.scalars(" ".join(ADAM_SCALARS))
+    m1, v1 = _moments(x, b1, b2, torch_order=False)
     t = x.steps(step)
     x.write_weights(x.w - lr * (m1 / (1 - b1**t)) / (sqrt(v1 / (1 - b2**t)) + eps))
     return p
@@ -162,10 +176,10 @@ def adamw(N: int = 1 << 20, grad: str = "local", reduction: str = "avg", param_d
     decoupled=False it is torch.optim.Adam: L2 weight decay added to the gradient, g += wd * w."""
     p = Program("adamw" if decoupled else "adam_l2")
     x = _Parts(p, (N,), grad, reduction, param_dtype, master_weights, clip, masked, weights)
-    lr, b1, b2, eps, wd, step = p.scalars("lr beta1 beta2 eps weight_decay step")
+    lr, b1, b2, eps, wd, step = p.scalars(" ".join(ADAMW_SCALARS))
     if not decoupled:
         x.g = x.g + wd * x.w
-    m1, v1 = _moments(x)
+    m1, v1 = _moments(x, b1, b2)
     t = x.steps(step)
     step_size = lr / (1 - b1**t)
     denom = sqrt(v1) / (1 - b2**t) ** 0.5 + eps
@@ -183,8 +197,8 @@ def lamb(N: int = 1 << 20, T: int | None = None, grad: str = "local", reduction:
     p = Program("lamb")
     shape: tuple[Dim, ...] = (N,) if T is None else ((T, N) if rows else (N, T))
     x = _Parts(p, shape, grad, reduction, param_dtype, master_weights, clip, masked)
-    lr, b1, b2, eps, wd, step = p.scalars("lr beta1 beta2 eps weight_decay step")
-    m1, v1 = _moments(x)
+    lr, b1, b2, eps, wd, step = p.scalars(" ".join(ADAMW_SCALARS))
+    m1, v1 = _moments(x, b1, b2)
     t = x.steps(step)
     u = (m1 / (1 - b1**t)) / (sqrt(v1 / (1 - b2**t)) + eps) + wd * x.w
     per_tensor = {} if T is None else {"dim": 1 if rows else 0, "keepdim": True}
@@ -197,7 +211,7 @@ def lamb(N: int = 1 << 20, T: int | None = None, grad: str = "local", reduction:
 def reduce_gradient(shape: tuple[Dim, ...] = (1 << 20,), reduction: str = "avg") -> Program:
     """The gradient reduction alone (output `g`)."""
     p = Program("reduce_gradient")
-    p.output(all_reduce(p.tensor("g", tuple(shape), "float32", Local), reduction), "g")
+    p.output(all_reduce(p.tensor(GRAD, tuple(shape), "float32", Local), reduction), GRAD)
     return p
 
 

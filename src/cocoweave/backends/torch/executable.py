@@ -13,6 +13,7 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
+from ... import settings
 from ...codecache import write_source
 from ...errors import BackendError, InputError
 from ...ir.graph import Program, make_layout
@@ -32,12 +33,12 @@ _GROUPS: dict[tuple[int, ...], Any] = {}
 # "triton" (generated Triton kernels where a stage has one, else torch ops), "compiled" (torch.compile: one loop
 # per stage, Inductor's C++ on CPU), "torch" (torch ops one by one).
 KERNELS = ("auto", "triton", "compiled", "torch")
-KERNELS_ENV = "COCOWEAVE_KERNELS"  # the default route of every executable (e.g. "torch" where no C++ compiler is)
+KERNELS_ENV = settings.KERNELS.name  # the default route of every executable (e.g. "torch" where no C++ compiler is)
 
 
 def default_kernels() -> str:
     """The route fused stages take unless an executable is told otherwise: $COCOWEAVE_KERNELS, else "auto"."""
-    return os.environ.get(KERNELS_ENV, "auto")
+    return settings.KERNELS.get()
 
 
 def process_groups(program: Program, world_size: int, rank: int = 0) -> dict[str, Any]:
@@ -321,6 +322,24 @@ class Executable:
             group = self.ctx.group(axes[i] if axes[i] is not None else v.group.name)
             part = self.ctx.all_gather(part, p.dim, total, group, out=("gather_state", name, i), shares=p.shares)
         return part.clone()
+
+    # -- what an optimizer reads of its program (cocoweave.optim's BucketProgram) ----------------
+    @property
+    def sliced_state(self) -> list[str]:
+        """The state inputs this executable keeps sliced between calls (`adopt`, `gather_state`)."""
+        return self.plan.sliced_state
+
+    def tensor_inputs(self) -> dict[str, torch.dtype]:
+        """The program's tensor inputs (its runtime scalars aside) and their torch dtypes, in program order."""
+        return {v.name: DTYPES[v.dtype] for v in self.program.tensor_inputs}
+
+    def stage_op(self, index: int) -> str:
+        """The collective stage `index` runs (e.g. "reduce_scatter"), "" for a computation."""
+        return getattr(self.plan.stages[index], "op", "")
+
+    def stage_names(self, index: int) -> tuple[str, ...]:
+        """The values stage `index` computes, by name (e.g. to pause a step before one)."""
+        return tuple(self.plan.stages[index].names)
 
     def trace(self, enabled: bool = True) -> None:
         self.ctx.tracing = enabled
