@@ -286,3 +286,61 @@ def test_the_resize_model_lives_with_the_planner_and_is_imported_at_the_top():
                          if isinstance(n, ast.ImportFrom) and n.module in ("cocoweave.elastic",
                                                                             "cocoweave.cluster.planning.resize")]
     assert not late, f"the resize model (or elastic) imported inside a function: {late}"
+
+
+# -- collective algorithms: one table (cocoweave.collectives), issue #30 --------------------------------------------
+def _ctx_calls(path: Path) -> list[tuple[int, str]]:
+    """(line, expression) of every name an f-string of `path` formats straight after `ctx.`: a runtime method name
+    computed by the code generator."""
+    found = []
+    for node in ast.walk(ast.parse(path.read_text(encoding="utf-8"))):
+        if isinstance(node, ast.JoinedStr):
+            for before, part in zip(node.values, node.values[1:]):
+                if isinstance(before, ast.Constant) and str(before.value).endswith("ctx.") and \
+                        isinstance(part, ast.FormattedValue):
+                    found.append((node.lineno, ast.unparse(part.value)))
+    return found
+
+
+def test_codegen_builds_no_runtime_method_name_from_strings():
+    """The torch code generator names a runtime method only as the implementation registered for (algorithm,
+    operation) (backends/torch/algorithms.py `method`), never by gluing an algorithm's name to an operation's."""
+    import re
+
+    calls = _ctx_calls(SRC / "backends" / "torch" / "codegen.py")
+    assert calls, "the code generator calls the runtime's collectives"
+    registered = r"(em|self)\.method\(\w+\)|runtime_method\([\w., ]+\)"  # backends/torch/algorithms.py's method
+    built = [(line, e) for line, e in calls if not re.fullmatch(registered, e)]
+    assert built == []
+    text = (SRC / "backends" / "torch" / "codegen.py").read_text(encoding="utf-8")
+    assert "runtime_method(" in text and "prefix()" not in text
+
+
+def _ratio_of_one_less(path: Path) -> list[int]:
+    """Lines of `path` whose code divides something built from `(x - 1)` by `x`: a bytes-moved factor like
+    2 * (p - 1) / p."""
+    lines = []
+    for node in ast.walk(ast.parse(path.read_text(encoding="utf-8"))):
+        if isinstance(node, ast.BinOp) and isinstance(node.op, ast.Div) and isinstance(node.right, ast.Name):
+            x = node.right.id
+            for sub in ast.walk(node.left):
+                if isinstance(sub, ast.BinOp) and isinstance(sub.op, ast.Sub) and isinstance(sub.left, ast.Name) \
+                        and sub.left.id == x and isinstance(sub.right, ast.Constant) and sub.right.value == 1:
+                    lines.append(node.lineno)
+    return lines
+
+
+def test_the_bytes_moved_formula_exists_once():
+    """What a collective moves is written in collectives/traffic.py alone; the cost model, calibration and the
+    cluster's step scaling read it."""
+    where = {str(p.relative_to(SRC)): lines for p in SRC.rglob("*.py") if (lines := _ratio_of_one_less(p))}
+    assert list(where) == ["collectives/traffic.py"], where
+
+
+def test_collective_algorithms_sit_below_everything_that_reads_them():
+    assert [t for m, ts in GRAPH.items() if m.startswith("cocoweave.collectives") for t in ts
+            if not t.startswith(("cocoweave.collectives", "cocoweave.errors"))] == []
+    readers = ("cocoweave.schedule.stages", "cocoweave.schedule.enumerate", "cocoweave.backends.torch.codegen",
+               "cocoweave.perf.costmodel", "cocoweave.perf.calibrate", "cocoweave.cluster", "cocoweave.optim")
+    reading = {m for m, ts in GRAPH.items() if any(t.startswith("cocoweave.collectives") for t in ts)}
+    assert [r for r in readers if not any(m.startswith(r) for m in reading)] == []

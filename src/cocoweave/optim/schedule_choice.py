@@ -3,6 +3,7 @@ scalar all-reduce a clipped schedule pauses before."""
 
 from __future__ import annotations
 
+from .. import collectives
 from ..errors import OptimizerError
 from ..ir.graph import Program
 from ..schedule.enumerate import enumerate_schedules
@@ -13,8 +14,8 @@ _SCHEDULES: dict[str, list[Schedule]] = {}
 
 def _schedules(program: Program, device: str) -> list[Schedule]:
     """enumerate_schedules for tensors on `device`, memoised by program fingerprint (every bucket of one size shares
-    them)."""
-    key = f"{program.fingerprint()}/{device}"
+    them) and the table of collective algorithms' generation."""
+    key = f"{program.fingerprint()}/{device}/{collectives.generation()}"
     if key not in _SCHEDULES:
         _SCHEDULES[key] = enumerate_schedules(program, device)
     return _SCHEDULES[key]
@@ -56,8 +57,6 @@ def resolve_schedule(program: Program, schedule: str, world_size: int, whole: se
     if world_size == 1:
         return next((s for s in legal if s.name in ("AR-C", "C")), legal[0])
     most = max(len(s.sliced_state) for s in legal)
-    best = [s for s in legal if len(s.sliced_state) == most and "@ring" not in s.name and "fuse(" not in s.name
+    best = [s for s in legal if len(s.sliced_state) == most and "fuse(" not in s.name
             and not any(st.kind == "compute" and not st.fused for st in s.stages)]  # every computation one loop
-    on_shm = [s for s in best if "@shm" in s.name]
-    library = [s for s in best if "@" not in s.name]
-    return (on_shm if shared_host and device == "cpu" and on_shm else library or best or legal)[0]
+    return (collectives.choose(best, device, shared_host) or legal)[0]  # on the algorithms the table prefers

@@ -18,6 +18,7 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
+from .. import collectives
 from ..backends.torch.ring import ring_all_gather, ring_reduce_scatter
 from ..backends.torch.worker import timed_steps
 from ..ir.types import DTYPES
@@ -47,23 +48,22 @@ def _timed(fn: Callable[[], Any], iters: int, warmup: int, world_size: int, devi
 
 
 def _collectives(world_size: int, rank: int, n: int, dev: torch.device) -> dict[str, tuple[float, Callable[[], Any]]]:
-    """name -> (bytes moved per rank, the call) for a float32 tensor of n elements."""
+    """name -> (bytes moved per rank, the call) for a float32 tensor of n elements; what each moves is the table
+    of collective algorithms' (cocoweave.collectives)."""
     p = world_size
     x = torch.randn(n, device=dev)
     part = torch.empty(n // p, device=dev)
     full = torch.empty(n // p * p, device=dev)
     whole = 4 * n
-    calls: dict[str, tuple[float, Callable[[], Any]]] = {
-        "all_reduce/library": (2 * (p - 1) / p * whole, lambda: dist.all_reduce(x)),
-        "reduce_scatter/library": ((p - 1) / p * whole,
-                                   lambda: dist.reduce_scatter_tensor(part, x[: n // p * p])),
-        "all_gather/library": ((p - 1) / p * whole, lambda: dist.all_gather_into_tensor(full, part)),
-        "broadcast/library": (whole, lambda: dist.broadcast(x, 0)),
-        "reduce/library": (whole, lambda: dist.reduce(x, 0)),
-        "reduce_scatter/ring": ((p - 1) / p * whole, lambda: ring_reduce_scatter(x, 0, "sum", None, part)),
-        "all_gather/ring": ((p - 1) / p * whole, lambda: ring_all_gather(part, 0, None, full)),
-        "all_reduce/ring": (2 * (p - 1) / p * whole,
-                            lambda: (ring_reduce_scatter(x, 0, "sum", None, part), ring_all_gather(part, 0, None, x))),
+    calls: dict[str, Callable[[], Any]] = {
+        "all_reduce/library": lambda: dist.all_reduce(x),
+        "reduce_scatter/library": lambda: dist.reduce_scatter_tensor(part, x[: n // p * p]),
+        "all_gather/library": lambda: dist.all_gather_into_tensor(full, part),
+        "broadcast/library": lambda: dist.broadcast(x, 0),
+        "reduce/library": lambda: dist.reduce(x, 0),
+        "reduce_scatter/ring": lambda: ring_reduce_scatter(x, 0, "sum", None, part),
+        "all_gather/ring": lambda: ring_all_gather(part, 0, None, full),
+        "all_reduce/ring": lambda: (ring_reduce_scatter(x, 0, "sum", None, part), ring_all_gather(part, 0, None, x)),
     }
     if p % 2 == 0:
         peer = rank ^ 1
@@ -74,8 +74,14 @@ def _collectives(world_size: int, rank: int, n: int, dev: torch.device) -> dict[
             for w in dist.batch_isend_irecv(ops):
                 w.wait()
 
-        calls["p2p/library"] = (whole, p2p)
-    return calls
+        calls["p2p/library"] = p2p
+    return {key: (_moved(key, p) * whole, call) for key, call in calls.items()}
+
+
+def _moved(key: str, p: int) -> float:
+    """The fraction of its tensor a rank moves in benchmark `key` ("all_reduce/ring") at p ranks."""
+    op, algorithm = key.split("/")
+    return collectives.get(algorithm).traffic(op, p)
 
 
 def microbench(rank: int, world_size: int, spec: Spec) -> list[dict[str, Any]]:

@@ -1,10 +1,10 @@
 """Analytic cost model: a schedule's step time from its Plan.
 
-Each collective costs alpha + beta x bytes moved per rank (by operation and algorithm), each computation
-op costs a launch overhead + bytes / bandwidth (a roofline on memory traffic), a matmul an overhead +
-flops / rate; a chunked (overlapped) chain runs as a pipeline: every part's per-chunk time, plus
-(chunks - 1) x the slowest part, plus a per-chunk overhead. The constants come from `perf calibrate`
-(`Calibration`); `fit_alpha_beta` fits them from microbenchmarks.
+Each collective costs alpha + beta x bytes moved per rank (by operation and algorithm, as the table of collective
+algorithms says: cocoweave.collectives), each computation op costs a launch overhead + bytes / bandwidth (a
+roofline on memory traffic), a matmul an overhead + flops / rate; a chunked (overlapped) chain runs as a pipeline:
+every part's per-chunk time, plus (chunks - 1) x the slowest part, plus a per-chunk overhead. The constants come
+from `perf calibrate` (`Calibration`); `fit_alpha_beta` fits them from microbenchmarks.
 """
 
 from __future__ import annotations
@@ -18,7 +18,7 @@ from typing import Any
 
 import numpy as np
 
-from .. import settings
+from .. import collectives, settings
 from ..atomic import write_text
 from ..errors import CocoweaveError
 from ..ir import registry as R
@@ -60,8 +60,10 @@ class Calibration:
     meta: dict[str, Any] = field(default_factory=dict)
 
     def collective(self, op: str, algorithm: str) -> AlphaBeta:
-        """The fitted line of `op` with `algorithm`, falling back to the library algorithm, then all_reduce's."""
-        for key in (f"{op}/{algorithm}", f"{op}/library", f"all_reduce/{algorithm}", "all_reduce/library"):
+        """The fitted line of `op` with `algorithm`, falling back to the lines of the algorithm the table prices it
+        as (the library's), then all_reduce's; UnknownAlgorithmError for an algorithm the table does not know."""
+        priced_as = collectives.get(algorithm).priced_as
+        for key in [f"{o}/{a}" for o in (op, "all_reduce") for a in (algorithm, priced_as) if a is not None]:
             if key in self.collectives:
                 return self.collectives[key]
         return AlphaBeta(0.0, 0.0)
@@ -183,7 +185,7 @@ def _comm_term(v: Value, algorithm: str, sizes: Mapping[str, int], world_size: i
     whole = local_bytes(src if v.op != "all_gather" else v, sizes, world_size)
     if backend_wire == "gloo" and v.dtype in ("float16", "bfloat16"):
         whole *= 2  # Gloo reduces half types in float32
-    moved = {"all_reduce": 2 * (p - 1) / p, "reduce_scatter": (p - 1) / p, "all_gather": (p - 1) / p}.get(v.op, 1.0)
+    moved = collectives.get(algorithm).traffic(v.op, p)
     return Term("comm", f"{v.op}/{algorithm}", whole * moved if p > 1 else 0.0, 1 if p > 1 else 0)
 
 

@@ -6,7 +6,8 @@
 3. Groupings on each rewrite: fuse every computation stage into one kernel (`C`); fuse
    ReduceScatter + computation + AllGather; overlap matmul -> collective (-> epilogue) chains and
    collective -> computation -> send chains with 2, 4 or 8 chunks.
-4. Algorithms: the program as written with its AllReduces on the ring (`AR@ring`), every fused
+4. Algorithms, as the table of collective algorithms (cocoweave.collectives) says for each one offered on the
+   device: the program as written with its AllReduces on the ring (`AR@ring`), every fused
    ReduceScatter + computation + AllGather on CoCoNet's fused ring (`fuse(RS-C-AG)@ring`), and every fused
    schedule with all its communication through shared memory (`@shm`, for ranks of one host, on CPU tensors only:
    its segments are the host's memory, so a CUDA tensor would be copied to the host and back, or worse).
@@ -16,6 +17,7 @@ from __future__ import annotations
 
 from collections.abc import Callable
 
+from .. import collectives
 from ..errors import ScheduleError
 from ..ir.graph import Program
 from .as_slice import sliced_dim
@@ -136,12 +138,12 @@ def _chains(s: Schedule) -> list[list[Stage]]:
 def shm_offered(device: str) -> bool:
     """Whether the shared-memory algorithm is offered for tensors on `device` ("cpu", "cuda:0", "meta"...): only in
     the host's memory, which its segments are."""
-    return str(device).split(":")[0] == "cpu"
+    return collectives.get("shm").offered(device)
 
 
 def enumerate_schedules(program: Program, device: str = "cpu") -> list[Schedule]:
     """Every legal schedule of `program` by CoCoNet's recipe, deduplicated, the program as written first; for
-    tensors on `device` (no `@shm` schedule off the CPU, see `shm_offered`)."""
+    tensors on `device` (each algorithm where the table offers it: no `@shm` schedule off the CPU)."""
     found: dict[str, Schedule] = {}
 
     def add(s: Schedule | None) -> None:
@@ -160,12 +162,11 @@ def enumerate_schedules(program: Program, device: str = "cpu") -> list[Schedule]
                 for n in CHUNKS:
                     refs = [c.anchor for c in chain]
                     add(_try(lambda base=base, refs=refs, n=n: _overlapped(program, base, refs, n)))
-        if not steps:
-            add(_on(program, bases[0], ("collective",), "ring"))
-        if bases[1] is not None:
-            add(_on(program, bases[1], ("fused",), "ring"))
-        for base in [b for b in bases if b is not None and shm_offered(device)]:
-            add(_on(program, base, ("collective", "fused", "p2p"), "shm"))
+        on = {"written": None if steps else bases[0], "each": bases[0], "fused": bases[1]}
+        for algorithm in [a for a in collectives.algorithms() if a.offered(device)]:
+            for base, kinds in algorithm.enumerated:
+                if on[base] is not None:
+                    add(_on(program, on[base], kinds, algorithm.name))
     return list(found.values())
 
 
@@ -173,8 +174,9 @@ _ENUMERATED: dict[str, list[Schedule]] = {}
 
 
 def schedules_of(program: Program) -> list[Schedule]:
-    """enumerate_schedules, memoised by program fingerprint (a model's layers of one shape share them)."""
-    key = program.fingerprint()
+    """enumerate_schedules, memoised by program fingerprint (a model's layers of one shape share them) and the
+    table of collective algorithms' generation."""
+    key = f"{program.fingerprint()}/{collectives.generation()}"
     if key not in _ENUMERATED:
         _ENUMERATED[key] = enumerate_schedules(program)
     return _ENUMERATED[key]

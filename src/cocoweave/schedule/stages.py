@@ -15,6 +15,7 @@ from __future__ import annotations
 from dataclasses import dataclass, replace
 from typing import Any, ClassVar
 
+from .. import collectives
 from ..errors import ScheduleError
 from ..ir import registry as R
 from ..ir.graph import Program, Value
@@ -25,11 +26,8 @@ COMPUTE_OPS = R.names(*R.COMPUTE_GROUPS)
 ELEMENTWISE_OPS = R.names(*R.ELEMENTWISE_GROUPS)
 TOKENS = {"all_reduce": "AR", "reduce_scatter": "RS", "all_gather": "AG", "broadcast": "BC", "reduce": "R"}
 CHUNKABLE_COMM = ("all_reduce", "reduce_scatter", "all_gather", "send")
-# How a communication stage moves its data: torch.distributed's call; a ring over point-to-point messages; shared
-# memory between the ranks of one host (backends/torch/shm.py; the library's call where ranks do not share one).
-ALGORITHMS = ("library", "ring", "shm")
-RING_COLLECTIVES = ("all_reduce", "reduce_scatter", "all_gather")
-RING_OPS = ("sum", "avg", "max", "min")
+# How a communication stage moves its data, and where each way is legal: the table of collective algorithms
+# (cocoweave.collectives).
 
 
 @dataclass(frozen=True)
@@ -309,28 +307,36 @@ def _library_only(group: list[Stage], verb: str) -> None:
 
 
 def set_algorithm(program: Program, stages: list[Stage], ref: str | Stage, algorithm: str) -> list[Stage]:
-    """Run one collective stage (AR, RS, AG), fused RS-C-AG stage or (shm only) P2P stage on `algorithm`. The ring
-    and shm need a sum/avg/max/min reduction, and a fused ring applies its computation piece by piece along the
-    scattered dimension, so every computed value must be elementwise and sliced along that dimension."""
-    if algorithm not in ALGORITHMS:
-        raise ScheduleError(f"unknown collective algorithm {algorithm!r}; choose one of {', '.join(ALGORITHMS)}")
+    """Run one collective stage (AR, RS, AG), fused RS-C-AG stage or P2P stage on `algorithm`, where the table of
+    collective algorithms says it implements the stage's operations and reductions; an algorithm that fuses runs
+    the computation piece by piece along the scattered dimension, so every computed value must be elementwise and
+    sliced along that dimension."""
+    try:
+        entry = collectives.get(algorithm)
+    except collectives.UnknownAlgorithmError as e:
+        raise ScheduleError(str(e)) from None
     i = locate(stages, ref)
     s = stages[i]
     lab = s.label
-    if isinstance(s, P2P) and algorithm in ("library", "shm"):
+    if isinstance(s, P2P):
+        if not entry.implements("send"):
+            raise ScheduleError(f"cannot run {lab} (`{s.anchor}`) as a {algorithm}: it has no point-to-point send")
         return stages[:i] + [replace(s, algorithm=algorithm)] + stages[i + 1:]
     if not isinstance(s, Collective | FusedCollective):
         raise ScheduleError(f"cannot choose an algorithm for stage {lab} (`{s.anchor}`): only collective stages "
-                            "(AR, RS, AG), fused RS-C-AG stages and (on shm) P2P stages have one")
+                            "(AR, RS, AG), fused RS-C-AG stages and P2P stages have one")
     head = value(program, s.anchor)
-    if head.op not in RING_COLLECTIVES and algorithm != "library":
-        raise ScheduleError(f"cannot run {lab} (`{s.anchor}`) as a {algorithm}: only {', '.join(RING_COLLECTIVES)} "
-                            "have one")
+    ops = [value(program, p.anchor).op for p in (s.parts if isinstance(s, FusedCollective) else (s,))
+           if isinstance(p, Collective)]
+    missing = next((op for op in ops if not entry.implements(op)), None)
+    if missing is not None:
+        done = [op for op in entry.collectives if op not in ("send", collectives.FUSED)]
+        raise ScheduleError(f"cannot run {lab} (`{s.anchor}`) as a {algorithm}: only {', '.join(done)} have one")
     op = head.attrs.get("op")
-    if op is not None and op not in RING_OPS and algorithm != "library":
-        raise ScheduleError(f"cannot run {lab} (`{s.anchor}`) as a {algorithm}: it reduces with {op!r}, and a ring "
-                            f"reduces with one of {', '.join(RING_OPS)}")
-    if isinstance(s, FusedCollective) and algorithm == "ring":
+    if not entry.reduces(op):
+        raise ScheduleError(f"cannot run {lab} (`{s.anchor}`) as a {algorithm}: it reduces with {op!r}, and a "
+                            f"{algorithm} reduces with one of {', '.join(entry.reductions or ())}")
+    if isinstance(s, FusedCollective) and entry.fuses:
         dim = head.attrs["dim"]
         axis, count = axis_of(head)
         for n in (n for p in s.parts if isinstance(p, Compute) for n in p.names):

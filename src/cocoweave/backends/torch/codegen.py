@@ -12,7 +12,7 @@ from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
 from typing import Any
 
-from ... import rng
+from ... import collectives, rng
 from ...ir import registry as R
 from ...ir.graph import Value
 from ...ir.layout import part_bounds, placements, slice_bounds
@@ -20,6 +20,7 @@ from ...ir.printer import operand
 from ...ir.semantics import local_rank
 from ...ir.types import bind_shape
 from ...plan import P2P, Collective, Compute, FusedCollective, Overlap, Plan, RankView, Stage
+from .algorithms import method as runtime_method
 
 RESERVED = {"ctx", "I", "torch", "rt", "math", "step", "OUT"}
 INPLACE = {"add": "add_", "sub": "sub_", "mul": "mul_", "div": "div_"}  # ops whose results are fresh tensors
@@ -38,7 +39,7 @@ class Emitter:
     live_out: set[int] = field(default_factory=set)
     used: set[str] = field(default_factory=set)
     scratch: dict[int, int] = field(default_factory=dict)  # temporary of this stage -> its last reader (in place)
-    algorithm: str = "library"  # the collective algorithm of the stage being emitted
+    algorithm: str = collectives.DEFAULT  # the collective algorithm of the stage being emitted
     defs: list[str] = field(default_factory=list)  # module-level functions (fused stages), before `step`
     in_function: bool = False  # emitting the body of a fused stage's function (no ctx there)
     extra: dict[str, str] = field(default_factory=dict)  # function parameter -> its argument at the call (host)
@@ -222,17 +223,17 @@ class Emitter:
         if self.chunk is not None:
             dim, nd, se = self.chunk
             shape = f"rt.with_dim({shape}, {dim - (nd - v.ndim)}, {se}[1])"
-        return (f"ctx.{self.prefix()}send_recv({x if sending else 'None'}, peer={peer}, sending={sending}, "
+        return (f"ctx.{self.method(v)}({x if sending else 'None'}, peer={peer}, sending={sending}, "
                 f"shape={shape}, dtype=torch.{v.dtype}{tail})")
 
     def op(self, v: Value) -> str:
         """The reduction a collective runs: a weighted average sums operands scaled by their weights."""
         return "sum" if v.attrs.get("weights") is not None else v.attrs["op"]
 
-    def prefix(self) -> str:
-        """The runtime method's prefix for the stage's algorithm: ring_ (ring.py) and shm_ (shm.py) take the
-        library's arguments (both synchronous, never chunked)."""
-        return "" if self.algorithm == "library" else f"{self.algorithm}_"
+    def method(self, v: Value) -> str:
+        """The runtime method communication value v calls on the stage's algorithm: its registered implementation
+        (backends/torch/algorithms.py); the others take the library's arguments (synchronous, never chunked)."""
+        return runtime_method(self.algorithm, v.op)
 
 
 HALF = ("float16", "bfloat16")
@@ -302,13 +303,13 @@ HOST: dict[str, Callable[[Value, list[str]], str]] = {
 
 # communication -> (emitter, value, operand, group, tail arguments) -> runtime call
 COMM: dict[str, Callable[[Emitter, Value, str, str, str], str]] = {
-    "all_reduce": lambda em, v, x, g, t: f"ctx.{em.prefix()}all_reduce({x}, {em.op(v)!r}, {g}{t})",
+    "all_reduce": lambda em, v, x, g, t: f"ctx.{em.method(v)}({x}, {em.op(v)!r}, {g}{t})",
     "reduce_scatter": lambda em, v, x, g, t:
-        f"ctx.{em.prefix()}reduce_scatter({x}, {em.op(v)!r}, {v.attrs['dim']}, {g}{t})",
+        f"ctx.{em.method(v)}({x}, {em.op(v)!r}, {v.attrs['dim']}, {g}{t})",
     "all_gather": lambda em, v, x, g, t:
-        f"ctx.{em.prefix()}all_gather({x}, {v.attrs['dim']}, {em.view.local_shape(v)[v.attrs['dim']]}, {g}{t})",
-    "broadcast": lambda em, v, x, g, t: f"ctx.broadcast({x}, {v.attrs['root']}, {g}{t})",
-    "reduce": lambda em, v, x, g, t: f"ctx.reduce({x}, {v.attrs['op']!r}, {v.attrs['root']}, {g}{t})",
+        f"ctx.{em.method(v)}({x}, {v.attrs['dim']}, {em.view.local_shape(v)[v.attrs['dim']]}, {g}{t})",
+    "broadcast": lambda em, v, x, g, t: f"ctx.{em.method(v)}({x}, {v.attrs['root']}, {g}{t})",
+    "reduce": lambda em, v, x, g, t: f"ctx.{em.method(v)}({x}, {v.attrs['op']!r}, {v.attrs['root']}, {g}{t})",
     "send": lambda em, v, x, g, t: em.send(v, x, t),
 }
 
@@ -351,7 +352,7 @@ def generate(plan: Plan, rank: int, world_size: int, sizes: Mapping[str, int],
         em.emit(f"# stage {i}: {stage.label}  [{', '.join(stage.names)}]")
         if isinstance(stage, Overlap):
             _emit_chunked(em, stage, i)
-        elif isinstance(stage, FusedCollective) and stage.algorithm == "ring":
+        elif isinstance(stage, FusedCollective) and collectives.get(stage.algorithm).fuses:
             _emit_fused_ring(em, stage, i)
         elif i in fused:
             k = fused[i]
@@ -366,7 +367,7 @@ def generate(plan: Plan, rank: int, world_size: int, sizes: Mapping[str, int],
             _emit_fused_call(em, stage, i, indent=2)
         else:
             em.emit(f'with ctx.span("{stage.label}", {i}):')
-            em.algorithm = getattr(stage, "algorithm", "library")
+            em.algorithm = getattr(stage, "algorithm", collectives.DEFAULT)
             for part in stage.parts if isinstance(stage, FusedCollective) else (stage,):
                 if isinstance(part, Compute) and part.fused:
                     _emit_fused_call(em, part, i, indent=2)
@@ -374,7 +375,7 @@ def generate(plan: Plan, rank: int, world_size: int, sizes: Mapping[str, int],
                 em.scratch = _scratch(em, part)
                 for v in part.values:
                     _emit_value(em, v, indent=2)
-            em.algorithm, em.scratch = "library", {}
+            em.algorithm, em.scratch = collectives.DEFAULT, {}
     em.emit("")
     em.emit("# results: state is written in place, outputs are returned")
     for name, v in plan.state.items():
@@ -394,8 +395,8 @@ def _launch(em: Emitter) -> list[str]:
     first = next((i for i, s in enumerate(em.plan.stages) if em.view.takes_part(s)), None)
     stage = em.plan.stages[first] if first is not None else None
     head = stage.values[0] if isinstance(stage, Collective | FusedCollective) else None
-    if head is None or stage.algorithm != "library" or head.op not in ("all_reduce", "reduce_scatter") or \
-            head.args[0].op != "input" or not em.view.in_group(head):
+    if head is None or not collectives.get(stage.algorithm).overlaps or \
+            head.op not in ("all_reduce", "reduce_scatter") or head.args[0].op != "input" or not em.view.in_group(head):
         return ["", "", "launch = None  # the step does not open with a collective that can be issued early"]
     x = head.args[0]
     em.lines = []
@@ -586,7 +587,8 @@ def _emit_fused_ring(em: Emitter, stage: FusedCollective, index: int) -> None:
     def spec(v: Value) -> str:
         return f'("{v.name}", {em.view.local_shape(v)}, torch.{v.dtype})'
 
-    em.emit(f"[{', '.join(em.var(a) for a in ags)}], [{', '.join(em.var(v) for v in kept)}] = ctx.fused_ring(", 2)
+    outs = f"[{', '.join(em.var(a) for a in ags)}], [{', '.join(em.var(v) for v in kept)}]"
+    em.emit(f"{outs} = ctx.{runtime_method(stage.algorithm, collectives.FUSED)}(", 2)
     em.emit(f"{x}, {rs.attrs['dim']}, {em.op(rs)!r}, {g}, ring{index},", 3)
     shares = f", shares={rs.attrs['shares']}" if rs.attrs.get("shares") is not None else ""
     em.emit(f"gathered=[{', '.join(spec(a) for a in ags)}], kept=[{', '.join(spec(v) for v in kept)}]{shares})", 3)

@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import math
 import time
+import types
 import warnings
 import weakref
 from collections.abc import Callable, Sequence
@@ -21,7 +22,7 @@ import torch
 import torch.distributed as dist
 from torch.utils._python_dispatch import _get_current_dispatch_mode
 
-from ... import faults, rng
+from ... import collectives, faults, rng
 from ...ir.layout import slice_bounds
 from ...ir.semantics import reduce_local
 from . import ring, shm
@@ -191,6 +192,14 @@ class RankContext:
         self.events: list[tuple[str, str, int, int, int | None]] = []
         self.tracing = False
         self.kernels: dict[int, Any] = {}  # stage index -> generated Triton kernel (kernels.codegen)
+
+    def __getattr__(self, name: str) -> Any:
+        """A collective implementation registered for the torch backend as a function (collectives.implement, with a
+        name not starting with "_"), bound to this context: generated code calls it by name like the methods here."""
+        fn = None if name.startswith("_") else collectives.implementations("torch").get(name)
+        if fn is None:
+            raise AttributeError(f"{type(self).__name__!r} object has no attribute {name!r}")
+        return types.MethodType(fn, self)
 
     # -- resources ----------------------------------------------------------------------------
     def group(self, name: str) -> Any:

@@ -31,25 +31,18 @@ import math
 import statistics
 from collections.abc import Sequence
 from dataclasses import asdict, dataclass, field
+from functools import partial
 
 import numpy as np
 from scipy.optimize import nnls
 
 from cocoweave.cluster.profiling.io_summary import input_cpu_ms, input_main_cpu_ms, input_wait_ms
 from cocoweave.cluster.profiling.worlds import WorldRun, ranks
+from cocoweave.collectives import traffic
 from cocoweave.errors import CocoweaveError
 
 # Per collective kind: (fraction of the tensor a rank moves at p ranks, message steps of the ring at p ranks).
-TRAFFIC = {
-    "all_reduce": (lambda p: 2 * (p - 1) / p, lambda p: 2 * (p - 1)),
-    "reduce_scatter": (lambda p: (p - 1) / p, lambda p: p - 1),
-    "all_gather": (lambda p: (p - 1) / p, lambda p: p - 1),
-    "broadcast": (lambda p: 1.0 if p > 1 else 0.0, lambda p: math.ceil(math.log2(p)) if p > 1 else 0),
-    "reduce": (lambda p: 1.0 if p > 1 else 0.0, lambda p: math.ceil(math.log2(p)) if p > 1 else 0),
-    "p2p": (lambda p: 1.0 if p > 1 else 0.0, lambda p: 1 if p > 1 else 0),
-    "send": (lambda p: 1.0 if p > 1 else 0.0, lambda p: 1 if p > 1 else 0),
-    "recv": (lambda p: 0.0, lambda p: 1 if p > 1 else 0),
-}
+TRAFFIC = {kind: (partial(traffic.moved, kind), partial(traffic.steps, kind)) for kind in traffic.KINDS}
 LABELS = {"all_reduce": "all-reduce", "reduce_scatter": "reduce-scatter", "all_gather": "all-gather"}
 
 

@@ -1,0 +1,190 @@
+"""The table of collective algorithms: what each one implements, where it is legal and offered, whether it fuses
+or overlaps, what it moves, and each backend's implementations registered against it.
+
+One entry per algorithm ("library": torch.distributed's call; "ring": point-to-point messages, CoCoNet's fused
+ring; "shm": shared memory between the ranks of one host). Enumeration, schedule legality, the torch code
+generator, the cost model, calibration and the optimizer's automatic choice all read this table; adding an
+algorithm is one `register` call. An algorithm the table does not know is an `UnknownAlgorithmError`.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Iterable, Mapping, Sequence
+from dataclasses import dataclass
+from typing import Any, Literal, TypeVar
+
+from ..errors import CocoweaveError
+from .traffic import moved
+
+DEFAULT = "library"  # the algorithm of a stage nobody chose one for
+FUSED = "fused"  # the operation name of a fused RS-C-AG stage run as one (for `Algorithm.fuses`)
+# The bases enumeration moves onto an algorithm (schedule/enumerate.py): the program as written with its
+# computations fused ("written"), every rewrite with its computations fused ("each"), every rewrite with its
+# RS-C-AG runs fused ("fused").
+BASES = ("written", "each", "fused")
+Auto = Literal["default", "preferred", "never"]
+S = TypeVar("S")
+
+
+class UnknownAlgorithmError(CocoweaveError):
+    """A collective algorithm the table does not know, or an operation a backend has not implemented on one."""
+
+
+@dataclass(frozen=True)
+class Algorithm:
+    """One collective algorithm. `collectives`: the operations it runs ("send" for point to point, "fused" for a
+    fused RS-C-AG stage as one); `reductions`: those it reduces with (None: all); `fuses`: it runs a fused RS-C-AG
+    stage as one, applying the computation piece by piece (elementwise computations sliced along the scattered
+    dimension only); `overlaps`: its calls can be issued asynchronously (chunked, launched ahead of a step);
+    `devices`: the device types whose tensors it serves (None: all); `one_host`: its ranks must share a host (else
+    the backend runs the library's); `enumerated`: (base, stage kinds) enumeration moves onto it; `auto`: how the
+    optimizer's automatic choice treats schedules on it; `priced_as`: whose calibrated lines price it where a
+    calibration has none of its own; `traffic(op, p)`: the fraction of the tensor a rank moves."""
+
+    name: str
+    collectives: tuple[str, ...]
+    reductions: tuple[str, ...] | None = None
+    fuses: bool = False
+    overlaps: bool = False
+    devices: tuple[str, ...] | None = None
+    one_host: bool = False
+    enumerated: tuple[tuple[str, tuple[str, ...]], ...] = ()
+    auto: Auto = "default"
+    priced_as: str | None = DEFAULT
+    traffic: Callable[[str, int], float] = moved
+    doc: str = ""
+
+    def implements(self, op: str) -> bool:
+        """Whether this algorithm runs operation `op` (a collective, "send", or "fused")."""
+        return op in self.collectives
+
+    def reduces(self, op: str | None) -> bool:
+        """Whether it can reduce with `op` (None: the operation does not reduce)."""
+        return op is None or self.reductions is None or op in self.reductions
+
+    def offered(self, device: str, shared_host: bool = True) -> bool:
+        """Whether it serves tensors on `device` ("cpu", "cuda:0", "meta"...) for ranks that do (or not) share a
+        host."""
+        on = self.devices is None or str(device).split(":")[0] in self.devices
+        return on and (shared_host or not self.one_host)
+
+
+_TABLE: dict[str, Algorithm] = {}
+_GENERATION = [0]  # bumped by every change of the table: memoised enumerations key on it
+_IMPLEMENTATIONS: dict[str, dict[tuple[str, str], Callable[..., Any]]] = {}  # backend -> (algorithm, op) -> fn
+
+
+def register(algorithm: Algorithm, implementations: Mapping[str, Mapping[str, Callable[..., Any]]] | None = None
+             ) -> Algorithm:
+    """Add `algorithm` to the table, with its implementations per backend ({"torch": {"all_reduce": fn}}), and
+    return it. A name is registered once."""
+    if algorithm.name in _TABLE:
+        raise CocoweaveError(f"collective algorithm {algorithm.name!r} is already registered")
+    if not algorithm.name.isidentifier():
+        raise CocoweaveError(f"collective algorithm name {algorithm.name!r} is not an identifier")
+    for base, _ in algorithm.enumerated:
+        if base not in BASES:
+            raise CocoweaveError(f"algorithm {algorithm.name!r} names enumeration base {base!r}; "
+                                 f"choose one of {', '.join(BASES)}")
+    _TABLE[algorithm.name] = algorithm
+    _GENERATION[0] += 1
+    for backend, ops in (implementations or {}).items():
+        implement(backend, algorithm.name, **ops)
+    return algorithm
+
+
+def unregister(name: str) -> None:
+    """Remove algorithm `name` and its implementations (an algorithm registered for a while, as a test's)."""
+    if name == DEFAULT:
+        raise CocoweaveError(f"the {DEFAULT} algorithm cannot be removed")
+    _TABLE.pop(name, None)
+    _GENERATION[0] += 1
+    for impls in _IMPLEMENTATIONS.values():
+        for key in [k for k in impls if k[0] == name]:
+            del impls[key]
+
+
+def get(name: str) -> Algorithm:
+    """The table's entry for `name`; UnknownAlgorithmError if there is none."""
+    try:
+        return _TABLE[name]
+    except KeyError:
+        raise UnknownAlgorithmError(f"unknown collective algorithm {name!r}; "
+                                    f"choose one of {', '.join(_TABLE)}") from None
+
+
+def generation() -> int:
+    """A number that changes whenever an algorithm is registered or removed (what was enumerated before is stale)."""
+    return _GENERATION[0]
+
+
+def names() -> tuple[str, ...]:
+    """The registered algorithms' names, in registration order."""
+    return tuple(_TABLE)
+
+
+def algorithms() -> tuple[Algorithm, ...]:
+    """The registered algorithms, in registration order."""
+    return tuple(_TABLE.values())
+
+
+def implement(backend: str, algorithm: str, **ops: Callable[..., Any]) -> None:
+    """Register `backend`'s implementation of each operation on `algorithm` (which the table must know and
+    say it implements)."""
+    entry = get(algorithm)
+    impls = _IMPLEMENTATIONS.setdefault(backend, {})
+    for op, fn in ops.items():
+        if not entry.implements(op):
+            raise CocoweaveError(f"the {algorithm} algorithm does not implement {op}; it implements "
+                                 f"{', '.join(entry.collectives)}")
+        same = next((k for k, f in impls.items() if f.__name__ == fn.__name__ and f is not fn), None)
+        if same is not None:  # generated code calls an implementation by its name
+            raise CocoweaveError(f"{backend}'s implementation of {op} on {algorithm} is named {fn.__name__!r}, as "
+                                 f"its implementation of {same[1]} on {same[0]} is; give it another name")
+        impls[(algorithm, op)] = fn
+
+
+def implementation(backend: str, algorithm: str, op: str) -> Callable[..., Any]:
+    """`backend`'s implementation of `op` on `algorithm`; UnknownAlgorithmError if it has none."""
+    get(algorithm)
+    fn = _IMPLEMENTATIONS.get(backend, {}).get((algorithm, op))
+    if fn is None:
+        raise UnknownAlgorithmError(f"the {backend} backend has no implementation of {op} on the {algorithm} "
+                                    "algorithm (collectives.implement registers one)")
+    return fn
+
+
+def implementations(backend: str) -> dict[str, Callable[..., Any]]:
+    """`backend`'s registered implementations by their function names."""
+    return {fn.__name__: fn for fn in _IMPLEMENTATIONS.get(backend, {}).values()}
+
+
+def uses(stages: Iterable[Any]) -> frozenset[str]:
+    """The algorithms other than the default that `stages` (a schedule's or plan's) run on."""
+    return frozenset(getattr(s, "algorithm", DEFAULT) for s in stages) - {DEFAULT}
+
+
+def choose(schedules: Sequence[S], device: str, shared_host: bool) -> list[S]:
+    """The optimizer's automatic choice among equally good `schedules` (objects with `.stages`), best first: those
+    on an algorithm it prefers where that is offered, else those on the default algorithm alone, else any on no
+    algorithm it never picks."""
+    usable = [s for s in schedules if all(get(a).auto != "never" for a in uses(s.stages))]
+    preferred = [s for s in usable if any(get(a).auto == "preferred" and get(a).offered(device, shared_host)
+                                          for a in uses(s.stages))]
+    default = [s for s in usable if not uses(s.stages)]
+    return preferred or default or usable
+
+
+ORDERED = ("sum", "avg", "max", "min")  # the reductions that combine piece by piece in any order of ranks
+LIBRARY = register(Algorithm(
+    DEFAULT, ("all_reduce", "reduce_scatter", "all_gather", "broadcast", "reduce", "send"), overlaps=True,
+    priced_as=None, doc="torch.distributed's call (NCCL, Gloo): asynchronous, chunked under overlap"))
+RING = register(Algorithm(
+    "ring", ("all_reduce", "reduce_scatter", "all_gather", FUSED), ORDERED, fuses=True,
+    enumerated=(("written", ("collective",)), ("fused", ("fused",))), auto="never",
+    doc="a ring of point-to-point messages; a fused RS-C-AG computes each piece as it is reduced (CoCoNet)"))
+SHM = register(Algorithm(
+    "shm", ("all_reduce", "reduce_scatter", "all_gather", "send"), ORDERED, devices=("cpu",), one_host=True,
+    enumerated=(("each", ("collective", "fused", "p2p")), ("fused", ("collective", "fused", "p2p"))),
+    auto="preferred",
+    doc="shared memory between the ranks of one host, CPU tensors only (its segments are the host's memory)"))
