@@ -47,22 +47,14 @@ class Schedule:
         result = None
         try:
             for step in steps:
-                result = step.apply(self)
+                self.program, self._stages = step.apply(self.program, self.stages, self.steps)
+                result = step.result(self)
                 self.steps.append(step)
         except BaseException:  # a refused step leaves the schedule as it was
             self.program, self._stages = saved[:2]
             del self.steps[saved[2]:]
             raise
         return result
-
-    def _set_program(self, program: Program) -> None:
-        """For rewrite steps: the program is now `program`, with its ungrouped stages."""
-        self.program = program
-        self._stages = st.base_stages(program)
-
-    def _set_stages(self, stages: list[Stage]) -> None:
-        """For grouping steps: the stages are now `stages`."""
-        self._stages = stages
 
     # -- graph rewrites -----------------------------------------------------------------------
     def split(self, all_reduce: Ref, dim: int = 0, shares: tuple[int, ...] | None = None) -> tuple[Stage, Stage]:

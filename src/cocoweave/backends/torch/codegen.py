@@ -309,12 +309,13 @@ COMM: dict[str, Callable[[Emitter, Value, str, str, str], str]] = {
 
 
 def generate(plan: Plan, rank: int, world_size: int, sizes: Mapping[str, int],
-             fused: Mapping[int, Any] | None = None) -> str:
+             fused: Mapping[int, Any] | None = None, memory: Memory | None = None) -> str:
     """Python source of the step function that rank `rank` of `world_size` runs for `plan`.
     `fused` maps stage indices to generated Triton kernels (kernels.codegen.FusedKernel): those
-    stages become one kernel call; the others are torch expressions."""
+    stages become one kernel call; the others are torch expressions. `memory`: the Plan's memory decisions for
+    this rank, when the caller already has them."""
     view = plan.view(rank, world_size, sizes)
-    em = Emitter(plan, view)
+    em = Emitter(plan, view, memory=memory)
     fused = fused or {}
     program = plan.program
     em.live_out = plan.live_outs()
