@@ -47,14 +47,19 @@ class Schedule:
         result = None
         try:
             for step in steps:
-                self.program, self._stages = step.apply(self.program, self.stages, self.steps)
-                result = step.result(self)
+                result = self.advance(step)
                 self.steps.append(step)
         except BaseException:  # a refused step leaves the schedule as it was
             self.program, self._stages = saved[:2]
             del self.steps[saved[2]:]
             raise
         return result
+
+    def advance(self, step: Step) -> Any:
+        """Apply `step` without recording it (Step.apply): the program and stages become what the step maps them to
+        (steps are pure maps of them); returns what the step's Schedule method returns. The methods below record."""
+        self.program, self._stages = step.map(self.program, self.stages, self.steps)
+        return step.result(self)
 
     # -- graph rewrites -----------------------------------------------------------------------
     def split(self, all_reduce: Ref, dim: int = 0, shares: tuple[int, ...] | None = None) -> tuple[Stage, Stage]:

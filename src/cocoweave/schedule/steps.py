@@ -55,7 +55,11 @@ class Step:
             if not ok(v):
                 raise ScheduleError(f"schedule step {self.kind} has {f.name}={v!r}, but its {f.name} must be {what}")
 
-    def apply(self, program: Program, stages: list[Stage], done: Sequence[Step]) -> tuple[Program, list[Stage]]:
+    def apply(self, schedule: Schedule) -> Any:
+        """Do this step's work on `schedule` (without recording it); returns what the Schedule method returns."""
+        return schedule.advance(self)
+
+    def map(self, program: Program, stages: list[Stage], done: Sequence[Step]) -> tuple[Program, list[Stage]]:
         """This step's work on a schedule's `program` and `stages` (after the steps `done`): the new program and
         stages; ScheduleError when the step does not apply."""
         raise NotImplementedError
@@ -102,7 +106,7 @@ def _plain(v: Any) -> Any:
 class Rewrite(Step):
     """A step that rewrites the program; it resets the stages, so it must come before any Grouping."""
 
-    def apply(self, program: Program, stages: list[Stage], done: Sequence[Step]) -> tuple[Program, list[Stage]]:
+    def map(self, program: Program, stages: list[Stage], done: Sequence[Step]) -> tuple[Program, list[Stage]]:
         if any(isinstance(s, Grouping) for s in done):
             raise ScheduleError(f"{self.kind} must come before fuse and overlap and algorithm choices: it changes "
                                 "the stages they group")
@@ -177,7 +181,7 @@ class AsSlice(Rewrite):
 class Grouping(Step):
     """A step that groups or configures the stages of the rewritten program; returns the stage it made."""
 
-    def apply(self, program: Program, stages: list[Stage], done: Sequence[Step]) -> tuple[Program, list[Stage]]:
+    def map(self, program: Program, stages: list[Stage], done: Sequence[Step]) -> tuple[Program, list[Stage]]:
         return program, self.group(program, stages)
 
     def group(self, program: Program, stages: list[Stage]) -> list[Stage]:
