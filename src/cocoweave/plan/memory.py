@@ -66,6 +66,7 @@ class Memory:
     into: dict[int, GatherInto]  # all_gather value id -> the state tensor it fills, in the plan's state order
     fused: dict[int, FusedStage]  # id of a fused Compute stage (or part) -> its inputs, outputs and state writes
     output_buffers: tuple[str, ...]  # value names whose executable buffer (keyed by the name) an output may be
+    output_views: tuple[str, ...]  # those an output may share storage with without being the buffer itself
 
     @classmethod
     def of(cls, plan: Plan, view: RankView) -> Memory:
@@ -83,7 +84,7 @@ class Memory:
                 over |= _over(view, part, live)
                 if part.fused:
                     fused[id(part)] = _fused(plan, view, index, part, into)
-        return cls(over, into, fused, _output_buffers(plan, view))
+        return cls(over, into, fused, *_output_buffers(plan, view))
 
     def state_writes(self, stage: Stage) -> tuple[tuple[Value, Value], ...]:
         """(state input, its new value) pairs fused stage `stage` writes over the state (none for other stages)."""
@@ -190,21 +191,29 @@ def _own_parts(plan: Plan, view: RankView, index: int, outs: tuple[Value, ...], 
     return out
 
 
-def _output_buffers(plan: Plan, view: RankView) -> tuple[str, ...]:
-    """Names of the communication values whose buffer an output of this rank may be (or be a view of): followed
-    from each output through every operation that may return its operand's storage; a result of arithmetic is a
-    new tensor, never a buffer. Executable.release looks only at these."""
-    comm = {id(v) for s in plan.stages if not isinstance(s, Compute) for v in s.values}
+def _output_buffers(plan: Plan, view: RankView) -> tuple[tuple[str, ...], tuple[str, ...]]:
+    """Names of the communication values whose buffer an output of this rank may be, and of those it may share
+    storage with without being the buffer object (a view of it, a shared-memory slot, a fused ring's piece):
+    followed from each output through every operation that may return its operand's storage; a result of
+    arithmetic is a new tensor, never a buffer. Executable.release looks only at these."""
+    comm: dict[int, bool] = {}  # value of a communication stage -> whether its result may be a view or a slot
+    for s in plan.stages:
+        if not isinstance(s, Compute):
+            for v in s.values:
+                comm[id(v)] = getattr(s, "algorithm", "library") == "shm" or isinstance(s, FusedCollective)
     names: dict[str, None] = {}
-    seen: set[int] = set()
-    todo = [_read(v) for _, v in plan.outputs if view.in_group(_read(v))]
+    views: dict[str, None] = {}
+    seen: set[tuple[int, bool]] = set()
+    todo = [(_read(v), False) for _, v in plan.outputs if view.in_group(_read(v))]
     while todo:
-        v = todo.pop()
-        if id(v) in seen or v.is_scalar or v.op in ("input", "const"):
+        v, through_view = todo.pop()
+        if (id(v), through_view) in seen or v.is_scalar or v.op in ("input", "const"):
             continue
-        seen.add(id(v))
+        seen.add((id(v), through_view))
         if id(v) in comm:
             names[v.name] = None
+            if through_view or comm[id(v)]:
+                views[v.name] = None
         if v.op not in _NEW_TENSOR and not R.opdef(v.op).communication:  # a collective's result is its own buffer
-            todo += [_read(a) for a in v.args]
-    return tuple(names)
+            todo += [(_read(a), True) for a in v.args]
+    return tuple(names), tuple(views)

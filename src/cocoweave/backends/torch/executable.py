@@ -87,7 +87,8 @@ class Executable:
         fused = self._fused_kernels(kernels)
         memory = Memory.of(plan, plan.view(rank, world_size, self.sizes))
         self.source = generate(plan, rank, world_size, self.sizes, fused, memory)
-        self._output_buffers = memory.output_buffers  # the buffers `release` looks at (by value name)
+        self._output_buffers = memory.output_buffers  # the buffers `release` looks at (by value name), and those
+        self._output_views = memory.output_views  # an output may share storage with without being the buffer
         key = hashlib.sha256(json.dumps([plan.fingerprint, rank, world_size, self.sizes, sorted(fused)]).encode())
         key = key.hexdigest()[:16]
         self.path = write_source(self.source, f"{plan.fingerprint}-r{rank}-w{world_size}-{key}")
@@ -252,11 +253,15 @@ class Executable:
         """Hand output `t` of the last step to the caller for good (an activation autograd keeps): the buffer it
         lives in is dropped, the next step allocates another; a result in shared memory is copied out. Only the
         buffers the Plan says an output may be (Memory.output_buffers) are looked at: most outputs are new tensors."""
-        if not self._output_buffers:
-            return t
-        ptr = t.untyped_storage().data_ptr()
-        buffers, shm_ = self.ctx.buffers, self.ctx.shm_buffers
+        buffers = self.ctx.buffers
         for name in self._output_buffers:
+            if buffers.get(name) is t:  # the collective's buffer itself
+                del buffers[name]
+                return t
+        if not self._output_views:
+            return t
+        ptr, shm_ = t.untyped_storage().data_ptr(), self.ctx.shm_buffers
+        for name in self._output_views:
             b = buffers.get(name)
             if b is not None and b.untyped_storage().data_ptr() == ptr:
                 del buffers[name]
