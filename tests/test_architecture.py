@@ -344,3 +344,50 @@ def test_collective_algorithms_sit_below_everything_that_reads_them():
                "cocoweave.perf.costmodel", "cocoweave.perf.calibrate", "cocoweave.cluster", "cocoweave.optim")
     reading = {m for m, ts in GRAPH.items() if any(t.startswith("cocoweave.collectives") for t in ts)}
     assert [r for r in readers if not any(m.startswith(r) for m in reading)] == []
+
+
+# -- memory decisions: one home in plan/memory.py (issue #30, item 2) ------------------------------------------
+
+CODEGENS = ("cocoweave.backends.torch.codegen", "cocoweave.kernels.codegen", "cocoweave.backends.torch.executable")
+DECIDES_MEMORY = ("in_place", "scratch", "gather_into", "gathers_into", "own_part", "alias")
+
+
+def _functions(name: str) -> list[str]:
+    return [n.name for n in ast.walk(ast.parse(MODULES[name].read_text(encoding="utf-8")))
+            if isinstance(n, ast.FunctionDef | ast.AsyncFunctionDef)]
+
+
+@pytest.mark.parametrize("name", CODEGENS)
+def test_code_generators_and_the_executable_read_memory_decisions_from_the_plan(name: str):
+    """Which value is computed over which temporary, which state an all-gather or a fused stage writes over, which
+    buffers an output may be: decided once by plan/memory.py, never again by a code generator or the executable."""
+    deciders = [f for f in _functions(name) if any(word in f for word in DECIDES_MEMORY)]
+    assert deciders == [], f"{name} decides memory itself in {deciders}; ask plan.memory.Memory"
+    imported = {a.name for n in ast.walk(ast.parse(MODULES[name].read_text(encoding="utf-8")))
+                if isinstance(n, ast.ImportFrom) and (n.module or "").startswith("plan") for a in n.names}
+    assert "Memory" in imported, f"{name} does not read the Plan's memory decisions (plan.memory.Memory)"
+
+
+def _private_uses(receivers: tuple[str, ...], allowed_prefix: str, attrs: tuple[str, ...] = ()) -> list[str]:
+    """`exe.kept` / `exe._x` style accesses (receiver named one of `receivers`) in modules outside `allowed_prefix`."""
+    found = []
+    for name, path in MODULES.items():
+        if name.startswith(allowed_prefix):
+            continue
+        for n in ast.walk(ast.parse(path.read_text(encoding="utf-8"))):
+            if not isinstance(n, ast.Attribute) or not (n.attr.startswith("_") or n.attr in attrs):
+                continue
+            recv = n.value.id if isinstance(n.value, ast.Name) else getattr(n.value, "attr", None)
+            if recv in receivers and not n.attr.startswith("__"):
+                found.append(f"{name}:{n.lineno} {recv}.{n.attr}")
+    return found
+
+
+def test_only_the_backend_touches_an_executables_kept_state_and_private_members():
+    """Checkpoints and optimizers go through the Executable's public methods (state_part, adopt, gather_state)."""
+    assert _private_uses(("exe", "executable"), "cocoweave.backends", ("kept",)) == []
+
+
+def test_schedule_steps_use_no_private_member_of_a_schedule():
+    """Steps map (program, stages) to new ones; the Schedule alone sets its own program and stages."""
+    assert _private_uses(("schedule", "sched"), "cocoweave.schedule.schedule") == []

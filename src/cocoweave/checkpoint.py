@@ -547,9 +547,8 @@ def executable_state(exe: Any) -> dict[str, Shard]:
 
     State the executable has not been given yet is allocated (uninitialised), so that loading into a fresh
     executable on any world size restores it; its next `run` then continues from the loaded values."""
-    from .backends.inputs import local_shape
     from .ir.layout import placements
-    from .ir.types import DTYPES, bind_shape
+    from .ir.types import bind_shape
 
     out: dict[str, Shard] = {}
     for name in exe.plan.sliced_state:
@@ -562,10 +561,7 @@ def executable_state(exe: Any) -> dict[str, Shard]:
             raise CheckpointError(f"state `{name}` is kept sliced along one mesh axis and was split along others "
                                   "before; executable_state saves state that was Replicated before it was sliced")
         axis, p = next((i, p) for i, p in enumerate(placements(v.layout, len(pos.coords))) if p.is_sliced)
-        part = exe.kept.get(name)
-        if part is None:
-            part = exe.kept[name] = torch.empty(local_shape(v, exe.sizes, pos), dtype=DTYPES[v.dtype],
-                                                device=exe.device)
+        part = exe.state_part(name)
         total = bind_shape(v.shape, exe.sizes)[p.dim]
         out[name] = Shard(part, p.dim, total, pos.coords[axis], pos.shape[axis], p.shares)
     return out

@@ -17,7 +17,7 @@ rsqrt (1 / sqrt) are correctly rounded (div_rn, sqrt_rn), exp and pow are libdev
 launches disable FMA contraction, as torch computes.
 Dropout hashes each element's logical index with `cocoweave.kernels.rng`, so masks are bit-identical to
 `cocoweave.rng`. New state is stored over the state tensor it replaces where that is safe (see
-`_Gen.in_place`), so an Adam step moves 28 bytes per parameter like kernels/adam.py.
+`_Gen.over_state`), so an Adam step moves 28 bytes per parameter like kernels/adam.py.
 
 No kernel (the stage stays torch ops): reductions (sum, max, min, norm), layer_norm, matmul; float64
 values; a live-out Replicated value that a sliced stage would compute only on this rank's slice; and
@@ -47,7 +47,7 @@ from ..ir.layout import slice_bounds
 from ..ir.printer import operand
 from ..ir.types import DTYPES, bind_shape, promote
 from ..loader import import_module_file
-from ..plan import Compute, Plan, RankView
+from ..plan import Compute, Memory, Plan, RankView
 from .precise import interpreted
 
 log = logging.getLogger("cocoweave.kernels")
@@ -338,22 +338,17 @@ class _Gen:
         self.dropouts.append((seed, slot, rank, rng.keep_threshold(p)))
         return f"tl.where(keep_mask(index{k}, key{k}, threshold{k}), {x} * {1.0 / (1.0 - p)!r}, 0.0)"
 
-    def in_place(self) -> dict[int, int]:
-        """Outputs that are a state tensor's new contents and can be stored over that state tensor: the
-        kernel reads it at exactly the elements it writes, and no later stage or result reads the old
-        contents. Like the hand-written optimizer kernels, an Adam step then moves 28 bytes per parameter
-        instead of 28 plus a copy of each state tensor at the end of the step."""
-        state = {id(v): name for name, v in self.plan.state.items()}
-        later: set[int] = {id(v) for _, v in self.plan.outputs}
-        for stage in self.plan.stages[self.index + 1:]:
-            later |= {id(a) for v in stage.values for a in v.args}
+    def over_state(self) -> dict[int, int]:
+        """Output index -> input slot, for the state the Plan writes over in this stage (Memory.state_writes) where
+        the kernel reads the state tensor at exactly the elements it writes. Like the hand-written optimizer kernels,
+        an Adam step then moves 28 bytes per parameter instead of 28 plus a copy of each state tensor at the end."""
+        writes = {id(new): t for t, new in Memory.of(self.plan, self.view).state_writes(self.stage)}
         out = {}
         for j, v in enumerate(self.outputs):
-            t = self.plan.program.inputs.get(state.get(id(v), ""))
-            if t is None or id(t) in later or all(a is not t for a in self.inputs):
+            t = writes.get(id(v))
+            if t is None or all(a is not t for a in self.inputs):
                 continue
-            if self.storage(t) == self.layout_of(self.view.local_shape(v), None) and (
-                    self.view.local_shape(t) == self.view.local_shape(v)):
+            if self.storage(t) == self.layout_of(self.view.local_shape(v), None):
                 out[j] = next(k for k, a in enumerate(self.inputs) if a is t)
         return out
 
@@ -389,7 +384,7 @@ class _Gen:
         for v in self.stage.values:
             e = self.compute(v)
             self.emit(f"{self.var(v)} = {e}  # {v.name} = {v.op}({', '.join(operand(a) for a in v.args)})")
-        outs, in_place = [], self.in_place()
+        outs, in_place = [], self.over_state()
         for j, v in enumerate(self.outputs):
             layout = self.layout_of(self.view.local_shape(v), None)
             ptr = f"out_{self.var(v)}_ptr"

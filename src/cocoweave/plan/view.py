@@ -7,7 +7,8 @@ from collections.abc import Mapping
 from dataclasses import dataclass
 
 from ..ir.graph import Value
-from ..ir.layout import Position, local_shape
+from ..ir.layout import Position, local_shape, part_bounds
+from ..ir.types import bind_shape
 from ..schedule.stages import Stage
 
 
@@ -40,6 +41,10 @@ class RankView:
     def local_shape(self, v: Value) -> tuple[int, ...]:
         """The shape of this rank's part of v."""
         return local_shape(v, self.sizes, self.position(v))
+
+    def bounds(self, v: Value) -> list[tuple[int, int]]:
+        """[start, stop) per dimension of this rank's part of v in the logical tensor."""
+        return part_bounds(v.layout, bind_shape(v.shape, self.sizes), self.position(v))
 
     def takes_part(self, stage: Stage) -> bool:
         """A rank runs a stage if it holds any of its values or sends any of them."""

@@ -47,7 +47,7 @@ class Schedule:
         result = None
         try:
             for step in steps:
-                result = step.apply(self)
+                result = self.advance(step)
                 self.steps.append(step)
         except BaseException:  # a refused step leaves the schedule as it was
             self.program, self._stages = saved[:2]
@@ -55,14 +55,11 @@ class Schedule:
             raise
         return result
 
-    def _set_program(self, program: Program) -> None:
-        """For rewrite steps: the program is now `program`, with its ungrouped stages."""
-        self.program = program
-        self._stages = st.base_stages(program)
-
-    def _set_stages(self, stages: list[Stage]) -> None:
-        """For grouping steps: the stages are now `stages`."""
-        self._stages = stages
+    def advance(self, step: Step) -> Any:
+        """Apply `step` without recording it (Step.apply): the program and stages become what the step maps them to
+        (steps are pure maps of them); returns what the step's Schedule method returns. The methods below record."""
+        self.program, self._stages = step.map(self.program, self.stages, self.steps)
+        return step.result(self)
 
     # -- graph rewrites -----------------------------------------------------------------------
     def split(self, all_reduce: Ref, dim: int = 0, shares: tuple[int, ...] | None = None) -> tuple[Stage, Stage]:

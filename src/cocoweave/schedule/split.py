@@ -9,6 +9,11 @@ from .find import find
 from .rewrite import named, rebuild
 
 
+def split_names(all_reduce: str) -> tuple[str, str]:
+    """The names split gives the reduce_scatter and the all_gather that replace all_reduce `all_reduce`."""
+    return f"{all_reduce}.rs", f"{all_reduce}.ag"
+
+
 def split(program: Program, ref: str | Value, dim: int = 0,
           shares: tuple[int, ...] | None = None) -> tuple[Program, str, str]:
     """Rewrite all_reduce `ref` as reduce_scatter(dim) + all_gather over the same mesh axis; returns the program
@@ -23,7 +28,7 @@ def split(program: Program, ref: str | Value, dim: int = 0,
     d = dim + ar.ndim if dim < 0 else dim
     if not 0 <= d < ar.ndim:
         raise ScheduleError(f"cannot split `{ar.name}` along dimension {dim}: it has {ar.ndim} dimensions")
-    rs_name, ag_name = f"{ar.name}.rs", f"{ar.name}.ag"
+    rs_name, ag_name = split_names(ar.name)
 
     def hook(v: Value, env: dict[Value, Value], new: Program) -> Value | None:
         if v is not ar:

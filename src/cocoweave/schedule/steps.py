@@ -1,5 +1,6 @@
-"""Schedule steps as typed objects (as TVM's instruction kinds): each kind applies itself to a Schedule,
-prints itself and round-trips through JSON.
+"""Schedule steps as typed objects (as TVM's instruction kinds): each kind maps a schedule's program and stages to
+new ones (a pure function: the Schedule records the step and keeps the result), prints itself and round-trips
+through JSON.
 
 Graph rewrites (Split, Reorder, AsSlice) change the program and must come before the groupings (Fuse,
 Overlap, Algorithm), which group its stages. Adding a step kind is one class and one entry in `STEPS`.
@@ -9,7 +10,7 @@ from __future__ import annotations
 
 import functools
 import typing
-from collections.abc import Callable, Mapping
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import MISSING, dataclass, fields
 from typing import TYPE_CHECKING, Any, ClassVar
 
@@ -17,9 +18,10 @@ from ..errors import ScheduleError
 from . import stages as st
 from .as_slice import as_slice
 from .reorder import reorder
-from .split import split
+from .split import split, split_names
 
 if TYPE_CHECKING:
+    from ..ir.graph import Program
     from .schedule import Schedule
     from .stages import Stage
 
@@ -55,7 +57,16 @@ class Step:
 
     def apply(self, schedule: Schedule) -> Any:
         """Do this step's work on `schedule` (without recording it); returns what the Schedule method returns."""
+        return schedule.advance(self)
+
+    def map(self, program: Program, stages: list[Stage], done: Sequence[Step]) -> tuple[Program, list[Stage]]:
+        """This step's work on a schedule's `program` and `stages` (after the steps `done`): the new program and
+        stages; ScheduleError when the step does not apply."""
         raise NotImplementedError
+
+    def result(self, schedule: Schedule) -> Any:
+        """What the Schedule method returns, read from `schedule` once the step is applied."""
+        return None
 
     def to_json(self) -> dict[str, Any]:
         """{"step": kind, field: value, ...} in field order (the saved form of schedules and tune caches); a field
@@ -95,13 +106,15 @@ def _plain(v: Any) -> Any:
 class Rewrite(Step):
     """A step that rewrites the program; it resets the stages, so it must come before any Grouping."""
 
-    def apply(self, schedule: Schedule) -> Any:
-        if any(isinstance(s, Grouping) for s in schedule.steps):
+    def map(self, program: Program, stages: list[Stage], done: Sequence[Step]) -> tuple[Program, list[Stage]]:
+        if any(isinstance(s, Grouping) for s in done):
             raise ScheduleError(f"{self.kind} must come before fuse and overlap and algorithm choices: it changes "
                                 "the stages they group")
-        return self.rewrite(schedule)
+        program = self.rewrite(program)
+        return program, st.base_stages(program)
 
-    def rewrite(self, schedule: Schedule) -> Any:
+    def rewrite(self, program: Program) -> Program:
+        """The rewritten program."""
         raise NotImplementedError
 
 
@@ -115,9 +128,11 @@ class Split(Rewrite):
     shares: tuple[int, ...] | None = None
     kind: ClassVar[str] = "split"
 
-    def rewrite(self, schedule: Schedule) -> tuple[Stage, Stage]:
-        program, rs, ag = split(schedule.program, self.ref, self.dim, self.shares)
-        schedule._set_program(program)
+    def rewrite(self, program: Program) -> Program:
+        return split(program, self.ref, self.dim, self.shares)[0]
+
+    def result(self, schedule: Schedule) -> tuple[Stage, Stage]:
+        rs, ag = split_names(self.ref)
         return schedule.stage(rs), schedule.stage(ag)
 
     def __str__(self) -> str:
@@ -132,8 +147,10 @@ class Reorder(Rewrite):
     ref: str
     kind: ClassVar[str] = "reorder"
 
-    def rewrite(self, schedule: Schedule) -> list[Stage]:
-        schedule._set_program(reorder(schedule.program, self.ref))
+    def rewrite(self, program: Program) -> Program:
+        return reorder(program, self.ref)
+
+    def result(self, schedule: Schedule) -> list[Stage]:
         stages = schedule.stages
         rs = self.ref[:-3] + ".rs" if self.ref.endswith(".ag") else None
         start = st.locate(stages, rs) + 1 if rs and any(rs in s.values for s in stages) else 0
@@ -150,8 +167,8 @@ class AsSlice(Rewrite):
     name: str
     kind: ClassVar[str] = "as_slice"
 
-    def rewrite(self, schedule: Schedule) -> None:
-        schedule._set_program(as_slice(schedule.program, self.name))
+    def rewrite(self, program: Program) -> Program:
+        return as_slice(program, self.name)
 
     def __str__(self) -> str:
         return f"as_slice({self.name})"
@@ -162,7 +179,22 @@ class AsSlice(Rewrite):
 
 @dataclass(frozen=True)
 class Grouping(Step):
-    """A step that groups or configures the stages of the rewritten program."""
+    """A step that groups or configures the stages of the rewritten program; returns the stage it made."""
+
+    def map(self, program: Program, stages: list[Stage], done: Sequence[Step]) -> tuple[Program, list[Stage]]:
+        return program, self.group(program, stages)
+
+    def group(self, program: Program, stages: list[Stage]) -> list[Stage]:
+        """The regrouped stages."""
+        raise NotImplementedError
+
+    def result(self, schedule: Schedule) -> Stage:
+        return schedule.stage(self.anchor)
+
+    @property
+    def anchor(self) -> str:
+        """The value naming the stage this step makes or configures."""
+        raise NotImplementedError
 
 
 @dataclass(frozen=True)
@@ -172,9 +204,12 @@ class Fuse(Grouping):
     refs: tuple[str, ...]
     kind: ClassVar[str] = "fuse"
 
-    def apply(self, schedule: Schedule) -> Stage:
-        schedule._set_stages(st.fuse(schedule.program, schedule.stages, self.refs))
-        return schedule.stage(self.refs[0])
+    def group(self, program: Program, stages: list[Stage]) -> list[Stage]:
+        return st.fuse(program, stages, self.refs)
+
+    @property
+    def anchor(self) -> str:
+        return self.refs[0]
 
     def __str__(self) -> str:
         return f"fuse({', '.join(self.refs)})"
@@ -188,9 +223,12 @@ class Overlap(Grouping):
     chunks: int
     kind: ClassVar[str] = "overlap"
 
-    def apply(self, schedule: Schedule) -> Stage:
-        schedule._set_stages(st.overlap(schedule.program, schedule.stages, self.refs, self.chunks))
-        return schedule.stage(self.refs[0])
+    def group(self, program: Program, stages: list[Stage]) -> list[Stage]:
+        return st.overlap(program, stages, self.refs, self.chunks)
+
+    @property
+    def anchor(self) -> str:
+        return self.refs[0]
 
     def __str__(self) -> str:
         return f"overlap({', '.join(self.refs)}, chunks={self.chunks})"
@@ -204,9 +242,12 @@ class Algorithm(Grouping):
     algorithm: str
     kind: ClassVar[str] = "algorithm"
 
-    def apply(self, schedule: Schedule) -> Stage:
-        schedule._set_stages(st.set_algorithm(schedule.program, schedule.stages, self.ref, self.algorithm))
-        return schedule.stage(self.ref)
+    def group(self, program: Program, stages: list[Stage]) -> list[Stage]:
+        return st.set_algorithm(program, stages, self.ref, self.algorithm)
+
+    @property
+    def anchor(self) -> str:
+        return self.ref
 
     def __str__(self) -> str:
         return f"algorithm({self.ref}, {self.algorithm!r})"

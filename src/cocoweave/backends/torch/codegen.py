@@ -15,15 +15,16 @@ from typing import Any
 from ... import collectives, rng
 from ...ir import registry as R
 from ...ir.graph import Value
-from ...ir.layout import part_bounds, placements, slice_bounds
+from ...ir.layout import placements, slice_bounds
 from ...ir.printer import operand
 from ...ir.semantics import local_rank
 from ...ir.types import bind_shape
-from ...plan import P2P, Collective, Compute, FusedCollective, Overlap, Plan, RankView, Stage
+from ...plan import P2P, Collective, Compute, FusedCollective, Memory, Overlap, Plan, RankView
+from ...plan.memory import OVER_OPS
 from .algorithms import method as runtime_method
 
 RESERVED = {"ctx", "I", "torch", "rt", "math", "step", "OUT"}
-INPLACE = {"add": "add_", "sub": "sub_", "mul": "mul_", "div": "div_"}  # ops whose results are fresh tensors
+INPLACE = {op: f"{op}_" for op in OVER_OPS}  # the in-place method of each op the Plan may compute over an operand
 
 
 @dataclass
@@ -38,13 +39,15 @@ class Emitter:
     chain_ids: set[int] = field(default_factory=set)  # values computed inside the chunked chain
     live_out: set[int] = field(default_factory=set)
     used: set[str] = field(default_factory=set)
-    scratch: dict[int, int] = field(default_factory=dict)  # temporary of this stage -> its last reader (in place)
     algorithm: str = collectives.DEFAULT  # the collective algorithm of the stage being emitted
     defs: list[str] = field(default_factory=list)  # module-level functions (fused stages), before `step`
     in_function: bool = False  # emitting the body of a fused stage's function (no ctx there)
     extra: dict[str, str] = field(default_factory=dict)  # function parameter -> its argument at the call (host)
-    into: dict[int, tuple[Value, bool]] = field(default_factory=dict)  # all_gather -> (state it fills, deferrable)
-    shm_gathers: list[tuple[Value, int]] = field(default_factory=list)  # those through shared memory, and their stage
+    memory: Memory | None = None  # the Plan's memory decisions for this rank (Memory.of(plan, view) when not given)
+
+    def __post_init__(self) -> None:
+        if self.memory is None:
+            self.memory = Memory.of(self.plan, self.view)
 
     # -- naming -------------------------------------------------------------------------------
     def var(self, v: Value) -> str:
@@ -78,7 +81,7 @@ class Emitter:
 
     def bounds(self, v: Value) -> list[tuple[int, int]]:
         """[start, stop) per dimension of this rank's part of v in the logical tensor."""
-        return part_bounds(v.layout, bind_shape(v.shape, self.view.sizes), self.view.position(v))
+        return self.view.bounds(v)
 
     def operand_expr(self, v: Value, a: Value, up: bool) -> str:
         """Operand a of elementwise v: cut to this rank's part of v where a is whole along an axis that slices v
@@ -111,24 +114,16 @@ class Emitter:
     def _inside(self, a: Value) -> bool:
         return id(a) in self.chain_ids
 
-    def in_place(self, v: Value) -> str | None:
-        """`v` written over a temporary of its stage that nothing reads after it (`a.add_(b)`): saves a
-        full-size allocation per operation on CPU, where each one costs page faults. Only float32/64
-        arithmetic of equal shapes, on temporaries that are fresh tensors (never views or inputs)."""
-        if v.op not in INPLACE or v.dtype not in ("float32", "float64") or self.chunk is not None:
+    def over(self, v: Value) -> str | None:
+        """`v` computed over the operand the Plan's memory decisions name (`a.add_(b)`), if any (Memory.over)."""
+        j = self.memory.over.get(id(v))
+        if j is None:
             return None
-        tensors = [a for a in v.args if not a.is_scalar]
-        if any(a.dtype != v.dtype for a in tensors):
-            return None
-        for j, a in enumerate(v.args[:2] if v.op in ("add", "mul") else v.args[:1]):
-            if self.scratch.get(id(a)) == id(v) and self.view.local_shape(a) == self.view.local_shape(v):
-                other = self.operand_expr(v, v.args[1 - j], up=False)
-                return f"{self.var(a)}.{INPLACE[v.op]}({other})"
-        return None
+        return f"{self.var(v.args[j])}.{INPLACE[v.op]}({self.operand_expr(v, v.args[1 - j], up=False)})"
 
     def compute(self, v: Value) -> str:
         """A tensor computation as a torch expression (half precision: float32 math, one rounding)."""
-        if (e := self.in_place(v)) is not None:
+        if (e := self.over(v)) is not None:
             return e
         emit, raw = EXPR.get(v.op), v.op in RAW
         if emit is None:
@@ -191,9 +186,9 @@ class Emitter:
             x = f"({x} * {w[self.view.line(v)[0]] / sum(w)!r})"
         shares = self.shares(v)
         tail = (f", shares={shares}" if shares is not None else "") + tail
-        if id(v) in self.into and self.chunk is None:  # gathered straight into the state it becomes
-            t, deferrable = self.into[id(v)]
-            tail += f", into={self.var(t)}" + (", deferrable=True" if deferrable else "")
+        into = self.memory.into.get(id(v))
+        if into is not None:  # gathered straight into the state it becomes
+            tail += f", into={self.var(into.state)}" + (", deferrable=True" if into.deferrable else "")
         return COMM[v.op](self, v, x, self.group(v), tail)
 
     def group(self, v: Value) -> str:
@@ -315,16 +310,16 @@ COMM: dict[str, Callable[[Emitter, Value, str, str, str], str]] = {
 
 
 def generate(plan: Plan, rank: int, world_size: int, sizes: Mapping[str, int],
-             fused: Mapping[int, Any] | None = None) -> str:
+             fused: Mapping[int, Any] | None = None, memory: Memory | None = None) -> str:
     """Python source of the step function that rank `rank` of `world_size` runs for `plan`.
     `fused` maps stage indices to generated Triton kernels (kernels.codegen.FusedKernel): those
-    stages become one kernel call; the others are torch expressions."""
+    stages become one kernel call; the others are torch expressions. `memory`: the Plan's memory decisions for
+    this rank, when the caller already has them."""
     view = plan.view(rank, world_size, sizes)
-    em = Emitter(plan, view)
+    em = Emitter(plan, view, memory=memory)
     fused = fused or {}
     program = plan.program
     em.live_out = plan.live_outs()
-    em.into = _gathers_into_state(em)
     em.lines += [f'"""cocoweave plan `{plan.name}` ({plan.fingerprint}) for rank {rank} of {world_size}, '
                  f'sizes {dict(sizes)}.', "", "Generated code: read it, do not edit it.", '"""', "",
                  "import math", "", "import torch", "", "from cocoweave.backends.torch import runtime as rt", "", "",
@@ -372,14 +367,13 @@ def generate(plan: Plan, rank: int, world_size: int, sizes: Mapping[str, int],
                 if isinstance(part, Compute) and part.fused:
                     _emit_fused_call(em, part, i, indent=2)
                     continue
-                em.scratch = _scratch(em, part)
                 for v in part.values:
                     _emit_value(em, v, indent=2)
-            em.algorithm, em.scratch = collectives.DEFAULT, {}
+            em.algorithm = collectives.DEFAULT
     em.emit("")
     em.emit("# results: state is written in place, outputs are returned")
     for name, v in plan.state.items():
-        if view.in_group(v) and id(v) not in em.into:
+        if view.in_group(v) and id(v) not in em.memory.into:
             em.emit(f"{em.var(program.inputs[name])}.copy_({em.var(v)})")
     outs = ", ".join(f'"{n}": ' + (f"OUT[{n!r}]" if n in before else em.var(v))
                      for n, v in plan.outputs if view.in_group(v))
@@ -407,32 +401,6 @@ def _launch(em: Emitter) -> list[str]:
     return ["", "", "def launch(ctx, I):", doc, *em.lines]
 
 
-def _gathers_into_state(em: Emitter) -> dict[int, tuple[Value, bool]]:
-    """All-gathers whose result is a state tensor's new value, whole on this rank: they write straight into the
-    state tensor (no copy at the end of the step) when nothing after them reads the old contents; deferrable (left
-    in flight when the step returns, Executable.wait completes them) when nothing after them reads the result."""
-    plan, view = em.plan, em.view
-    out: dict[int, tuple[Value, bool]] = {}
-    order = [x for s in plan.stages for x in s.values]
-    for name, v in plan.state.items():
-        t = plan.program.inputs[name]
-        if v.op != "all_gather" or not view.in_group(v) or view.local_shape(t) != view.local_shape(v):
-            continue
-        at = next(i for i, s in enumerate(plan.stages) if any(x is v for x in s.values))
-        stage = plan.stages[at]
-        if isinstance(stage, Overlap) or (isinstance(stage, FusedCollective) and stage.algorithm == "ring"):
-            continue  # gathered chunk by chunk or piece by piece: into its own buffers
-        after = [a for x in order[order.index(v) + 1:] for a in x.args]
-        if any(a is t for a in after):
-            continue
-        read_later = any(a is v or (a.op == "update" and a.args[1] is v) for a in after) or \
-            any(o is v or (o.op == "update" and o.args[1] is v) for _, o in plan.outputs)
-        out[id(v)] = (t, not read_later)
-        if getattr(stage, "algorithm", "library") == "shm":
-            em.shm_gathers.append((v, at))
-    return out
-
-
 def _emit_value(em: Emitter, v: Value, indent: int, async_op: bool = False) -> bool:
     """Emit v if this rank takes part in it; True if it did."""
     if v.op in COMM:
@@ -453,76 +421,31 @@ def _emit_fused_call(em: Emitter, stage: Compute, index: int, indent: int) -> No
     route says. New state is written over the state tensor inside the function where nothing later reads the old
     contents (the copy at the end of the step is then a no-op)."""
     view, plan = em.view, em.plan
+    facts = em.memory.fused[id(stage)]
     vals = [v for v in stage.values if view.in_group(v)]
-    inside = {id(v) for v in vals}
-    params: dict[int, Value] = {}
-    for v in vals:
-        for a in v.args:
-            a = a.args[1] if a.op == "update" else a
-            if id(a) not in inside and a.op != "const":
-                params.setdefault(id(a), a)
-    outs = [v for v in vals if any(v is o for o in stage.live_outs)]
+    outs, params = facts.outputs, facts.inputs
     if not outs:
         return
-    writes = _state_in_place(em, index, outs, list(params.values()))
     name = f"stage{index}" + ("" if stage is plan.stages[index] else f"_{vals[0].id}")
-    body = Emitter(plan, view, names=em.names, used=em.used, live_out=em.live_out, in_function=True)
-    body.scratch = _scratch(body, stage)
+    body = Emitter(plan, view, names=em.names, used=em.used, live_out=em.live_out, in_function=True, memory=em.memory)
     for v in vals:
         _emit_value(body, v, indent=1)
-    written = {id(v): em.var(t) for t, v in writes}
-    for t, v in writes:
+    written = {id(v): em.var(t) for t, v in facts.state_writes}
+    for t, v in facts.state_writes:
         body.emit(f"{em.var(t)}.copy_({em.var(v)})  # new `{t.name}` over the old: nothing later reads it")
     # an shm all-gather then finds this rank's part in place
-    for v, part in _into_own_part(em, index, outs, list(params.values())).items():
-        body.emit(f"{part}.copy_({em.var(v)})  # this rank's part of the state its all-gather fills")
-        written[id(v)] = part
+    for own in facts.own_parts.values():
+        part = f"{em.var(own.state)}.narrow({own.dim}, {own.start}, {own.length})"
+        body.emit(f"{part}.copy_({em.var(own.value)})  # this rank's part of the state its all-gather fills")
+        written[id(own.value)] = part
     ret = [written.get(id(v), em.var(v)) for v in outs]
     body.emit(f"return {', '.join(ret)}{',' if len(ret) == 1 else ''}")
-    params_ = [em.ref(a) for a in params.values()] + list(body.extra)
-    args = [em.ref(a) for a in params.values()] + list(body.extra.values())
+    params_ = [em.ref(a) for a in params] + list(body.extra)
+    args = [em.ref(a) for a in params] + list(body.extra.values())
     doc = f'"""stage {index}: {stage.label} [{", ".join(stage.names)}], one function of its inputs."""'
     em.defs += ([] if not em.defs else ["", ""]) + [f"def {name}({', '.join(params_)}):", f"    {doc}", *body.lines]
     em.emit(f"{', '.join(em.var(v) for v in outs)}{',' if len(outs) == 1 else ''} = ctx.stage({index}, {name})"
             f"({', '.join(args)})", indent)
-
-
-def _into_own_part(em: Emitter, index: int, outs: list[Value], params: list[Value]) -> dict[Value, str]:
-    """Live-outs of fused stage `index` that a shared-memory all-gather gathers straight into a state tensor the
-    stage reads, each with the expression of this rank's part of that tensor: computing them into it saves the
-    gather a copy of this rank's part. Only where nothing between the stage and the gather reads the state."""
-    out = {}
-    for v in outs:
-        for ag, at in em.shm_gathers:
-            t = em.into[id(ag)][0]
-            if ag.args[0] is not v or ag.layout.is_sliced or not any(p is t for p in params):
-                continue
-            between = [x for st in em.plan.stages[index + 1:at + 1] for x in st.values if x is not ag]
-            if any(a is t for x in between for a in x.args):
-                continue
-            d, shares = ag.attrs["dim"], getattr(v.layout, "shares", None)
-            if shares or not v.layout.is_sliced or v.layout.dim != d or v.dtype != t.dtype:
-                continue
-            start, stop = em.bounds(v)[d]
-            if tuple(em.view.local_shape(v)) != tuple(em.view.local_shape(t)[:d]) + (stop - start,) + \
-                    tuple(em.view.local_shape(t)[d + 1:]):
-                continue
-            out[v] = f"{em.var(t)}.narrow({d}, {start}, {stop - start})"
-    return out
-
-
-def _state_in_place(em: Emitter, index: int, outs: list[Value], params: list[Value]) -> list[tuple[Value, Value]]:
-    """(state input, its new value) pairs a fused stage may write in place: the new value is a live-out of the
-    stage with the state's local shape, and no later stage reads the old state."""
-    plan, view = em.plan, em.view
-    later = {id(a) for s in plan.stages[index + 1:] for v in s.values for a in v.args}
-    out = []
-    for name, new in plan.state.items():
-        t = plan.program.inputs[name]
-        if any(v is new for v in outs) and any(p is t for p in params) and id(t) not in later and \
-                view.in_group(t) and view.local_shape(t) == view.local_shape(new):
-            out.append((t, new))
-    return out
 
 
 def _emit_chunked(em: Emitter, stage: Overlap, index: int) -> None:
@@ -592,19 +515,3 @@ def _emit_fused_ring(em: Emitter, stage: FusedCollective, index: int) -> None:
     em.emit(f"{x}, {rs.attrs['dim']}, {em.op(rs)!r}, {g}, ring{index},", 3)
     shares = f", shares={rs.attrs['shares']}" if rs.attrs.get("shares") is not None else ""
     em.emit(f"gathered=[{', '.join(spec(a) for a in ags)}], kept=[{', '.join(spec(v) for v in kept)}]{shares})", 3)
-
-
-def _scratch(em: Emitter, stage: Stage) -> dict[int, int]:
-    """Temporaries of a computation stage that may be overwritten by their last reader: fresh results of
-    arithmetic (INPLACE ops or sqrt/exp/neg/rsqrt in float32/64), read by nothing after it, not live out."""
-    if not isinstance(stage, Compute):
-        return {}
-    live = em.live_out | {id(v) for v in stage.live_outs}
-    fresh = {id(v) for v in stage.values if (v.op in INPLACE or v.op in ("neg", "sqrt", "rsqrt", "exp"))
-             and v.dtype in ("float32", "float64") and id(v) not in live and em.view.in_group(v)}
-    last: dict[int, int] = {}
-    for v in stage.values:
-        for a in v.args:
-            if id(a) in fresh:
-                last[id(a)] = id(v)
-    return last

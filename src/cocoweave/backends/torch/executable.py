@@ -8,6 +8,7 @@ import json
 import math
 import os
 from collections.abc import Generator, Mapping
+from types import MappingProxyType
 from typing import Any
 
 import torch
@@ -20,7 +21,7 @@ from ...ir.graph import Program, make_layout
 from ...ir.layout import Replicated, cut, part_bounds, part_shape, placements
 from ...ir.semantics import Place, dropout_index
 from ...ir.types import DTYPES, bind_shape
-from ...plan import Collective, FusedCollective, Plan
+from ...plan import Collective, FusedCollective, Memory, Plan
 from ..inputs import RankInputs, bound_sizes, check_rank_inputs, local_shape
 from ..results import RankResult
 from . import shm
@@ -85,7 +86,10 @@ class Executable:
         self.program.check_world(world_size)
         kernels = kernels or default_kernels()
         fused = self._fused_kernels(kernels)
-        self.source = generate(plan, rank, world_size, self.sizes, fused)
+        memory = Memory.of(plan, plan.view(rank, world_size, self.sizes))
+        self.source = generate(plan, rank, world_size, self.sizes, fused, memory)
+        self._output_buffers = memory.output_buffers  # the buffers `release` looks at (by value name), and those
+        self._output_views = memory.output_views  # an output may share storage with without being the buffer
         key = hashlib.sha256(json.dumps([plan.fingerprint, rank, world_size, self.sizes, sorted(fused)]).encode())
         key = key.hexdigest()[:16]
         self.path = write_source(self.source, f"{plan.fingerprint}-r{rank}-w{world_size}-{key}")
@@ -111,7 +115,7 @@ class Executable:
         compiled = kernels == "compiled" or kernels == "auto"
         self.ctx = RankContext(rank, world_size, groups, self.device, self._dropout_indices(), backend, compiled)
         self.ctx.kernels = dict(fused)
-        self.kept: dict[str, torch.Tensor] = {}  # state the schedule stores sliced, between calls
+        self._kept: dict[str, torch.Tensor] = {}  # state the schedule stores sliced, between calls
 
     def _fused_kernels(self, kernels: str) -> dict[int, Any]:
         """Generated Triton kernels for fused computation stages: on CUDA by default ("auto"), on any
@@ -155,9 +159,9 @@ class Executable:
                 continue
             if name in given:
                 self._keep(name, given.pop(name), copy=True)
-            if name not in self.kept:
+            if name not in self._kept:
                 raise InputError(f"rank {self.rank}: state `{name}` was never given; pass it on the first call")
-            given[name] = self.kept[name]
+            given[name] = self._kept[name]
         check_rank_inputs(self.program, self.rank, self.world_size, given, self.sizes)
         return given
 
@@ -171,7 +175,22 @@ class Executable:
             cut_ = cut(t, have, part_bounds(v.layout, full, pos))
             copy = copy or cut_.numel() != t.numel()  # a slice of a larger tensor: keep only the slice
             t = cut_
-        self.kept[name] = t.clone() if copy and isinstance(t, torch.Tensor) else t
+        self._kept[name] = t.clone() if copy and isinstance(t, torch.Tensor) else t
+
+    @property
+    def kept(self) -> Mapping[str, torch.Tensor]:
+        """This rank's part of each state the schedule keeps sliced, by input name (read-only: `adopt` and
+        `state_part` are the ways in)."""
+        return MappingProxyType(self._kept)
+
+    def state_part(self, name: str) -> torch.Tensor:
+        """This rank's part of state `name` (kept sliced by the plan), to read or to load in place (a checkpoint):
+        allocated uninitialised when it was never given, so that the next `run` continues from what is loaded."""
+        part = self._kept.get(name)
+        if part is None:
+            v = self.program.inputs[name]
+            part = self._kept[name] = torch.empty(self.local_shape(name), dtype=DTYPES[v.dtype], device=self.device)
+        return part
 
     def adopt(self, name: str, t: torch.Tensor) -> None:
         """Hand state `name` (sliced by the plan) to the executable, which keeps it from now on: `t` is this rank's
@@ -233,15 +252,24 @@ class Executable:
 
     def release(self, t: torch.Tensor) -> torch.Tensor:
         """Hand output `t` of the last step to the caller for good (an activation autograd keeps): the buffer it
-        lives in is dropped, the next step allocates another; a result in shared memory is copied out."""
-        ptr = t.untyped_storage().data_ptr()
-        for key, b in list(self.ctx.buffers.items()):
-            if b.untyped_storage().data_ptr() == ptr:
-                del self.ctx.buffers[key]
+        lives in is dropped, the next step allocates another; a result in shared memory is copied out. Only the
+        buffers the Plan says an output may be (Memory.output_buffers) are looked at: most outputs are new tensors."""
+        buffers = self.ctx.buffers
+        for name in self._output_buffers:
+            if buffers.get(name) is t:  # the collective's buffer itself
+                del buffers[name]
                 return t
-        for slots in (*self.ctx.shm_buffers.slots.values(), *self.ctx.shm_buffers.commons.values()):
-            if any(s.untyped_storage().data_ptr() == ptr for s in slots):
-                return t.clone()
+        if not self._output_views:
+            return t
+        ptr, shm_ = t.untyped_storage().data_ptr(), self.ctx.shm_buffers
+        for name in self._output_views:
+            b = buffers.get(name)
+            if b is not None and b.untyped_storage().data_ptr() == ptr:
+                del buffers[name]
+                return t
+            for slots in (shm_.slots.get(name), shm_.slots.get((name, "whole")), shm_.commons.get((name, "whole"))):
+                if slots and any(s.untyped_storage().data_ptr() == ptr for s in slots):
+                    return t.clone()
         return t
 
     def provide(self, value: str, result: torch.Tensor) -> None:
@@ -309,7 +337,7 @@ class Executable:
         """The whole tensor of state kept sliced (a collective: every rank of its group calls it); on a mesh,
         gathered along every axis that slices it, the innermost first."""
         v = self.program.inputs[name]
-        part = self.kept[name]
+        part = self._kept[name]
         full, pos = bind_shape(v.shape, self.sizes), v.position(self.rank, self.world_size)
         axes = v.group.axes
         per = list(placements(v.layout, len(axes)))
