@@ -17,6 +17,7 @@ weight-gradient matmul runs while it is in flight.
 from __future__ import annotations
 
 import functools
+import os
 import statistics
 import time
 from collections.abc import Callable, Mapping
@@ -26,6 +27,7 @@ import torch
 import torch.distributed as dist
 
 from ..backends.torch import shm
+from ..backends.torch.executable import KERNELS_ENV
 from ..compiler import compile as compile_schedule
 from ..errors import ParallelConfigError
 from ..ir.graph import Program
@@ -124,6 +126,12 @@ class Programs:
         self.schedule, self.group, self.size, self.rank = schedule, group, size, rank
         self.chosen: dict[str, str] = {}  # program kind ("forward", "backward") -> the schedule it runs
         self._exes: dict[tuple, Any] = {}
+        # by (kind, id(program), device), each with its program (ids are reused once a program is gone): the
+        # executable and schedule name a program resolved to, so that every later call (each forward and backward)
+        # goes straight to it; the route `route` took; the executable `launch` issues
+        self._ready: dict[tuple, tuple[Program, Any, str]] = {}
+        self._routes: dict[tuple, tuple[Program, str]] = {}
+        self._launchers: dict[tuple, tuple[Program, Any]] = {}
 
     def part_rows(self, rows: int) -> int:
         """How many of `rows` tokens this rank holds under sequence parallelism (torch.tensor_split sizes)."""
@@ -138,14 +146,22 @@ class Programs:
     def run(self, kind: str, program: Program, inputs: Mapping[str, Any], device: torch.device,
             outputs: tuple[str, ...]) -> tuple[torch.Tensor, ...]:
         """Run `program` (this layer's `kind` program) on `inputs`; the named outputs, owned by the caller."""
-        exe = self._executable(kind, program, inputs, device)
+        ready = self._ready.get((kind, id(program), device))
+        if ready is None or ready[0] is not program:
+            exe = self._executable(kind, program, inputs, device)
+            ready = self._ready[kind, id(program), device] = (program, exe, self.chosen[kind])
+        _, exe, self.chosen[kind] = ready
         res = exe.run(inputs).outputs
         return tuple(exe.release(res[n]) for n in outputs)
 
     def launch(self, kind: str, program: Program, inputs: Mapping[str, Any], device: torch.device) -> Any:
         """Issue `program`'s opening collective asynchronously (library algorithm); returns its executable, whose
         `run(inputs)` later completes it."""
-        exe = self._compiled(kind, program, _library(program), device, record=False)  # the route's name stays
+        hit = self._launchers.get((kind, id(program), device))
+        if hit is None or hit[0] is not program:  # the route's name stays in `chosen`
+            hit = self._launchers[kind, id(program), device] = (
+                program, self._compiled(kind, program, _library(program), device, record=False))
+        exe = hit[1]
         exe.launch(inputs)
         return exe
 
@@ -164,8 +180,8 @@ class Programs:
         key = (_fingerprint(program), s.name, device)
         exe = self._exes.get(key)
         if exe is None:
-            exe = self._exes[key] = compile_schedule(s, "torch", device=device, rank=self.rank,
-                                                     world_size=self.size, group=self.group)
+            exe = self._exes[key] = compile_schedule(s, "torch", device=device, rank=self.rank, world_size=self.size,
+                                                     group=self.group, kernels=kernels(program, device))
         return exe
 
     def _auto(self, kind: str, program: Program, inputs: Mapping[str, Any], device: torch.device,
@@ -223,6 +239,15 @@ class Programs:
     def route(self, kind: str, program: Program, routes: dict[str, Callable[[], Any]], device: torch.device) -> str:
         """Which of several whole routes of `kind` to take (e.g. a backward program, or ASYNC): the one named by
         the layer's schedule, else for "auto" the fastest (`fastest`, once per program and group size)."""
+        hit = self._routes.get((kind, id(program), device))
+        if hit is None or hit[0] is not program:
+            hit = self._routes[kind, id(program), device] = (program, self._route(program, routes, device))
+        name = hit[1]
+        if name == ASYNC:
+            self.chosen[kind] = name
+        return name
+
+    def _route(self, program: Program, routes: dict[str, Callable[[], Any]], device: torch.device) -> str:
         if self.schedule in routes:
             name = self.schedule
         elif self.schedule != "auto" or self.size == 1:
@@ -238,9 +263,19 @@ class Programs:
                 names = list(routes)
                 _CHOSEN[k] = names[self.fastest([routes[n] for n in names], device)]
             name = _CHOSEN[k]
-        if name == ASYNC:
-            self.chosen[kind] = name
         return name
+
+def kernels(program: Program, device: torch.device) -> str | None:
+    """How a layer program's fused stages run: on CPU without dropout op by op ("torch"), else (and whenever
+    $COCOWEAVE_KERNELS chooses) the executable's default (compiled: one loop per stage; on CUDA Triton). A layer's
+    stage without dropout is a bias-gradient sum or a bias + residual add, which torch runs in one or two ops; a
+    compiled call costs more than it saves (d256, 1024 x 256: the sum 0.125 ms compiled, 0.034 ms as one op; bias +
+    residual 0.29 ms against 0.25). A dropout stage's counter hash is a dozen int64 ops op by op, 15x slower than
+    its compiled loop (12.5 ms against 0.81)."""
+    if device.type != "cpu" or KERNELS_ENV in os.environ or any(v.op == "dropout" for v in program.values):
+        return None
+    return "torch"
+
 
 def _library(program: Program) -> Schedule:
     """The program as written with its computation fused, on the library's collectives (what `launch` issues)."""
