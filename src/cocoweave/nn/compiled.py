@@ -17,7 +17,6 @@ weight-gradient matmul runs while it is in flight.
 from __future__ import annotations
 
 import functools
-import os
 import statistics
 import time
 from collections.abc import Callable, Mapping
@@ -26,8 +25,8 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
+from .. import settings
 from ..backends.torch import shm
-from ..backends.torch.executable import KERNELS_ENV
 from ..compiler import compile as compile_schedule
 from ..errors import ParallelConfigError
 from ..ir.graph import Program
@@ -272,7 +271,7 @@ def kernels(program: Program, device: torch.device) -> str | None:
     compiled call costs more than it saves (d256, 1024 x 256: the sum 0.125 ms compiled, 0.034 ms as one op; bias +
     residual 0.29 ms against 0.25). A dropout stage's counter hash is a dozen int64 ops op by op, 15x slower than
     its compiled loop (12.5 ms against 0.81)."""
-    if device.type != "cpu" or KERNELS_ENV in os.environ or any(v.op == "dropout" for v in program.values):
+    if device.type != "cpu" or settings.KERNELS.text() is not None or any(v.op == "dropout" for v in program.values):
         return None
     return "torch"
 
