@@ -7,6 +7,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+from .. import collectives
 from ..ir import registry as R
 from ..ir.graph import Value
 from ..schedule.stages import Compute, FusedCollective, Overlap, Stage
@@ -76,7 +77,7 @@ class Memory:
         fused: dict[int, FusedStage] = {}
         live = plan.live_outs()
         for index, stage in enumerate(plan.stages):
-            if isinstance(stage, Overlap) or (isinstance(stage, FusedCollective) and stage.algorithm == "ring"):
+            if _piecewise(stage):
                 continue  # chunk by chunk, piece by piece: nothing is computed over a whole temporary
             for part in stage.parts if isinstance(stage, FusedCollective) else (stage,):
                 if not isinstance(part, Compute):
@@ -134,7 +135,7 @@ def _gathers_into_state(plan: Plan, view: RankView) -> dict[int, GatherInto]:
             continue
         at = next(i for i, s in enumerate(plan.stages) if any(x is v for x in s.values))
         stage = plan.stages[at]
-        if isinstance(stage, Overlap) or (isinstance(stage, FusedCollective) and stage.algorithm == "ring"):
+        if _piecewise(stage):
             continue
         after = [a for x in order[order.index(v) + 1:] for a in x.args]
         if any(a is t for a in after):
@@ -217,3 +218,10 @@ def _output_buffers(plan: Plan, view: RankView) -> tuple[tuple[str, ...], tuple[
         if v.op not in _NEW_TENSOR and not R.opdef(v.op).communication:  # a collective's result is its own buffer
             todo += [(_read(a), True) for a in v.args]
     return tuple(names), tuple(views)
+
+
+def _piecewise(stage: Stage) -> bool:
+    """Whether `stage` computes chunk by chunk or piece by piece (an overlap, or a fused collective on an algorithm
+    that applies the computation as its pieces arrive): then nothing is computed over a whole temporary."""
+    return isinstance(stage, Overlap) or (isinstance(stage, FusedCollective)
+                                          and collectives.get(stage.algorithm).fuses)
