@@ -331,6 +331,7 @@ class Executable:
             slots = self.ctx.shm_buffers.get(g, key, numel, DTYPES[x.dtype], common)
         except shm.ShmUnavailable:  # every rank of the group sees it: the collective copies (or runs as the library's)
             return None
+        shm.lend(slots)  # the caller computes into it: its collectives end with a barrier
         return slots[0 if common else g.me][:numel].view(shape)
 
     def _shm_group(self, collective: Any) -> shm.ShmGroup | None:
