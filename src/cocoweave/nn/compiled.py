@@ -25,7 +25,7 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
-from .. import settings
+from .. import collectives, settings
 from ..backends.torch import shm
 from ..compiler import compile as compile_schedule
 from ..errors import ParallelConfigError
@@ -72,16 +72,24 @@ def schedules(program: Program) -> list[Schedule]:
 
 
 def _fused(s: Schedule) -> bool:
-    """Every computation one compiled loop, no ring algorithm (slow on CPU and GPU alike for these sizes)."""
-    return "@ring" not in s.name and not any(st.kind == "compute" and not st.fused for st in s.stages)
+    """Every computation one compiled loop, on no algorithm the collectives table never picks automatically (the
+    ring: slow on CPU and GPU alike for these sizes)."""
+    return not any(collectives.get(a).auto == "never" for a in collectives.uses(s.stages)) and \
+        not any(st.kind == "compute" and not st.fused for st in s.stages)
+
+
+def _on_host(algorithms: frozenset[str]) -> bool:
+    """Whether any of `algorithms` needs the ranks to share a host (shared memory), by the collectives table."""
+    return any(collectives.get(a).one_host for a in algorithms)
 
 
 def candidates(program: Program, shared_host: bool) -> list[Schedule]:
     """What "auto" measures, in order of preference: the fused schedules on shared memory where the group shares
     this host, then on the library's collectives (the program as written among them)."""
-    fused = [s for s in schedules(program) if _fused(s) and ("@shm" not in s.name or shared_host)]
+    fused = [s for s in schedules(program) if _fused(s) and (shared_host or not _on_host(collectives.uses(s.stages)))]
     # shared memory first where it applies, then the simplest: one collective before a split one before a fused one
-    return sorted(fused, key=lambda s: ("@shm" not in s.name, "fuse(" in s.name, s.name.count("-"))) or \
+    return sorted(fused, key=lambda s: (not _on_host(collectives.uses(s.stages)), "fuse(" in s.name,
+                                        s.name.count("-"))) or \
         schedules(program)[:1]
 
 
@@ -96,20 +104,26 @@ def named(program: Program, name: str, shared_host: bool) -> Schedule:
         raise ParallelConfigError(f"schedule {name!r} is not available for the tensor-parallel layers; choose one "
                                   f"of: auto, {AS_WRITTEN!r}, {', '.join(sorted(layer_schedule_names()))}")
     fused = [s for s in every if _fused(s)]
-    want_shm = "@shm" in name and shared_host
-    same = [s for s in fused if ("@shm" in s.name) == want_shm and "fuse(" not in s.name]
+    want_host = shared_host and _on_host(_layer_schedules().get(name, frozenset()))
+    same = [s for s in fused if _on_host(collectives.uses(s.stages)) == want_host and "fuse(" not in s.name]
     return (same or fused or every)[0]
 
 
 @functools.lru_cache(maxsize=1)
-def layer_schedule_names() -> frozenset[str]:
-    """The name of every schedule of the layers' programs (at any size the same names), and ASYNC."""
+def _layer_schedules() -> dict[str, frozenset[str]]:
+    """The name of every schedule of the layers' programs (at any size the same names), with the collective
+    algorithms it runs on (other than the default)."""
     from . import programs as P
 
     tiny = [P.row_forward(4, 4, 4, drop=0.1, sp=sp) for sp in (False, True)]
     tiny += [P.row_backward(4, 4, 4, drop=0.1, sp=sp) for sp in (False, True)]
     tiny += [P.column_backward(4, 4, 4, sp=sp) for sp in (False, True)] + [P.column_forward_sp(4, 4, 4)]
-    return frozenset({s.name for p in tiny for s in schedules(p)} | {ASYNC})
+    return {s.name: collectives.uses(s.stages) for p in tiny for s in schedules(p)}
+
+
+def layer_schedule_names() -> frozenset[str]:
+    """The name of every schedule of the layers' programs (at any size the same names), and ASYNC."""
+    return frozenset(_layer_schedules()) | {ASYNC}
 
 
 def one_host(group: Group) -> bool:
@@ -278,5 +292,5 @@ def kernels(program: Program, device: torch.device) -> str | None:
 
 def _library(program: Program) -> Schedule:
     """The program as written with its computation fused, on the library's collectives (what `launch` issues)."""
-    return next((s for s in schedules(program) if _fused(s) and "@" not in s.name), schedules(program)[0])
+    return next((s for s in schedules(program) if _fused(s) and not collectives.uses(s.stages)), schedules(program)[0])
 

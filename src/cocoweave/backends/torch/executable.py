@@ -22,6 +22,7 @@ from ...ir.layout import Replicated, cut, part_bounds, part_shape, placements
 from ...ir.semantics import Place, dropout_index
 from ...ir.types import DTYPES, bind_shape
 from ...plan import Collective, FusedCollective, Memory, Plan
+from .. import inputs as _inputs
 from ..inputs import RankInputs, bound_sizes, check_rank_inputs, local_shape
 from ..results import RankResult
 from . import shm
@@ -30,6 +31,7 @@ from .codegen import generate
 from .runtime import RankContext
 
 _GROUPS: dict[tuple[int, ...], Any] = {}
+_SIGNATURES = 8  # input signatures an executable remembers as checked
 # How fused computation stages run: "auto" (CUDA: generated Triton kernels, the rest compiled; CPU: compiled),
 # "triton" (generated Triton kernels where a stage has one, else torch ops), "compiled" (torch.compile: one loop
 # per stage, Inductor's C++ on CPU), "torch" (torch ops one by one).
@@ -116,6 +118,7 @@ class Executable:
         self.ctx = RankContext(rank, world_size, groups, self.device, self._dropout_indices(), backend, compiled)
         self.ctx.kernels = dict(fused)
         self._kept: dict[str, torch.Tensor] = {}  # state the schedule stores sliced, between calls
+        self._checked: set[tuple] = set()  # input signatures `check_rank_inputs` accepted (see `_check`)
 
     def _fused_kernels(self, kernels: str) -> dict[int, Any]:
         """Generated Triton kernels for fused computation stages: on CUDA by default ("auto"), on any
@@ -162,8 +165,23 @@ class Executable:
             if name not in self._kept:
                 raise InputError(f"rank {self.rank}: state `{name}` was never given; pass it on the first call")
             given[name] = self._kept[name]
-        check_rank_inputs(self.program, self.rank, self.world_size, given, self.sizes)
+        self._check(given)
         return given
+
+    def _check(self, given: Mapping[str, Any]) -> None:
+        """`check_rank_inputs`, once per input signature (names, shapes, dtypes, devices, scalar types): what it checks
+        is all in the signature, so a repeated one passes again; with finite checks on (values) it runs every call."""
+        if _inputs.CHECK_FINITE:
+            check_rank_inputs(self.program, self.rank, self.world_size, given, self.sizes)
+            return
+        sig = tuple((k, t.shape, t.dtype, t.device) if isinstance(t, torch.Tensor) else (k, type(t))
+                    for k, t in given.items())
+        if sig in self._checked:
+            return
+        check_rank_inputs(self.program, self.rank, self.world_size, given, self.sizes, check_finite=False)
+        if len(self._checked) >= _SIGNATURES:
+            self._checked.clear()
+        self._checked.add(sig)
 
     def _keep(self, name: str, t: Any, copy: bool) -> None:
         """Keep state `name` (sliced by the plan) from `t`: this rank's slice of it, or the tensor as the program
@@ -313,6 +331,7 @@ class Executable:
             slots = self.ctx.shm_buffers.get(g, key, numel, DTYPES[x.dtype], common)
         except shm.ShmUnavailable:  # every rank of the group sees it: the collective copies (or runs as the library's)
             return None
+        shm.lend(slots)  # the caller computes into it: its collectives end with a barrier
         return slots[0 if common else g.me][:numel].view(shape)
 
     def _shm_group(self, collective: Any) -> shm.ShmGroup | None:

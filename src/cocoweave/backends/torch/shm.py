@@ -91,6 +91,7 @@ def _alive(pid: int) -> bool:
         return True
 
 
+ALTERNATE_BYTES = 8 << 20  # an all-reduce of at most this many bytes per slot alternates two sets of slots
 SPIN_S = 50e-6  # how long a waiting rank spins (yielding) before it sleeps between looks
 NAP_S = 50e-6  # how long it then sleeps: a waiting rank leaves the core to the ranks it waits for
 
@@ -257,7 +258,30 @@ class ShmGroup:
         seg, fd = _map(_unique(f"{self.key}/{prefix}"), max(per * count, 64), self.ranks, self.timeout)
         if fd is not None:
             self.pending.append(fd)
-        return [seg[i * per:i * per + numel * dtype.itemsize].view(dtype) for i in range(count)]
+        out = Slots(seg[i * per:i * per + numel * dtype.itemsize].view(dtype) for i in range(count))
+        out.group = self
+        return out
+
+
+class Slots(list):
+    """The slots of one collective (index i: group rank i's), with what an all-reduce keeps beside them: a second
+    set it alternates with (made on first use, see `all_reduce`), and whether a caller was lent one of them to
+    compute into (`lend`: then it never alternates)."""
+
+    group: ShmGroup | None = None
+    lent = False
+    spare: list[torch.Tensor] | None = None
+    turn = 0
+
+
+def lend(slots: list[torch.Tensor]) -> None:
+    """Mark `slots` as lent (Executable.shared_input: an operand is computed in this rank's slot): its owner writes
+    it right after a collective, so every collective on them ends with a barrier. Every rank of the group lends, at
+    the same point: lent after an all-reduce that ended without one, a barrier orders that one's reads first."""
+    if isinstance(slots, Slots) and not slots.lent:
+        slots.lent = True
+        if slots.spare is not None and slots.group is not None:
+            slots.group.barrier()
 
 
 _WHY: dict[tuple[int, ...], str] = {}  # why a group's ranks do not share memory, for the fallback's warning
@@ -376,18 +400,40 @@ def reduce_scatter(g: ShmGroup, slots: list[torch.Tensor], flat: torch.Tensor, o
     return out
 
 
+def _alternate(g: ShmGroup, slots: list[torch.Tensor]) -> list[torch.Tensor] | None:
+    """The set of slots this all-reduce uses when it alternates two sets (None: it does not, see `all_reduce`):
+    `slots` and a second set made on the first call, in turns. The same on every rank: the calls, sizes, lending
+    and a failure to make the second set (published by rank 0) are."""
+    if not isinstance(slots, Slots) or slots.lent or slots[0].numel() * slots[0].element_size() > ALTERNATE_BYTES:
+        return None
+    if slots.spare is None:
+        try:
+            slots.spare = g.slots("alternate", slots[0].numel(), slots[0].dtype)
+        except ShmUnavailable:
+            slots.lent = True  # no second set: three barriers, on every rank
+            return None
+    slots.turn ^= 1
+    return slots.spare if slots.turn else slots
+
+
 def all_reduce(g: ShmGroup, slots: list[torch.Tensor], flat: torch.Tensor, op: str,
                parts: list[tuple[int, int]], out: torch.Tensor) -> torch.Tensor:
     """Every rank's `flat` reduced with `op`, whole, into `out`: each rank reduces its part into its own slot,
-    then everyone reads the reduced parts."""
-    _write(slots[g.me][:flat.numel()], flat)
+    then everyone reads the reduced parts. Where two sets of slots alternate, no barrier ends it: a rank writes
+    a set again two calls later, after the next call's first barrier, which every rank reaches only once it has
+    read this call's parts; a lent slot (its owner writes it right after) or a large one keeps the third."""
+    use = _alternate(g, slots)
+    ends = use is None
+    use = slots if use is None else use
+    _write(use[g.me][:flat.numel()], flat)
     g.barrier()
     start, n = parts[g.me]
-    _reduce(slots, start, n, op, slots[g.me][start:start + n], g.me)
+    _reduce(use, start, n, op, use[g.me][start:start + n], g.me)
     g.barrier()
     for j, (s, k) in enumerate(parts):
-        out[s:s + k].copy_(slots[j][s:s + k])
-    g.barrier()
+        out[s:s + k].copy_(use[j][s:s + k])
+    if ends:
+        g.barrier()
     return out
 
 
