@@ -139,12 +139,18 @@ class Programs:
         self.schedule, self.group, self.size, self.rank = schedule, group, size, rank
         self.chosen: dict[str, str] = {}  # program kind ("forward", "backward") -> the schedule it runs
         self._exes: dict[tuple, Any] = {}
-        # by (kind, id(program), device), each with its program (ids are reused once a program is gone): the
-        # executable and schedule name a program resolved to, so that every later call (each forward and backward)
-        # goes straight to it; the route `route` took; the executable `launch` issues
-        self._ready: dict[tuple, tuple[Program, Any, str]] = {}
-        self._routes: dict[tuple, tuple[Program, str]] = {}
-        self._launchers: dict[tuple, tuple[Program, Any]] = {}
+        # what a program resolved to, so that every later call (each forward and backward) goes straight to it:
+        # by (what, kind, id(program), device) -> (program, value); see `_once`
+        self._resolved: dict[tuple, tuple[Program, Any]] = {}
+
+    def _once(self, what: str, kind: str, program: Program, device: torch.device, make: Callable[[], Any]) -> Any:
+        """`make()` the first time `program` asks for `what`, the remembered value after (ids are reused once a
+        program is gone, so the entry keeps its program and is checked by identity)."""
+        key = (what, kind, id(program), device)
+        hit = self._resolved.get(key)
+        if hit is None or hit[0] is not program:
+            hit = self._resolved[key] = (program, make())
+        return hit[1]
 
     def part_rows(self, rows: int) -> int:
         """How many of `rows` tokens this rank holds under sequence parallelism (torch.tensor_split sizes)."""
@@ -159,22 +165,16 @@ class Programs:
     def run(self, kind: str, program: Program, inputs: Mapping[str, Any], device: torch.device,
             outputs: tuple[str, ...]) -> tuple[torch.Tensor, ...]:
         """Run `program` (this layer's `kind` program) on `inputs`; the named outputs, owned by the caller."""
-        ready = self._ready.get((kind, id(program), device))
-        if ready is None or ready[0] is not program:
-            exe = self._executable(kind, program, inputs, device)
-            ready = self._ready[kind, id(program), device] = (program, exe, self.chosen[kind])
-        _, exe, self.chosen[kind] = ready
+        exe, self.chosen[kind] = self._once(
+            "run", kind, program, device, lambda: (self._executable(kind, program, inputs, device), self.chosen[kind]))
         res = exe.run(inputs).outputs
         return tuple(exe.release(res[n]) for n in outputs)
 
     def launch(self, kind: str, program: Program, inputs: Mapping[str, Any], device: torch.device) -> Any:
         """Issue `program`'s opening collective asynchronously (library algorithm); returns its executable, whose
         `run(inputs)` later completes it."""
-        hit = self._launchers.get((kind, id(program), device))
-        if hit is None or hit[0] is not program:  # the route's name stays in `chosen`
-            hit = self._launchers[kind, id(program), device] = (
-                program, self._compiled(kind, program, _library(program), device, record=False))
-        exe = hit[1]
+        exe = self._once("launch", kind, program, device,  # the route's name stays in `chosen`
+                         lambda: self._compiled(kind, program, _library(program), device, record=False))
         exe.launch(inputs)
         return exe
 
@@ -252,10 +252,7 @@ class Programs:
     def route(self, kind: str, program: Program, routes: dict[str, Callable[[], Any]], device: torch.device) -> str:
         """Which of several whole routes of `kind` to take (e.g. a backward program, or ASYNC): the one named by
         the layer's schedule, else for "auto" the fastest (`fastest`, once per program and group size)."""
-        hit = self._routes.get((kind, id(program), device))
-        if hit is None or hit[0] is not program:
-            hit = self._routes[kind, id(program), device] = (program, self._route(program, routes, device))
-        name = hit[1]
+        name = self._once("route", kind, program, device, lambda: self._route(program, routes, device))
         if name == ASYNC:
             self.chosen[kind] = name
         return name
@@ -277,6 +274,7 @@ class Programs:
                 _CHOSEN[k] = names[self.fastest([routes[n] for n in names], device)]
             name = _CHOSEN[k]
         return name
+
 
 def kernels(program: Program, device: torch.device) -> str | None:
     """How a layer program's fused stages run: on CPU without dropout op by op ("torch"), else (and whenever
