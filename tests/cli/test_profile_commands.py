@@ -74,13 +74,14 @@ def test_plan_reads_json_numbers_yaml_would_misread(lm_profile, tmp_path):
 
 
 def test_train_gpt_under_the_profiler_json_on_stdout(tmp_path):
-    r = invoke("profile", ROOT / "examples/train_gpt.py", "-n", "1,2", "--predict", 3, "--rounds", 1, "--steps", 2,
+    # no --predict: measuring a predicted size (and the core sharing beyond the cores) is test_profile_fits_...'s
+    r = invoke("profile", ROOT / "examples/train_gpt.py", "-n", "1,2", "--rounds", 1, "--steps", 2,
                "--warmup", 2, "--json", "-", "--store", tmp_path / "store")
     assert r.exit_code == 0, r.output
     doc = json.loads(r.stdout)  # only JSON on stdout; no tables are printed
     assert doc["script_args"] == ["--tensor-parallel", "1", "--batch", "24"]  # its '# cocoweave profile:' line
     assert doc["runs"][0]["optimizer"] == "cocoweave.optim.optimizers.DistributedAdamW"
-    assert doc["predictions"][0]["measured_ms"] > 0
+    assert [w["world_size"] for w in doc["runs"]] == [1, 2] and doc["runs"][1]["step_ms"] > 0
     kinds = {k.split("/")[0] for k in doc["runs"][1]["collectives"]}
     assert {"reduce_scatter", "all_gather"} <= kinds  # the optimizer's gradient reduction and parameter gather
     assert not doc["bottleneck"].startswith("input-bound")  # its batches are made in the loop, no loader waited on
