@@ -1,20 +1,20 @@
 """benchmarks/tp_step.py's plumbing: `--quick` times every variant on a tiny model at tp 2 and writes its JSON."""
 
+import contextlib
 import json
-import os
-import subprocess
-import sys
 from pathlib import Path
 
-ROOT = Path(__file__).resolve().parents[2]
+from cocoweave import launch
+from cocoweave.loader import import_module_file
+
+SCRIPT = Path(__file__).resolve().parents[2] / "benchmarks" / "tp_step.py"
 
 
-def test_tp_step_quick_times_every_variant_doing_the_same_work(tmp_path: Path) -> None:
-    env = dict(os.environ, PYTHONPATH=os.pathsep.join([str(ROOT / "src"), os.environ.get("PYTHONPATH", "")]))
-    command = [sys.executable, str(ROOT / "benchmarks" / "tp_step.py"), "--quick", "--schedules", "as-written,auto",
-               "--out", str(tmp_path)]
-    run = subprocess.run(command, env=env, capture_output=True, text=True, timeout=180)
-    assert run.returncode == 0, run.stdout[-3000:] + run.stderr[-3000:]
+def test_tp_step_quick_times_every_variant_doing_the_same_work(tmp_path: Path, local_world, monkeypatch) -> None:
+    """Its main() as the command line calls it, on the session's world of 2 ranks (not a world of its own)."""
+    bench = import_module_file("cocoweave_benchmark_tp_step", str(SCRIPT))
+    monkeypatch.setattr(launch, "LocalWorld", lambda ws, **_: contextlib.nullcontext(local_world(ws)))
+    assert bench.main(["--quick", "--schedules", "as-written,auto", "--out", str(tmp_path)]) == 0
     doc = json.loads(next(tmp_path.glob("tp_step-*.json")).read_text())
     assert {"cpu", "torch", "cocoweave", "date", "load_average"} <= doc["machine"].keys()
     rows = {r["variant"]: r for r in doc["rows"]}
