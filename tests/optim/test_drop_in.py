@@ -16,7 +16,7 @@ from torch.nn.parallel import DistributedDataParallel as DDP
 from cocoweave.errors import OptimizerError
 from cocoweave.optim import DistributedAdamW, DistributedSGD
 
-STEPS = 20  # every feature above acts on 10 or more steps (odd and even steps, clipping from the first)
+STEPS = 20  # every feature above acts on 10 or more steps (odd and even ones); clipping is asserted active
 
 
 class Net(torch.nn.Module):
