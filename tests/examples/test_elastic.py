@@ -155,7 +155,7 @@ def test_keep_global_through_4_2_3_ranks_trains_the_uninterrupted_curve_and_ever
         cmd = [sys.executable, "-m", "torch.distributed.run", "--nnodes=2:4", "--nproc-per-node=1",
                "--max-restarts=3", "--monitor-interval=0.2", "--rdzv-backend=c10d", "--local-addr=127.0.0.1",
                f"--rdzv-endpoint=127.0.0.1:{store.port}", f"--rdzv-id=elastic-{store.port}",
-               "--rdzv-conf=is_host=false,last_call_timeout=3,keep_alive_interval=1,keep_alive_max_attempt=3",
+               "--rdzv-conf=is_host=false,last_call_timeout=5,keep_alive_interval=1,keep_alive_max_attempt=3",
                str(SCRIPT), *TRAIN, "--ckpt-dir", str(ckpt), "--ckpt-every", str(EVERY_2), "--log-file", str(log),
                "--samples-log", str(samples), "--out", str(out)]
         with open(tmp_path / f"agent-{name}.log", "w") as f:
