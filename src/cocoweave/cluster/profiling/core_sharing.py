@@ -26,6 +26,7 @@ from cocoweave.errors import CocoweaveError
 
 STEPS = 40  # a step varies by 10% and more on shared cores: the median of 12 moved the factor by up to 0.1
 WARMUP = 2
+WINDOW = 5  # steps around a step whose median it is compared with (step_spread)
 
 
 class CoreSharingError(CocoweaveError):
@@ -52,6 +53,19 @@ def _burn(barrier, busy_s: float, spread: list[float], seed: int, steps: int,  #
     barrier.wait(timeout_s)
     resumed.append(time.perf_counter())
     out.put((seed, resumed))
+
+
+def step_spread(steps_ms: Sequence[float], window: int = WINDOW) -> list[float]:
+    """Each measured step over the median of the `window` steps around it: how unequal a rank's steps are from one
+    step to the next, without the slow spells of a shared machine (a round measured while the host was slower
+    shifts a run of steps, and independent draws from it would make every synthetic step meet a slow rank)."""
+    half = window // 2
+    out = []
+    for i, step in enumerate(steps_ms):
+        around = statistics.median(steps_ms[max(i - half, 0):i + half + 1])
+        if around > 0:
+            out.append(step / around)
+    return out or [1.0]
 
 
 def sharing_factor(ranks: int, cores: int, busy_ms: float, spread: Sequence[float] = (1.0,), hops: int = 0,
