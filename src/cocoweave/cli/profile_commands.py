@@ -169,8 +169,9 @@ def profile(
         (err_console if json_path == "-" else out).print(f"[yellow]warning:[/] {warning}", highlight=False)
     m = prof.model
     out.print(f"[dim]model: compute {m.a_ms:.2f} + {m.b_ms:.2f} x work share ms; communication CPU "
-              f"{m.gamma_ms_per_mb:.2f} ms/MB + {m.delta_ms_per_hop:.3f} ms/hop; waiting {m.omega_ms_per_hop:.3f} "
-              f"ms/hop; core sharing x{m.eta:.2f} beyond {m.cores} ranks"
+              f"{m.gamma_ms_per_mb:.2f} ms/MB + {m.delta_ms_per_hop:.3f} ms/hop; CPU time "
+              f"x{m.busy_cores(m.cores):.2f} with every core busy; waiting {m.omega_ms_per_hop:.3f} ms/hop; "
+              f"core sharing x{m.eta:.2f} beyond {m.cores} ranks"
               f"{''.join(f', x{f:.2f} measured at {p}' for p, f in m.sharing.items())}; input {m.input_ms:.2f} + "
               f"{m.input_ms_per_rank:.2f} x (ranks - 1) ms waited, {m.input_cpu_ms:.2f} ms CPU[/]", highlight=False)
     if (ckpt := prof.checkpoint_measured()) is not None:

@@ -3,6 +3,8 @@ step into compute, communication and core sharing, and names the bottleneck in a
 
 from __future__ import annotations
 
+import dataclasses
+
 import pytest
 
 from cocoweave.cluster.profiling.host_scaling import (
@@ -130,3 +132,13 @@ def test_core_sharing_measured_beyond_the_cores_when_no_fitted_world_shared_them
     assert fitted.predict(3).total_ms == pytest.approx(1.2 * 3 * fitted.busy_ms(3) / 2)
     three = fit_host_scaling([*two, measured(model, 3, make_run)], cores=2, sharing={3: 1.2})
     assert three.sharing == {} and three.eta == pytest.approx(1.3, rel=1e-6)  # a measured shared world wins
+
+
+def test_cpu_time_that_grows_when_every_core_is_busy_carries_beyond_the_cores(make_run):
+    """A rank slower per step when the other cores are busy too (+25% here: shared caches, SMT siblings, a VM's
+    host) is found from 1 and 2 ranks and carried to 3; ignoring it would predict 3 ranks about 17% low."""
+    model = dataclasses.replace(truth(cores=2, strong=False), kappa=0.25)
+    fitted = fit_host_scaling([measured(model, p, make_run) for p in (1, 2)], cores=2, sharing={3: 1.3})
+    assert fitted.kappa == pytest.approx(0.25, abs=0.01)
+    assert fitted.predict(3).total_ms == pytest.approx(model.predict(3).total_ms, rel=0.02)
+    assert fit_host_scaling([measured(truth(cores=2), p, make_run) for p in (1, 2, 3)], cores=2).kappa == 0.0

@@ -89,3 +89,16 @@ def test_stored_profiles_of_scripts_without_a_data_loader_still_predict_within_1
     for p in prof.predict(sorted(measured)):
         assert p.parts.input_ms == 0.0
         assert abs(p.predicted_ms - measured[p.world_size]) < 0.10 * measured[p.world_size]
+
+
+@pytest.mark.parametrize("name", [f"slow_input-{run}-cpu2-2026-11-26.json" for run in ("final1", "final2", "run5")])
+def test_stored_slow_input_profiles_predict_the_oversubscribed_3_rank_step_within_10_percent(name):
+    """Fitted on 1 and 2 ranks only (quiet runs of the 2-core VM, their core-sharing factor measured then), the
+    3-rank step is predicted within 10%: the ranks' CPU time beside a busy core (kappa) is carried beyond the cores
+    (ignoring it predicted these -7.5%, -3.7% and -11.7%)."""
+    path = Path(__file__).resolve().parents[3] / "benchmarks/results/profile" / name
+    doc = json.loads(path.read_text())
+    prof = RunProfile.from_json(doc, str(path))
+    (three,) = prof.predict([3])
+    assert prof.model.kappa > 0.05 and prof.model.sharing
+    assert three.measured_ms is not None and abs(three.error_pct) < 10.0

@@ -3,16 +3,19 @@
 p processes (spawned, no torch) each burn `busy_ms` of CPU per step, times a factor drawn at random per rank and
 step from `spread` (the measured steps of one rank over their median: real ranks do not do equal work every
 step), then pass a token around a ring `hops` times (a ring collective's message steps: each needs its neighbour
-on a core, which on shared cores waits for a time slice), and meet at a barrier; the parent times each step
-between barriers. Ideal processor sharing
-would take p x busy / K per step on K cores; the measured factor (>= 1) is what the host's scheduler adds: a core
-left idle while the last rank of a step finishes, ranks unevenly spread over the cores' run queues, time slices.
+on a core, which on shared cores waits for a time slice), and meet at a barrier. Each rank notes when it runs
+again after the barrier, and a step is timed as the profiler times a world's: per step the slowest rank's time
+between its own two such moments, then the median over steps (a rank left waiting for a core while the others
+resume makes its step longer). Ideal processor sharing would take p x busy / K per step on K cores; the measured
+factor (>= 1) is what the host's scheduler adds: a core left idle while the last rank of a step finishes, ranks
+unevenly spread over the cores' run queues, time slices.
 `cocoweave profile` uses it for core sharing at a predicted size when no fitted world oversubscribed the cores.
 """
 
 from __future__ import annotations
 
 import multiprocessing as mp
+import queue
 import random
 import statistics
 import time
@@ -21,8 +24,9 @@ from threading import BrokenBarrierError
 
 from cocoweave.errors import CocoweaveError
 
-STEPS = 12
+STEPS = 40  # a step varies by 10% and more on shared cores: the median of 12 moved the factor by up to 0.1
 WARMUP = 2
+WINDOW = 5  # steps around a step whose median it is compared with (step_spread)
 
 
 class CoreSharingError(CocoweaveError):
@@ -30,12 +34,14 @@ class CoreSharingError(CocoweaveError):
 
 
 def _burn(barrier, busy_s: float, spread: list[float], seed: int, steps: int,  # noqa: ANN001 (a mp Barrier)
-          timeout_s: float, hops: int, send, recv) -> None:  # noqa: ANN001 (pipe ends)
+          timeout_s: float, hops: int, send, recv, out) -> None:  # noqa: ANN001 (pipe ends, a result queue)
     """One synthetic rank: `steps` times, meet the others, spend `busy_s` x a factor from `spread` of CPU, then
-    send to the next rank and receive from the previous one `hops` times."""
+    send to the next rank and receive from the previous one `hops` times; puts when it resumed after each meeting."""
     draw = random.Random(seed)
+    resumed = []
     for _ in range(steps):
         barrier.wait(timeout_s)
+        resumed.append(time.perf_counter())
         start, burn = time.thread_time(), busy_s * draw.choice(spread)
         while time.thread_time() - start < burn:
             pass
@@ -45,6 +51,21 @@ def _burn(barrier, busy_s: float, spread: list[float], seed: int, steps: int,  #
                 raise TimeoutError("no token from the previous rank")
             recv.recv_bytes()
     barrier.wait(timeout_s)
+    resumed.append(time.perf_counter())
+    out.put((seed, resumed))
+
+
+def step_spread(steps_ms: Sequence[float], window: int = WINDOW) -> list[float]:
+    """Each measured step over the median of the `window` steps around it: how unequal a rank's steps are from one
+    step to the next, without the slow spells of a shared machine (a round measured while the host was slower
+    shifts a run of steps, and independent draws from it would make every synthetic step meet a slow rank)."""
+    half = window // 2
+    out = []
+    for i, step in enumerate(steps_ms):
+        around = statistics.median(steps_ms[max(i - half, 0):i + half + 1])
+        if around > 0:
+            out.append(step / around)
+    return out or [1.0]
 
 
 def sharing_factor(ranks: int, cores: int, busy_ms: float, spread: Sequence[float] = (1.0,), hops: int = 0,
@@ -59,21 +80,18 @@ def sharing_factor(ranks: int, cores: int, busy_ms: float, spread: Sequence[floa
     total = steps + WARMUP
     factors = [float(f) for f in spread if f > 0] or [1.0]
     pipes = [ctx.Pipe(duplex=False) for _ in range(ranks)]  # pipes[r]: rank r-1 -> rank r
+    out = ctx.Queue()
     procs = [ctx.Process(target=_burn, args=(barrier, busy_ms / 1e3, factors, r, total, timeout_s, hops,
-                                             pipes[(r + 1) % ranks][1], pipes[r][0]), daemon=True)
+                                             pipes[(r + 1) % ranks][1], pipes[r][0], out), daemon=True)
              for r in range(ranks)]
     for proc in procs:
         proc.start()
-    times = []
     try:
         barrier.wait(timeout_s)
-        last = time.perf_counter()
         for _ in range(total):
             barrier.wait(timeout_s)
-            now = time.perf_counter()
-            times.append(now - last)
-            last = now
-    except BrokenBarrierError:
+        resumed = [out.get(timeout=timeout_s)[1] for _ in range(ranks)]
+    except (BrokenBarrierError, queue.Empty):
         raise CoreSharingError(f"the core-sharing measurement ({ranks} processes of {busy_ms:.0f} ms) did not meet "
                                f"within {timeout_s:g} s.") from None
     finally:
@@ -81,5 +99,6 @@ def sharing_factor(ranks: int, cores: int, busy_ms: float, spread: Sequence[floa
             proc.join(timeout=5)
             if proc.is_alive():
                 proc.kill()
+    times = [max(r[t + 1] - r[t] for r in resumed) for t in range(total)]
     ideal_s = max(ranks / cores, 1.0) * busy_ms / 1e3
     return max(statistics.median(times[WARMUP:]) / ideal_s, 1.0)

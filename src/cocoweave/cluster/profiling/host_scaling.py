@@ -16,6 +16,11 @@ Fitted on the worlds `cocoweave profile` measured (`worlds.WorldRun`), per rank 
   much more each rank sharing the host (its disk, page cache, memory bandwidth) adds; its CPU time (the rank's
   thread inside the loader plus the loader's worker processes), i, is kept for core sharing. The data-making
   CPU time is taken out of c, so decoding is not counted as the model's computation;
+- busy cores: a rank's CPU time per step is longer when the other cores are busy too (shared caches and memory
+  bandwidth, SMT siblings, clock boost, on a VM the host's own sharing): every CPU term above is the time of a rank
+  with the host to itself, times 1 + kappa x s(p), s(p) = min(p - 1, K - 1) / (K - 1) the share of the other cores
+  busy; kappa is fitted with the terms (the smallest kappa that explains the worlds' CPU times: 0 when a change
+  of the work share explains them as well) and holds beyond the cores, where every core is busy;
 - contention: with p ranks of one thread on K cores, p > K, the ranks share the cores, and the step takes
   eta x p x (c + k + i) / K (waiting is then another rank's time on the core); eta >= 1 (a core idle while the
   last rank of a step finishes, ranks unevenly spread over the cores, time slices) is fitted on the oversubscribed
@@ -43,6 +48,7 @@ from cocoweave.errors import CocoweaveError
 
 # Per collective kind: (fraction of the tensor a rank moves at p ranks, message steps of the ring at p ranks).
 TRAFFIC = {kind: (partial(traffic.moved, kind), partial(traffic.steps, kind)) for kind in traffic.KINDS}
+KAPPAS = [k / 100 for k in range(101)]  # the busy-cores factors tried (0 to +100% CPU time with every core busy)
 LABELS = {"all_reduce": "all-reduce", "reduce_scatter": "reduce-scatter", "all_gather": "all-gather"}
 
 
@@ -137,6 +143,11 @@ class HostScaling:
     input_ms_per_rank: float = 0.0  # v: what each further rank sharing the host adds to it
     input_cpu_ms: float = 0.0  # i: CPU time of a rank's input pipeline per step (its thread + loader workers)
     sharing: dict[int, float] = field(default_factory=dict)  # eta measured at sizes beyond the cores (core_sharing)
+    kappa: float = 0.0  # CPU time of a rank with every core busy over alone, minus 1 (busy cores)
+
+    def busy_cores(self, p: int) -> float:
+        """1 + kappa x the share of the other cores busy at p ranks: what a rank's CPU time is multiplied by."""
+        return 1.0 + self.kappa * (min(p - 1, self.cores - 1) / (self.cores - 1) if self.cores > 1 else 0.0)
 
     def sharing_at(self, p: int) -> float:
         """eta at p ranks: measured at p (or the largest size below it measured), else the fitted eta."""
@@ -145,7 +156,7 @@ class HostScaling:
 
     def busy_ms(self, p: int) -> float:
         """CPU time of one rank's step on p ranks: computation, communication and its input pipeline."""
-        return _busy(self, p) + self.input_cpu_ms
+        return _busy(self, p) + self.input_cpu_ms * self.busy_cores(p)
 
     def input_wait(self, p: int) -> float:
         """Predicted wall time a rank waits for data per step on p ranks of this host (no core sharing)."""
@@ -157,11 +168,12 @@ class HostScaling:
         return (self.flops0 + self.flops1 / p) / self.reference_flops
 
     def predict(self, p: int) -> StepParts:
-        compute = self.a_ms + self.b_ms * self.work_share(p)
-        comm = self.gamma_ms_per_mb * self.traffic.megabytes(p) + self.delta_ms_per_hop * self.traffic.hops(p)
+        busy = self.busy_cores(p)
+        compute = busy * (self.a_ms + self.b_ms * self.work_share(p))
+        comm = busy * (self.gamma_ms_per_mb * self.traffic.megabytes(p) + self.delta_ms_per_hop * self.traffic.hops(p))
         by_share = self.traffic.shares(p) if p > 1 else {}
         if p > self.cores:  # ranks share the cores: time off the CPU is another rank's time on it
-            data = self.input_cpu_ms
+            data = busy * self.input_cpu_ms
             total = self.sharing_at(p) * p * (compute + comm + data) / self.cores
             return StepParts(p, total, compute, comm, 0.0, total - compute - comm - data,
                              {k: s * comm for k, s in by_share.items()}, 0.0, data)
@@ -193,18 +205,12 @@ def fit_host_scaling(runs: Sequence[WorldRun], cores: int, sharing: dict[int, fl
         reference = flops0 + flops1 / sizes[0]
     else:  # no counts (a script without floating-point work?): treat the work per rank as constant
         flops0, flops1, reference = 1.0, 0.0, 1.0
-    model = HostScaling(cores, 0.0, 0.0, flops0, flops1, 0.0, 0.0, 0.0, 1.0, traffic, reference)
-    # compute: a + b x work share
-    share = [model.work_share(p) for p in sizes]
-    a, b = _relative_nnls([[1.0] * len(share), share], [model_cpu_ms(r) for r in runs])
-    # communication CPU: gamma x MB + delta x hops on the worlds with peers, above what one rank's other
-    # threads spend without any peer
     idle = runs[0].cpu_ms["cpu_other_ms"] if sizes[0] == 1 else 0.0
-    gamma, delta = _relative_nnls([[traffic.megabytes(r.world_size) for r in multi],
-                                   [traffic.hops(r.world_size) for r in multi]],
-                                  [max(r.cpu_ms["cpu_other_ms"] - idle, 1e-6) for r in multi])
-    u, v, i = fit_input(runs, cores)
-    model = HostScaling(cores, a, b, flops0, flops1, gamma, delta, 0.0, 1.0, traffic, reference, 0.0, u, v, i)
+    model = min((_fit_cpu(runs, cores, kappa, flops0, flops1, reference, traffic, idle) for kappa in KAPPAS),
+                key=lambda fitted: fitted[0])[1]
+    a, b, gamma, delta, i, kappa = model.a_ms, model.b_ms, model.gamma_ms_per_mb, model.delta_ms_per_hop, \
+        model.input_cpu_ms, model.kappa
+    u, v = model.input_ms, model.input_ms_per_rank
     # off the CPU with no peer (one rank): other processes, I/O; with peers, the rest is waiting for them
     idle = max(runs[0].step_ms - _busy(model, 1) - model.input_wait(1), 0.0) if sizes[0] == 1 else 0.0
     uncontended = [r for r in multi if r.world_size <= cores]
@@ -213,10 +219,35 @@ def fit_host_scaling(runs: Sequence[WorldRun], cores: int, sharing: dict[int, fl
     omega = max(sum(w for w, _ in waits) / sum(h for _, h in waits), 0.0) if waits and traffic.hops(2) else 0.0
     # contention: measured / ideal processor sharing on the oversubscribed worlds (geometric mean)
     shared = [r for r in runs if r.world_size > cores]
-    ratios = [r.step_ms / (r.world_size * (_busy(model, r.world_size) + i) / cores) for r in shared]
+    ratios = [r.step_ms / (r.world_size * model.busy_ms(r.world_size) / cores) for r in shared]
     eta = max(math.exp(statistics.fmean(math.log(x) for x in ratios)), 1.0) if ratios else 1.0
     return HostScaling(cores, a, b, flops0, flops1, gamma, delta, float(omega), eta, traffic, reference, idle,
-                       u, v, i, {} if ratios else dict(sharing or {}))
+                       u, v, i, {} if ratios else dict(sharing or {}), kappa)
+
+
+def _fit_cpu(runs: Sequence[WorldRun], cores: int, kappa: float, flops0: float, flops1: float, reference: float,
+             traffic: Traffic, idle: float) -> tuple[float, HostScaling]:
+    """The CPU terms (compute, communication, input) fitted for a given kappa on the measured CPU times taken back
+    to a rank alone, and the relative squared error of the whole CPU time per rank they then predict (plus a
+    tie-breaker favouring the smaller kappa)."""
+    sizes = [r.world_size for r in runs]
+    probe = HostScaling(cores, 0.0, 0.0, flops0, flops1, 0.0, 0.0, 0.0, 1.0, traffic, reference, kappa=kappa)
+    alone = {r.world_size: probe.busy_cores(r.world_size) for r in runs}
+    share = [probe.work_share(p) for p in sizes]
+    a, b = _relative_nnls([[1.0] * len(share), share], [model_cpu_ms(r) / alone[r.world_size] for r in runs])
+    # communication CPU: gamma x MB + delta x hops on the worlds with peers, above what one rank's other
+    # threads spend without any peer
+    multi = [r for r in runs if r.world_size > 1]
+    gamma, delta = _relative_nnls([[traffic.megabytes(r.world_size) for r in multi],
+                                   [traffic.hops(r.world_size) for r in multi]],
+                                  [max(r.cpu_ms["cpu_other_ms"] / alone[r.world_size] - idle, 1e-6) for r in multi])
+    u, v, i = fit_input(runs, cores, alone)
+    model = HostScaling(cores, a, b, flops0, flops1, gamma, delta, 0.0, 1.0, traffic, reference, 0.0, u, v, i,
+                        kappa=kappa)
+    measured = [model_cpu_ms(r) + r.cpu_ms["cpu_other_ms"] + input_cpu_ms(r.io) for r in runs]
+    error = sum(((model.busy_ms(r.world_size) + idle * alone[r.world_size]) / m - 1.0) ** 2
+                for r, m in zip(runs, measured, strict=True))
+    return error + 1e-9 * kappa, model
 
 
 def model_cpu_ms(run: WorldRun) -> float:
@@ -224,13 +255,15 @@ def model_cpu_ms(run: WorldRun) -> float:
     return max(run.cpu_ms["cpu_main_ms"] - input_main_cpu_ms(run.io), 1e-6)
 
 
-def fit_input(runs: Sequence[WorldRun], cores: int) -> tuple[float, float, float]:
+def fit_input(runs: Sequence[WorldRun], cores: int, alone: dict[int, float] | None = None) -> tuple[float, float,
+                                                                                                   float]:
     """(u, v, i) of the input term (module docstring) from the worlds where ranks have a core each (all worlds
-    when none has); zeros for a script that takes no batch from a DataLoader."""
+    when none has); `alone` divides a world's CPU time to a rank's alone (busy cores); zeros for a script that
+    takes no batch from a DataLoader."""
     if not any(r.io.get("batches", 0) for r in runs):
         return 0.0, 0.0, 0.0
     own = [r for r in runs if r.world_size <= cores] or list(runs)
-    cpu = statistics.fmean(input_cpu_ms(r.io) for r in own)
+    cpu = statistics.fmean(input_cpu_ms(r.io) / (alone or {}).get(r.world_size, 1.0) for r in own)
     if len({r.world_size for r in own}) < 2:
         return statistics.fmean(input_wait_ms(r.io) for r in own), 0.0, cpu
     u, v = _relative_nnls([[1.0] * len(own), [r.world_size - 1.0 for r in own]],

@@ -10,7 +10,6 @@ from __future__ import annotations
 
 import math
 import platform
-import statistics
 from collections.abc import Sequence
 from dataclasses import asdict, dataclass, field
 from typing import Any
@@ -132,15 +131,13 @@ class RunProfile:
     def measure_core_sharing(self, sizes: Sequence[int], up_to: int) -> dict[int, float]:
         """Measure eta (`core_sharing.sharing_factor`) at each of `sizes` beyond the cores and up to `up_to` ranks
         when no fitted world shared the cores; refits the model with them. Returns what was measured."""
-        from cocoweave.cluster.profiling.core_sharing import CoreSharingError, sharing_factor
+        from cocoweave.cluster.profiling.core_sharing import CoreSharingError, sharing_factor, step_spread
 
         cores = int(self.host["cores"])
         if any(p > cores for p in self.fit_world_sizes):
             return {}
         model = self.model
-        alone = min(self.runs, key=lambda r: r.world_size)  # its steps' spread: how unequal a rank's steps are
-        median = statistics.median(alone.steps_ms)
-        spread = [s / median for s in alone.steps_ms] if median > 0 else [1.0]
+        spread = step_spread(min(self.runs, key=lambda r: r.world_size).steps_ms)  # how unequal a rank's steps are
         measured = {}
         for p in sorted(set(sizes)):
             if cores < p <= up_to:
