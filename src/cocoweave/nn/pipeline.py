@@ -25,24 +25,11 @@ from typing import Any
 import torch
 import torch.distributed as dist
 from torch import nn
-from torch.distributed.pipelining import (
-    PipelineStage,
-    Schedule1F1B,
-    ScheduleGPipe,
-    ScheduleInterleaved1F1B,
-    ScheduleLoopedBFS,
-)
 
 from ..errors import ParallelConfigError
 from ..ir.layout import slice_bounds
 from .functional import Group, all_gather_cat, group_rank, group_size, part
 from .transformer import sequence_gather, sequence_slice
-
-# name -> (schedule class, stages per rank it runs: 1 = one stage per rank, 2 = interleaved virtual stages)
-SCHEDULES: dict[str, tuple[type, int]] = {
-    "gpipe": (ScheduleGPipe, 1), "1f1b": (Schedule1F1B, 1),
-    "interleaved1f1b": (ScheduleInterleaved1F1B, 2), "loopedbfs": (ScheduleLoopedBFS, 2),
-}
 
 
 def group_device(group: Group = None) -> torch.device:
@@ -193,47 +180,6 @@ class StageModule(nn.Module):
         return x
 
 
-# ---------------------------------------------------------------------------------------------------------
-# The engine's stage, counting what crosses the boundary
-# ---------------------------------------------------------------------------------------------------------
-
-
-class CountingStage(PipelineStage):
-    """torch's PipelineStage that counts the bytes and messages of every activation and gradient it sends."""
-
-    def __init__(self, *args: Any, **kwargs: Any) -> None:
-        super().__init__(*args, **kwargs)
-        self.sent = {"forward": 0, "backward": 0}
-        self.messages = {"forward": 0, "backward": 0}
-
-    def _count(self, ops: list[dist.P2POp], kind: str) -> list[dist.P2POp]:
-        for op in ops:
-            self.sent[kind] += op.tensor.numel() * op.tensor.element_size()
-            self.messages[kind] += 1
-        return ops
-
-    def get_fwd_send_ops(self, fwd_chunk_id: int) -> list[dist.P2POp]:
-        return self._count(super().get_fwd_send_ops(fwd_chunk_id), "forward")
-
-    def get_bwd_send_ops(self, bwd_chunk_id: int) -> list[dist.P2POp]:
-        return self._count(super().get_bwd_send_ops(bwd_chunk_id), "backward")
-
-
-def _check_schedule(schedule: str, microbatches: int, stages: int) -> tuple[type, int]:
-    if schedule not in SCHEDULES:
-        raise ParallelConfigError(f"unknown pipeline schedule {schedule!r}; use one of {', '.join(SCHEDULES)}")
-    cls, per_rank = SCHEDULES[schedule]
-    if microbatches < 1:
-        raise ParallelConfigError(f"microbatches must be at least 1, got {microbatches}")
-    if schedule != "gpipe" and microbatches < stages:
-        raise ParallelConfigError(f"schedule {schedule!r} needs at least as many micro-batches as pipeline ranks "
-                                  f"({stages}), got {microbatches}")
-    if per_rank > 1 and microbatches % stages:
-        raise ParallelConfigError(f"schedule {schedule!r} needs micro-batches ({microbatches}) divisible by the "
-                                  f"pipeline ranks ({stages})")
-    return cls, per_rank
-
-
 class Pipeline:
     """This rank's part of a model cut into pipeline stages over `mesh` (parallel_mesh's dims "dp", "pp", "tp"),
     run by a torch.distributed.pipelining schedule. `block(i)` builds block i (called only for this rank's
@@ -251,7 +197,9 @@ class Pipeline:
             raise ParallelConfigError(f"Pipeline needs a DeviceMesh with dims 'dp', 'pp' and 'tp' "
                                       f"(cocoweave.nn.parallel_mesh), got dims {names}")
         pp = mesh.size(names.index("pp"))
-        cls, per_rank = _check_schedule(schedule, microbatches, pp)
+        from .pipeline_engine import CountingStage, check_schedule  # the engine, imported on first use
+
+        cls, per_rank = check_schedule(schedule, microbatches, pp)
         self.mesh, self.microbatches, self.schedule_name = mesh, microbatches, schedule
         self.tp_group, self.pp_group, self.dp_group = (mesh.get_group(d) for d in ("tp", "pp", "dp"))
         self.pp_rank, self.pp_size = group_rank(self.pp_group), pp
@@ -260,7 +208,7 @@ class Pipeline:
         self.device = group_device(self.tp_group) if device is None else device
         self.stage_ids = [self.pp_rank + c * pp for c in range(per_rank)]  # interleaved: rank r holds r, r + pp, ...
         self.modules: list[StageModule] = []
-        self.stages: list[CountingStage] = []
+        self.stages: list[Any] = []  # pipeline_engine.CountingStage
         for s in self.stage_ids:
             is_first, is_last = s == 0, s == self.num_stages - 1
             blocks = [block(i) for i in stage_blocks(n_blocks, self.num_stages, s)]
@@ -352,5 +300,14 @@ class Pipeline:
         return {k: sum(s.messages[k] for s in self.stages) for k in ("forward", "backward")}
 
 
-__all__ = ["SCHEDULES", "CountingStage", "Pipeline", "PipelineBoundary", "StageModule", "group_device",
+__all__ = ["Pipeline", "PipelineBoundary", "StageModule", "group_device",
            "stage_blocks"]
+
+
+def __getattr__(name: str) -> Any:
+    """SCHEDULES and CountingStage from pipeline_engine, imported when first asked for (PEP 562)."""
+    if name in ("SCHEDULES", "CountingStage"):
+        from . import pipeline_engine
+
+        return getattr(pipeline_engine, name)
+    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
