@@ -45,6 +45,7 @@ import torch
 import torch.distributed as dist
 
 from ...errors import BackendError
+from ...rankenv import cores
 
 LINE = 8  # int64 words per cache line: one line per rank ([flag, -, -, nonce (rank 0 / the sender), ...])
 _ORDERED = platform.machine().lower() in ("x86_64", "amd64", "i686", "x86")
@@ -54,6 +55,12 @@ _SEQ: dict[str, itertools.count] = {}
 REDUCE: dict[str, Callable[[torch.Tensor, torch.Tensor], Any]] = {
     "sum": lambda acc, x: acc.add_(x), "avg": lambda acc, x: acc.add_(x),
     "max": lambda acc, x: torch.maximum(acc, x, out=acc), "min": lambda acc, x: torch.minimum(acc, x, out=acc),
+}
+
+# out = a op b without a copy first (`_direct`)
+REDUCE_INTO: dict[str, Callable[[torch.Tensor, torch.Tensor, torch.Tensor], Any]] = {
+    "sum": lambda a, b, out: torch.add(a, b, out=out), "avg": lambda a, b, out: torch.add(a, b, out=out),
+    "max": lambda a, b, out: torch.maximum(a, b, out=out), "min": lambda a, b, out: torch.minimum(a, b, out=out),
 }
 
 
@@ -92,18 +99,22 @@ def _alive(pid: int) -> bool:
 
 
 ALTERNATE_BYTES = 8 << 20  # an all-reduce of at most this many bytes per slot alternates two sets of slots
-SPIN_S = 50e-6  # how long a waiting rank spins (yielding) before it sleeps between looks
+SPIN_S = 50e-6  # how long a waiting rank spins (yielding) before it sleeps between looks, ranks outnumbering cores
+# ... and when every rank of the world has a core: a nap costs its waiter ~65 us to notice the peer (time.sleep(50 us)
+# sleeps ~105 us on this VM: timer slack, the idle vCPU's wake-up), a yielding spin ~2 us, and the rank it waits for
+# runs on another core meanwhile (tp_step d256: 40 barriers a step, most of them waits of 0.1-4 ms)
+SPIN_OWN_CORE_S = 5e-3
 NAP_S = 50e-6  # how long it then sleeps: a waiting rank leaves the core to the ranks it waits for
 
 
-def _wait_until(ready: Callable[[], bool], check: Callable[[float], None]) -> None:
-    """Wait for `ready()`: spin (yielding the core) for a moment, then sleep between looks, so that waiting ranks
+def _wait_until(ready: Callable[[], bool], check: Callable[[float], None], spin_s: float = SPIN_S) -> None:
+    """Wait for `ready()`: spin (yielding the core) for `spin_s`, then sleep between looks, so that waiting ranks
     do not take the cores from the ranks they wait for (ranks outnumber cores, or other work runs); every fifth of
     a second `check(seconds waited)` may raise (a peer that died, the timeout)."""
     start = look = time.monotonic()
     while not ready():
         now = time.monotonic()
-        if now - start < SPIN_S:
+        if now - start < spin_s:
             os.sched_yield()
         else:
             time.sleep(NAP_S)
@@ -220,6 +231,9 @@ class ShmGroup:
         self.size, self.me = len(ranks), self.ranks.index(dist.get_rank())
         self.key = "-".join(map(str, ranks))
         self.flags = flags.view(torch.int64).view(self.size, LINE)[:, 0]
+        self._flags = self.flags.numpy()  # the same memory: a look at it costs ~0.6 us, a torch op ~6
+        # every rank of the world has a core of its own (else a waiting rank soon naps: see SPIN_OWN_CORE_S)
+        self.spin_s = SPIN_OWN_CORE_S if dist.get_world_size() <= cores() else SPIN_S
         self.fd, self.timeout = fd, timeout  # fd stays open: the peers prove our PID with it
         # a peer's PID, where proven to name it here (0: its death is noticed by the timeout only)
         self.pids = [os.getpid() if j == self.me else _proven(pid, pfd, fd) for j, (pid, pfd) in enumerate(peers)]
@@ -229,10 +243,11 @@ class ShmGroup:
     def barrier(self) -> None:
         """Wait until every rank of the group has reached its same-numbered barrier."""
         self.epoch += 1
-        self.flags[self.me] = self.epoch
+        flags, epoch = self._flags, self.epoch
+        flags[self.me] = epoch
 
         def late() -> list[int]:
-            return [i for i, e in enumerate(self.flags.tolist()) if e < self.epoch]
+            return [i for i, e in enumerate(flags.tolist()) if e < epoch]
 
         def check(waited: float) -> None:
             dead = [i for i in late() if not _alive(self.pids[i])]
@@ -245,7 +260,7 @@ class ShmGroup:
                                    f"{self.timeout:g} s (the process group's timeout) for "
                                    f"rank{'s' if len(slow) > 1 else ''} {', '.join(map(str, slow))}")
 
-        _wait_until(lambda: int(self.flags.min()) >= self.epoch, check)
+        _wait_until(lambda: min(flags.tolist()) >= epoch, check, self.spin_s)
         while self.pending:  # every rank mapped them before it reached this barrier
             os.close(self.pending.pop())
 
@@ -416,17 +431,26 @@ def _alternate(g: ShmGroup, slots: list[torch.Tensor]) -> list[torch.Tensor] | N
     return slots.spare if slots.turn else slots
 
 
+def _shares(t: torch.Tensor, slots: list[torch.Tensor]) -> bool:
+    """Whether `t` lives in one of `slots`' memory."""
+    ptr = t.untyped_storage().data_ptr()
+    return any(s.untyped_storage().data_ptr() == ptr for s in slots)
+
+
 def all_reduce(g: ShmGroup, slots: list[torch.Tensor], flat: torch.Tensor, op: str,
                parts: list[tuple[int, int]], out: torch.Tensor) -> torch.Tensor:
     """Every rank's `flat` reduced with `op`, whole, into `out`: each rank reduces its part into its own slot,
     then everyone reads the reduced parts. Where two sets of slots alternate, no barrier ends it: a rank writes
     a set again two calls later, after the next call's first barrier, which every rank reaches only once it has
-    read this call's parts; a lent slot (its owner writes it right after) or a large one keeps the third."""
+    read this call's parts; a lent slot (its owner writes it right after) or a large one keeps the third. At two
+    ranks with alternating sets each rank reduces the whole from both slots straight into `out` (`_direct`)."""
     use = _alternate(g, slots)
     ends = use is None
     use = slots if use is None else use
     _write(use[g.me][:flat.numel()], flat)
     g.barrier()
+    if not ends and g.size == 2 and not _shares(out, use):
+        return _direct(use, flat.numel(), op, out)
     start, n = parts[g.me]
     _reduce(use, start, n, op, use[g.me][start:start + n], g.me)
     g.barrier()
@@ -434,6 +458,25 @@ def all_reduce(g: ShmGroup, slots: list[torch.Tensor], flat: torch.Tensor, op: s
         out[s:s + k].copy_(use[j][s:s + k])
     if ends:
         g.barrier()
+    return out
+
+
+def _direct(slots: list[torch.Tensor], n: int, op: str, out: torch.Tensor) -> torch.Tensor:
+    """out = slots[0][:n] op slots[1][:n] (...), in that order on every rank, so every rank holds the same bits: one
+    pass over the slots, no barrier after the write. At two ranks this reads what the split reduction reads (half
+    each of both slots, then the other half reduced) without writing the half back or a second barrier (tp_step
+    d256: 16 all-reduces of 1 MiB a step)."""
+    out = out.view(-1)
+    first = REDUCE_INTO.get(op)
+    if first is None:
+        out.copy_(slots[0][:n])
+        _reduce(slots, 0, n, op, out, 0)
+        return out
+    first(slots[0][:n], slots[1][:n], out)
+    for slot in slots[2:]:
+        REDUCE[op](out, slot[:n])
+    if op == "avg":
+        out.div_(len(slots))
     return out
 
 
