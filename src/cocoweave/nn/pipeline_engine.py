@@ -1,6 +1,7 @@
 """torch.distributed.pipelining's side of nn/pipeline.py: the schedules offered by name and the stage that counts
-what crosses a boundary. A module of its own because importing the engine pulls in DTensor (about 1.5 s of CPU
-per process): `import cocoweave.nn` does not pay it, a Pipeline does on first use."""
+what crosses a boundary. A module of its own because importing the engine pulls in DTensor (3.8 of the 8.4 s that
+`import cocoweave.nn` took under `-X importtime` on a loaded 2-core VM): the import does not pay it, a Pipeline does
+on first use."""
 
 from __future__ import annotations
 
