@@ -279,14 +279,14 @@ class Executable:
                 return t
         if not self._output_views:
             return t
-        ptr, shm_ = t.untyped_storage().data_ptr(), self.ctx.shm_buffers
+        shm_ = self.ctx.shm_buffers
         for name in self._output_views:
             b = buffers.get(name)
-            if b is not None and b.untyped_storage().data_ptr() == ptr:
+            if b is not None and shm.shares(t, (b,)):
                 del buffers[name]
                 return t
             for slots in (shm_.slots.get(name), shm_.slots.get((name, "whole")), shm_.commons.get((name, "whole"))):
-                if slots and any(s.untyped_storage().data_ptr() == ptr for s in slots):
+                if slots and shm.shares(t, slots):
                     return t.clone()
         return t
 

@@ -52,15 +52,9 @@ _ORDERED = platform.machine().lower() in ("x86_64", "amd64", "i686", "x86")
 _GROUPS: dict[tuple[int, ...], ShmGroup | None] = {}
 _SEQ: dict[str, itertools.count] = {}
 
-REDUCE: dict[str, Callable[[torch.Tensor, torch.Tensor], Any]] = {
-    "sum": lambda acc, x: acc.add_(x), "avg": lambda acc, x: acc.add_(x),
-    "max": lambda acc, x: torch.maximum(acc, x, out=acc), "min": lambda acc, x: torch.minimum(acc, x, out=acc),
-}
-
-# out = a op b without a copy first (`_direct`)
-REDUCE_INTO: dict[str, Callable[[torch.Tensor, torch.Tensor, torch.Tensor], Any]] = {
-    "sum": lambda a, b, out: torch.add(a, b, out=out), "avg": lambda a, b, out: torch.add(a, b, out=out),
-    "max": lambda a, b, out: torch.maximum(a, b, out=out), "min": lambda a, b, out: torch.minimum(a, b, out=out),
+# out = a op b, with out= a or b for in place ("avg" sums; the caller divides)
+REDUCE: dict[str, Callable[..., torch.Tensor]] = {
+    "sum": torch.add, "avg": torch.add, "max": torch.maximum, "min": torch.minimum,
 }
 
 
@@ -392,7 +386,7 @@ def _reduce(slots: list[torch.Tensor], start: int, n: int, op: str, out: torch.T
     """out = op over every slot's elements [start, start + n), `slots[first]`'s already in `out`."""
     for j, slot in enumerate(slots):
         if j != first:
-            REDUCE[op](out, slot[start:start + n])
+            REDUCE[op](out, slot[start:start + n], out=out)
     if op == "avg":
         out.div_(len(slots))
     return out
@@ -431,10 +425,10 @@ def _alternate(g: ShmGroup, slots: list[torch.Tensor]) -> list[torch.Tensor] | N
     return slots.spare if slots.turn else slots
 
 
-def _shares(t: torch.Tensor, slots: list[torch.Tensor]) -> bool:
-    """Whether `t` lives in one of `slots`' memory."""
+def shares(t: torch.Tensor, tensors: Sequence[torch.Tensor]) -> bool:
+    """Whether `t` lives in the storage of one of `tensors` (e.g. a collective's slots)."""
     ptr = t.untyped_storage().data_ptr()
-    return any(s.untyped_storage().data_ptr() == ptr for s in slots)
+    return any(s.untyped_storage().data_ptr() == ptr for s in tensors)
 
 
 def all_reduce(g: ShmGroup, slots: list[torch.Tensor], flat: torch.Tensor, op: str,
@@ -449,7 +443,7 @@ def all_reduce(g: ShmGroup, slots: list[torch.Tensor], flat: torch.Tensor, op: s
     use = slots if use is None else use
     _write(use[g.me][:flat.numel()], flat)
     g.barrier()
-    if not ends and g.size == 2 and not _shares(out, use):
+    if not ends and g.size == 2 and not shares(out, use):
         return _direct(use, flat.numel(), op, out)
     start, n = parts[g.me]
     _reduce(use, start, n, op, use[g.me][start:start + n], g.me)
@@ -462,22 +456,12 @@ def all_reduce(g: ShmGroup, slots: list[torch.Tensor], flat: torch.Tensor, op: s
 
 
 def _direct(slots: list[torch.Tensor], n: int, op: str, out: torch.Tensor) -> torch.Tensor:
-    """out = slots[0][:n] op slots[1][:n] (...), in that order on every rank, so every rank holds the same bits: one
-    pass over the slots, no barrier after the write. At two ranks this reads what the split reduction reads (half
-    each of both slots, then the other half reduced) without writing the half back or a second barrier (tp_step
-    d256: 16 all-reduces of 1 MiB a step)."""
-    out = out.view(-1)
-    first = REDUCE_INTO.get(op)
-    if first is None:
-        out.copy_(slots[0][:n])
-        _reduce(slots, 0, n, op, out, 0)
-        return out
-    first(slots[0][:n], slots[1][:n], out)
-    for slot in slots[2:]:
-        REDUCE[op](out, slot[:n])
-    if op == "avg":
-        out.div_(len(slots))
-    return out
+    """out = slots[0][:n] op slots[1][:n] (two ranks), in that order on every rank, so every rank holds the same bits:
+    one pass over the slots, no barrier after the write. This reads what the split reduction reads (half each of
+    both slots, then the other half reduced) without writing the half back or a second barrier (tp_step d256: 16
+    all-reduces of 1 MiB a step)."""
+    out = REDUCE[op](slots[0][:n], slots[1][:n], out=out.view(-1))
+    return out.div_(2) if op == "avg" else out
 
 
 def all_gather(g: ShmGroup, slots: list[torch.Tensor], part: torch.Tensor, outs: list[torch.Tensor]) -> None:

@@ -35,7 +35,7 @@ from __future__ import annotations
 import math
 import statistics
 from collections.abc import Sequence
-from dataclasses import asdict, dataclass, field
+from dataclasses import asdict, dataclass, field, replace
 from functools import partial
 
 import numpy as np
@@ -206,11 +206,9 @@ def fit_host_scaling(runs: Sequence[WorldRun], cores: int, sharing: dict[int, fl
     else:  # no counts (a script without floating-point work?): treat the work per rank as constant
         flops0, flops1, reference = 1.0, 0.0, 1.0
     idle = runs[0].cpu_ms["cpu_other_ms"] if sizes[0] == 1 else 0.0
-    model = min((_fit_cpu(runs, cores, kappa, flops0, flops1, reference, traffic, idle) for kappa in KAPPAS),
+    cpu = [model_cpu_ms(r) + r.cpu_ms["cpu_other_ms"] + input_cpu_ms(r.io) for r in runs]  # a rank's whole CPU time
+    model = min((_fit_cpu(runs, cpu, cores, kappa, flops0, flops1, reference, traffic, idle) for kappa in KAPPAS),
                 key=lambda fitted: fitted[0])[1]
-    a, b, gamma, delta, i, kappa = model.a_ms, model.b_ms, model.gamma_ms_per_mb, model.delta_ms_per_hop, \
-        model.input_cpu_ms, model.kappa
-    u, v = model.input_ms, model.input_ms_per_rank
     # off the CPU with no peer (one rank): other processes, I/O; with peers, the rest is waiting for them
     idle = max(runs[0].step_ms - _busy(model, 1) - model.input_wait(1), 0.0) if sizes[0] == 1 else 0.0
     uncontended = [r for r in multi if r.world_size <= cores]
@@ -221,15 +219,15 @@ def fit_host_scaling(runs: Sequence[WorldRun], cores: int, sharing: dict[int, fl
     shared = [r for r in runs if r.world_size > cores]
     ratios = [r.step_ms / (r.world_size * model.busy_ms(r.world_size) / cores) for r in shared]
     eta = max(math.exp(statistics.fmean(math.log(x) for x in ratios)), 1.0) if ratios else 1.0
-    return HostScaling(cores, a, b, flops0, flops1, gamma, delta, float(omega), eta, traffic, reference, idle,
-                       u, v, i, {} if ratios else dict(sharing or {}), kappa)
+    return replace(model, omega_ms_per_hop=float(omega), eta=eta, idle_ms=idle,
+                   sharing={} if ratios else dict(sharing or {}))
 
 
-def _fit_cpu(runs: Sequence[WorldRun], cores: int, kappa: float, flops0: float, flops1: float, reference: float,
-             traffic: Traffic, idle: float) -> tuple[float, HostScaling]:
+def _fit_cpu(runs: Sequence[WorldRun], cpu: Sequence[float], cores: int, kappa: float, flops0: float, flops1: float,
+             reference: float, traffic: Traffic, idle: float) -> tuple[float, HostScaling]:
     """The CPU terms (compute, communication, input) fitted for a given kappa on the measured CPU times taken back
-    to a rank alone, and the relative squared error of the whole CPU time per rank they then predict (plus a
-    tie-breaker favouring the smaller kappa)."""
+    to a rank alone, and the relative squared error of the whole CPU time per rank (`cpu`, measured) they then
+    predict (plus a tie-breaker favouring the smaller kappa)."""
     sizes = [r.world_size for r in runs]
     probe = HostScaling(cores, 0.0, 0.0, flops0, flops1, 0.0, 0.0, 0.0, 1.0, traffic, reference, kappa=kappa)
     alone = {r.world_size: probe.busy_cores(r.world_size) for r in runs}
@@ -244,9 +242,8 @@ def _fit_cpu(runs: Sequence[WorldRun], cores: int, kappa: float, flops0: float, 
     u, v, i = fit_input(runs, cores, alone)
     model = HostScaling(cores, a, b, flops0, flops1, gamma, delta, 0.0, 1.0, traffic, reference, 0.0, u, v, i,
                         kappa=kappa)
-    measured = [model_cpu_ms(r) + r.cpu_ms["cpu_other_ms"] + input_cpu_ms(r.io) for r in runs]
     error = sum(((model.busy_ms(r.world_size) + idle * alone[r.world_size]) / m - 1.0) ** 2
-                for r, m in zip(runs, measured, strict=True))
+                for r, m in zip(runs, cpu, strict=True))
     return error + 1e-9 * kappa, model
 
 
