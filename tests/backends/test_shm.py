@@ -16,6 +16,7 @@ from hypothesis import strategies as st
 import cocoweave as cw
 from cocoweave.backends import reference
 from cocoweave.backends.inputs import make_inputs
+from cocoweave.backends.results import RankResult
 from cocoweave.backends.torch import shm
 from cocoweave.backends.torch.executable import Executable
 from cocoweave.backends.torch.worker import run_schedules
@@ -55,6 +56,58 @@ def test_shm_collectives_equal_the_reference(local_world, n, m, world_size, dtyp
     want = reference.run(program, inputs, {}, whole_state=True)
     got = [r[0] for r in local_world(world_size).run(run_schedules, [s], inputs, {})]
     assert compare_results(program, got, want).ok
+
+
+def _one(kind: str) -> cw.Program:
+    p = cw.Program(kind)
+    g = p.tensor("g", (6, 3), "float32", cw.Local)
+    x = p.tensor("x", (6, 3), "float32", cw.Sliced(0))
+    p.output({"ar": lambda: cw.all_reduce(g, "sum"), "rs": lambda: cw.reduce_scatter(g, "sum", 0),
+              "ag": lambda: cw.all_gather(x)}[kind](), kind)
+    return p
+
+
+def _repeat(rank: int, world_size: int, program: cw.Program, steps: list, late: list) -> tuple[list, list]:
+    """One executable run on each step's inputs in turn; after barrier k this rank stalls late[rank][k] seconds (a
+    rank descheduled before it reads the others' slots). Each step's outputs and the barriers it took."""
+    stalls = iter(late[rank])
+    barrier = shm.ShmGroup.barrier
+
+    def stalling(self: shm.ShmGroup) -> None:
+        barrier(self)
+        time.sleep(next(stalls, 0.0))
+
+    shm.ShmGroup.barrier = stalling
+    try:
+        exe = Executable(lower(_on_shm(program)), rank, world_size, {}, "cpu")
+        outs, barriers = [], []
+        for inputs in steps:
+            group = shm.group_for(None)
+            before = group.epoch if group is not None else 0
+            res = exe.run(dict(inputs[rank]))
+            outs.append({n: t.clone() for n, t in res.outputs.items()})
+            barriers.append(shm.group_for(None).epoch - before)
+        return outs, barriers
+    finally:
+        shm.ShmGroup.barrier = barrier
+
+
+@pytest.mark.parametrize("world_size", [2, 3])
+@pytest.mark.parametrize("kind", ["ar", "rs", "ag"])
+def test_a_collective_called_again_and_again_by_ranks_out_of_step_stays_correct(local_world, kind, world_size):
+    """A small collective alternates two sets of slots and ends without a barrier: a rank that runs ahead writes a
+    set again only after every rank has read it, however late a rank reads (each step equals the reference,
+    with ranks stalling between the barrier and their reads), and it costs one barrier (an all-reduce of 3+
+    ranks two: its parts are reduced, then read)."""
+    program = _one(kind)
+    steps = [make_inputs(program, world_size, {}, seed=40 + i) for i in range(8)]
+    late = [[0.02 * ((r + k) % world_size == 0) for k in range(40)] for r in range(world_size)]
+    per_rank = local_world(world_size).run(_repeat, program, steps, late)
+    for i, inputs in enumerate(steps):
+        want = reference.run(program, inputs, {}, whole_state=True)
+        assert compare_results(program, [RankResult(outs[i], {}) for outs, _ in per_rank], want).ok, f"step {i}"
+    want_barriers = 2 if kind == "ar" and world_size > 2 else 1
+    assert all(b[1:] == [want_barriers] * (len(steps) - 1) for _, b in per_rank), [b for _, b in per_rank]
 
 
 def _pipeline() -> cw.Program:

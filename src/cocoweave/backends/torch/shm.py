@@ -396,23 +396,30 @@ def reduce_scatter(g: ShmGroup, slots: list[torch.Tensor], flat: torch.Tensor, o
                    parts: list[tuple[int, int]], out: torch.Tensor | None = None) -> torch.Tensor:
     """Every rank's `flat` reduced with `op`; this rank's part (start, length in `parts`) into `out`, or, when
     `out` is None, in place into this rank's part of its own slot (as Megatron-core reduce-scatters into its
-    gradient buffer's shard: no result buffer; nobody else reads that part of this slot), returned as a view."""
-    _write(slots[g.me][:flat.numel()], flat)
+    gradient buffer's shard: no result buffer; nobody else reads that part of this slot), returned as a view. Where
+    two sets of slots alternate (`_alternate`) no barrier ends it, as an all-reduce's."""
+    use = _alternate(g, slots)
+    ends = use is None
+    use = slots if use is None else use
+    _write(use[g.me][:flat.numel()], flat)
     g.barrier()
     start, n = parts[g.me]
     if out is None:
-        out = _reduce(slots, start, n, op, slots[g.me][start:start + n], g.me)
+        out = _reduce(use, start, n, op, use[g.me][start:start + n], g.me)
     else:
-        out.copy_(slots[0][start:start + n])
-        _reduce(slots, start, n, op, out, 0)
-    g.barrier()  # nobody reads a slot after this: its owner may write it again
+        out.copy_(use[0][start:start + n])
+        _reduce(use, start, n, op, out, 0)
+    if ends:
+        g.barrier()  # nobody reads a slot after this: its owner may write it again
     return out
 
 
 def _alternate(g: ShmGroup, slots: list[torch.Tensor]) -> list[torch.Tensor] | None:
-    """The set of slots this all-reduce uses when it alternates two sets (None: it does not, see `all_reduce`):
-    `slots` and a second set made on the first call, in turns. The same on every rank: the calls, sizes, lending
-    and a failure to make the second set (published by rank 0) are."""
+    """The set of slots this collective (all-reduce, reduce-scatter, all-gather) uses when it alternates two sets (None:
+    it does not, see `all_reduce`): `slots` and a second set made on the first call, in turns. A rank writes a set
+    again two calls later, after the next call's barrier, which every rank reaches only once it has read this call's
+    slots: no barrier needs to end a call. The same on every rank: the calls, sizes, lending and a failure to make
+    the second set (published by rank 0) are."""
     if not isinstance(slots, Slots) or slots.lent or slots[0].numel() * slots[0].element_size() > ALTERNATE_BYTES:
         return None
     if slots.spare is None:
@@ -426,9 +433,11 @@ def _alternate(g: ShmGroup, slots: list[torch.Tensor]) -> list[torch.Tensor] | N
 
 
 def shares(t: torch.Tensor, tensors: Sequence[torch.Tensor]) -> bool:
-    """Whether `t` lives in the storage of one of `tensors` (e.g. a collective's slots)."""
+    """Whether `t` lives in the storage of one of `tensors` (e.g. a collective's slots, with the set they alternate
+    with)."""
     ptr = t.untyped_storage().data_ptr()
-    return any(s.untyped_storage().data_ptr() == ptr for s in tensors)
+    spare = getattr(tensors, "spare", None) or ()
+    return any(s.untyped_storage().data_ptr() == ptr for s in (*tensors, *spare))
 
 
 def all_reduce(g: ShmGroup, slots: list[torch.Tensor], flat: torch.Tensor, op: str,
@@ -465,13 +474,18 @@ def _direct(slots: list[torch.Tensor], n: int, op: str, out: torch.Tensor) -> to
 
 
 def all_gather(g: ShmGroup, slots: list[torch.Tensor], part: torch.Tensor, outs: list[torch.Tensor]) -> None:
-    """Group rank j's `part` (flat) into outs[j] (any shape of that many elements) on every rank."""
-    _write(slots[g.me][:part.numel()], part)
+    """Group rank j's `part` (flat) into outs[j] (any shape of that many elements) on every rank. Where two sets of
+    slots alternate (`_alternate`) no barrier ends it, as an all-reduce's."""
+    use = _alternate(g, slots)
+    ends = use is None
+    use = slots if use is None else use
+    _write(use[g.me][:part.numel()], part)
     g.barrier()
     for j, dst in enumerate(outs):
         if dst.numel():
-            dst.copy_((slots[j] if j != g.me else part)[:dst.numel()].view(dst.shape))
-    g.barrier()
+            dst.copy_((use[j] if j != g.me else part)[:dst.numel()].view(dst.shape))
+    if ends:
+        g.barrier()
 
 
 def gather_in_place(g: ShmGroup, wholes: list[torch.Tensor], bounds: list[tuple[int, int]],
