@@ -24,20 +24,20 @@ Fitted on the worlds `cocoweave profile` measured (`worlds.WorldRun`), per rank 
 - core sharing: with p ranks of one thread on K cores, p > K, the ranks share the cores, and the step takes
   eta(p) x p x (c + k + i) / K (waiting is then another rank's time on the core), with
   eta(p) = eta_bal x (1 + mu x imbalance(p)), imbalance(p) = ceil(p / K) x K / p - 1 (how much busier the busiest
-  core is than the mean: 1/3 for 3 ranks on 2 cores, 0 for 4, 0.2 for 5). eta_bal is the step over a rank's CPU
-  time with the ranks spread evenly: ranks meeting every step lose time to each other even with a core each, and
-  it is taken where the model itself shows it, at K ranks (the step within the cores over c + k + i there, so
-  that both formulas meet at K), with the evenly spread oversubscribed worlds measured (p a multiple of K) if any.
-  An uneven spread leaves the cores with fewer ranks idle while the busiest finishes, partly recovered by the
-  scheduler moving ranks: mu (>= 0) is fitted on the unevenly spread oversubscribed worlds. A rank's CPU time
-  beyond the cores is the model's times shared_cpu: what the oversubscribed worlds measured over what the model
-  gives there, relative to the same at K ranks (a rank sharing a core spends more per step: caches refilled after
-  each switch, and the model's CPU terms are fitted across both kinds of world). When no fitted world
-  oversubscribed the cores, none of the three is measured beyond them: eta(p) is the synthetic factor measured at
-  each predicted size by `core_sharing.sharing_factor` (processes of the predicted CPU time per step meeting at a
-  barrier every step), else eta_bal (mu = 0, shared_cpu = 1).
+  core is than the mean: 1/3 for 3 ranks on 2 cores, 0 for 4, 0.2 for 5). eta_bal: ranks meeting every step lose
+  time to each other even with a core each; it is the K-rank world's step over a rank's measured CPU time there
+  (so the formula taken at K meets the step within the cores where the model's CPU time is the measured one; the
+  model's own step at K when no K-rank world was fitted), together with the evenly spread oversubscribed worlds'
+  (p a multiple of K: the stored 4-rank worlds on 2 cores show the K-rank ratio, docs/perf.md). An uneven spread
+  leaves the cores with fewer ranks idle while the busiest finishes, partly recovered by the scheduler moving
+  ranks: mu (>= 0) is fitted on the unevenly spread oversubscribed worlds (step over p x measured CPU / K, over
+  eta_bal). Beyond the cores a rank's CPU time is the model's times shared_cpu, the oversubscribed worlds' measured
+  CPU time over the model's (ranks sharing a core spent more per step than the terms fitted across all the worlds
+  give there). When no fitted world oversubscribed the cores none of the three is measured beyond them: eta(p) is
+  the synthetic factor measured at each predicted size by `core_sharing.sharing_factor` (processes of the predicted
+  CPU time per step meeting at a barrier every step), else eta_bal (mu = 0, shared_cpu = 1).
 
-The step is c + k + w + idle + d while p <= K, and eta(p) x p x (c + k + i) / K beyond.
+The step is c + k + w + idle + d while p <= K, and eta(p) x p x (c + k + i) / K beyond (c, k, i times shared_cpu).
 """
 
 from __future__ import annotations
