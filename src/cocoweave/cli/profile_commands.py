@@ -171,7 +171,8 @@ def profile(
     out.print(f"[dim]model: compute {m.a_ms:.2f} + {m.b_ms:.2f} x work share ms; communication CPU "
               f"{m.gamma_ms_per_mb:.2f} ms/MB + {m.delta_ms_per_hop:.3f} ms/hop; CPU time "
               f"x{m.busy_cores(m.cores):.2f} with every core busy; waiting {m.omega_ms_per_hop:.3f} ms/hop; "
-              f"core sharing x{m.eta:.2f} beyond {m.cores} ranks"
+              f"core sharing beyond {m.cores} ranks x{m.eta_bal:.2f} spread evenly, x(1 + {m.mu:.2f} x imbalance) "
+              f"unevenly, CPU time x{m.shared_cpu:.2f} sharing a core"
               f"{''.join(f', x{f:.2f} measured at {p}' for p, f in m.sharing.items())}; input {m.input_ms:.2f} + "
               f"{m.input_ms_per_rank:.2f} x (ranks - 1) ms waited, {m.input_cpu_ms:.2f} ms CPU[/]", highlight=False)
     if (ckpt := prof.checkpoint_measured()) is not None:

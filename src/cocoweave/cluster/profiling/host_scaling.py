@@ -21,13 +21,23 @@ Fitted on the worlds `cocoweave profile` measured (`worlds.WorldRun`), per rank 
   with the host to itself, times 1 + kappa x s(p), s(p) = min(p - 1, K - 1) / (K - 1) the share of the other cores
   busy; kappa is fitted with the terms (the smallest kappa that explains the worlds' CPU times: 0 when a change
   of the work share explains them as well) and holds beyond the cores, where every core is busy;
-- contention: with p ranks of one thread on K cores, p > K, the ranks share the cores, and the step takes
-  eta x p x (c + k + i) / K (waiting is then another rank's time on the core); eta >= 1 (a core idle while the
-  last rank of a step finishes, ranks unevenly spread over the cores, time slices) is fitted on the oversubscribed
-  worlds measured; when none was, it is measured at each predicted size by `core_sharing.sharing_factor`
-  (synthetic processes with the predicted CPU time per step meeting at a barrier every step), else 1.
+- core sharing: with p ranks of one thread on K cores, p > K, the ranks share the cores, and the step takes
+  eta(p) x p x (c + k + i) / K (waiting is then another rank's time on the core), with
+  eta(p) = eta_bal x (1 + mu x imbalance(p)), imbalance(p) = ceil(p / K) x K / p - 1 (how much busier the busiest
+  core is than the mean: 1/3 for 3 ranks on 2 cores, 0 for 4, 0.2 for 5). eta_bal: ranks meeting every step lose
+  time to each other even with a core each; it is the K-rank world's step over a rank's measured CPU time there
+  (so the formula taken at K meets the step within the cores where the model's CPU time is the measured one; the
+  model's own step at K when no K-rank world was fitted), together with the evenly spread oversubscribed worlds'
+  (p a multiple of K: the stored 4-rank worlds on 2 cores show the K-rank ratio, docs/perf.md). An uneven spread
+  leaves the cores with fewer ranks idle while the busiest finishes, partly recovered by the scheduler moving
+  ranks: mu (>= 0) is fitted on the unevenly spread oversubscribed worlds (step over p x measured CPU / K, over
+  eta_bal). Beyond the cores a rank's CPU time is the model's times shared_cpu, the oversubscribed worlds' measured
+  CPU time over the model's (ranks sharing a core spent more per step than the terms fitted across all the worlds
+  give there). When no fitted world oversubscribed the cores none of the three is measured beyond them: eta(p) is
+  the synthetic factor measured at each predicted size by `core_sharing.sharing_factor` (processes of the predicted
+  CPU time per step meeting at a barrier every step), else eta_bal (mu = 0, shared_cpu = 1).
 
-The step is c + k + w + idle + d while p <= K, and eta x p x (c + k + i) / K beyond.
+The step is c + k + w + idle + d while p <= K, and eta(p) x p x (c + k + i) / K beyond (c, k, i times shared_cpu).
 """
 
 from __future__ import annotations
@@ -109,6 +119,12 @@ class StepParts:
         return self.comm_cpu_ms + self.wait_ms
 
 
+def imbalance(p: int, cores: int) -> float:
+    """How unevenly p ranks spread over the cores beyond them: the busiest core's ranks over the mean, minus 1
+    (ceil(p / K) x K / p - 1: 1/3 for 3 ranks on 2 cores, 0 for 4, 0.2 for 5); 0 within the cores."""
+    return math.ceil(p / cores) * cores / p - 1.0 if p > cores else 0.0
+
+
 def counted_total(counts: dict, key: str) -> float:
     """A run's counted `key` ("flops" or "bytes") over the counted step: forward + backward and the update."""
     return sum(float(counts.get(part, {}).get(key, 0.0)) for part in ("forward_backward", "update"))
@@ -135,7 +151,7 @@ class HostScaling:
     gamma_ms_per_mb: float
     delta_ms_per_hop: float
     omega_ms_per_hop: float
-    eta: float
+    eta_bal: float  # step over ideal core sharing with the ranks spread evenly over the cores (as at K ranks)
     traffic: Traffic
     reference_flops: float  # per-rank FLOPs of the smallest world (work share 1)
     idle_ms: float = 0.0  # off-CPU time of a step with no peers (measured on one rank)
@@ -144,15 +160,22 @@ class HostScaling:
     input_cpu_ms: float = 0.0  # i: CPU time of a rank's input pipeline per step (its thread + loader workers)
     sharing: dict[int, float] = field(default_factory=dict)  # eta measured at sizes beyond the cores (core_sharing)
     kappa: float = 0.0  # CPU time of a rank with every core busy over alone, minus 1 (busy cores)
+    mu: float = 0.0  # how much of an uneven spread's imbalance the step keeps (0: none, 1: all of it)
+    shared_cpu: float = 1.0  # a rank's CPU time sharing a core over the model's (measured beyond the cores)
 
     def busy_cores(self, p: int) -> float:
-        """1 + kappa x the share of the other cores busy at p ranks: what a rank's CPU time is multiplied by."""
-        return 1.0 + self.kappa * (min(p - 1, self.cores - 1) / (self.cores - 1) if self.cores > 1 else 0.0)
+        """1 + kappa x the share of the other cores busy at p ranks, times shared_cpu beyond the cores: what a
+        rank's CPU time is multiplied by."""
+        share = min(p - 1, self.cores - 1) / (self.cores - 1) if self.cores > 1 else 0.0
+        return (1.0 + self.kappa * share) * (self.shared_cpu if p > self.cores else 1.0)
 
     def sharing_at(self, p: int) -> float:
-        """eta at p ranks: measured at p (or the largest size below it measured), else the fitted eta."""
+        """eta at p ranks beyond the cores: the synthetic factor measured at p (or the largest size below it
+        measured) when no fitted world shared the cores, else eta_bal x (1 + mu x imbalance(p))."""
         below = [q for q in self.sharing if q <= p]
-        return self.sharing[max(below)] if below else self.eta
+        if below:
+            return self.sharing[max(below)]
+        return self.eta_bal * (1.0 + self.mu * imbalance(p, self.cores))
 
     def busy_ms(self, p: int) -> float:
         """CPU time of one rank's step on p ranks: computation, communication and its input pipeline."""
@@ -206,7 +229,7 @@ def fit_host_scaling(runs: Sequence[WorldRun], cores: int, sharing: dict[int, fl
     else:  # no counts (a script without floating-point work?): treat the work per rank as constant
         flops0, flops1, reference = 1.0, 0.0, 1.0
     idle = runs[0].cpu_ms["cpu_other_ms"] if sizes[0] == 1 else 0.0
-    cpu = [model_cpu_ms(r) + r.cpu_ms["cpu_other_ms"] + input_cpu_ms(r.io) for r in runs]  # a rank's whole CPU time
+    cpu = [measured_cpu_ms(r) for r in runs]
     model = min((_fit_cpu(runs, cpu, cores, kappa, flops0, flops1, reference, traffic, idle) for kappa in KAPPAS),
                 key=lambda fitted: fitted[0])[1]
     # off the CPU with no peer (one rank): other processes, I/O; with peers, the rest is waiting for them
@@ -215,12 +238,32 @@ def fit_host_scaling(runs: Sequence[WorldRun], cores: int, sharing: dict[int, fl
     waits = [(r.step_ms - _busy(model, r.world_size) - model.input_wait(r.world_size) - idle,
               traffic.hops(r.world_size)) for r in uncontended]
     omega = max(sum(w for w, _ in waits) / sum(h for _, h in waits), 0.0) if waits and traffic.hops(2) else 0.0
-    # contention: measured / ideal processor sharing on the oversubscribed worlds (geometric mean)
+    return fit_core_sharing(replace(model, omega_ms_per_hop=float(omega), idle_ms=idle), runs, sharing)
+
+
+def fit_core_sharing(model: HostScaling, runs: Sequence[WorldRun], sharing: dict[int, float] | None = None
+                     ) -> HostScaling:
+    """eta_bal, mu and shared_cpu (module docstring) on the fitted worlds, for a model whose other terms are fitted;
+    `sharing` (synthetic factors per size) is kept when no world oversubscribed the cores."""
+    cores = model.cores
     shared = [r for r in runs if r.world_size > cores]
-    ratios = [r.step_ms / (r.world_size * model.busy_ms(r.world_size) / cores) for r in shared]
-    eta = max(math.exp(statistics.fmean(math.log(x) for x in ratios)), 1.0) if ratios else 1.0
-    return replace(model, omega_ms_per_hop=float(omega), eta=eta, idle_ms=idle,
-                   sharing={} if ratios else dict(sharing or {}))
+    at_cores = next((r for r in runs if r.world_size == cores), None)
+    # the K-rank world's step over a rank's CPU time there: measured, else the model's own
+    balanced = (model.predict(cores).total_ms / model.busy_ms(cores) if at_cores is None
+                else at_cores.step_ms / measured_cpu_ms(at_cores))
+    if not shared:
+        return replace(model, eta_bal=max(balanced, 1.0), mu=0.0, shared_cpu=1.0, sharing=dict(sharing or {}))
+    ratios = [(imbalance(r.world_size, cores), r.step_ms / (r.world_size * measured_cpu_ms(r) / cores))
+              for r in shared]
+    eta_bal = max(_geomean([balanced, *(x for imb, x in ratios if imb == 0)]), 1.0)
+    uneven = [(x / eta_bal - 1.0) / imb for imb, x in ratios if imb > 0]
+    return replace(model, eta_bal=eta_bal, mu=max(statistics.fmean(uneven), 0.0) if uneven else 0.0,
+                   shared_cpu=_geomean([measured_cpu_ms(r) / model.busy_ms(r.world_size) for r in shared]),
+                   sharing={})
+
+
+def _geomean(xs: Sequence[float]) -> float:
+    return math.exp(statistics.fmean(math.log(x) for x in xs))
 
 
 def _fit_cpu(runs: Sequence[WorldRun], cpu: Sequence[float], cores: int, kappa: float, flops0: float, flops1: float,
@@ -245,6 +288,11 @@ def _fit_cpu(runs: Sequence[WorldRun], cpu: Sequence[float], cores: int, kappa: 
     error = sum(((model.busy_ms(r.world_size) + idle * alone[r.world_size]) / m - 1.0) ** 2
                 for r, m in zip(runs, cpu, strict=True))
     return error + 1e-9 * kappa, model
+
+
+def measured_cpu_ms(run: WorldRun) -> float:
+    """A rank's whole CPU time per step as measured: the model's computation, its other threads, its input pipeline."""
+    return model_cpu_ms(run) + run.cpu_ms["cpu_other_ms"] + input_cpu_ms(run.io)
 
 
 def model_cpu_ms(run: WorldRun) -> float:
