@@ -22,6 +22,9 @@ weights (cocoweave.nn.ReferenceBlock, seed 0) in every variant. Variants:
                   sequence_parallel=True; without the keyword the layers run as they are, once)
   floor           the hand-written block with its all-reduces skipped: the same sharded compute with no
                   communication. A limit, not a peer: it computes something else (partial sums).
+  floor-sync      the floor with the ranks meeting (a shared-memory barrier, no bytes) where Megatron's 16
+                  all-reduces are: what lockstep alone costs, the limit of any tensor-parallel step whose ranks
+                  wait for each other there (Gloo's barrier where the ranks do not share memory)
 
 Every variant uses torch.optim.AdamW(fused=True), one per kind of parameter (torch's fused kernel refuses a list
 mixing DTensor and plain tensors). With dp > 1 every variant but the floor averages its gradients over the
@@ -29,7 +32,7 @@ data-parallel group with one flat all-reduce after backward (the same helper eve
 parameters). Groups come from a DeviceMesh ("dp", "tp"), tensor-parallel ranks adjacent.
 
 Before timing, every variant runs two steps at dropout 0 from the same weights and input: the losses must equal the
-hand-written one's (`same_work`, the largest difference, is in the table and the JSON; the floor is not compared).
+hand-written one's (`same_work`, the largest difference, is in the table and the JSON; the floors are not compared).
 Each round times every variant for --steps steps after a warm-up step (3 in the first round), in a rotated order;
 a variant's step time is the median over its steps of the slowest rank's time (each step starts after a barrier).
 Then one profiled step per variant gives its communication share (time of the Gloo collectives on the rank's
@@ -65,6 +68,7 @@ from train_step import machine  # noqa: E402  the house's machine/versions/date 
 LAYERS, HEADS, BATCH, SEQ = 4, 8, 8, 128
 ADAMW = {"lr": 3e-4, "weight_decay": 0.1}
 PEERS = ("megatron", "torch-tp", "torch-tp-sp")
+LIMITS = ("floor", "floor-sync")  # not peers: they skip the communication
 
 
 # ---------------------------------------------------------------------------------------------------------
@@ -103,15 +107,43 @@ class _G(torch.autograd.Function):
         return grad, None
 
 
-class HandBlock(nn.Module):
-    """One pre-LN block with this rank's heads and MLP columns; `communicate=False` is the floor."""
+class _Meet(torch.autograd.Function):
+    """The ranks meet (no bytes) forward (`forward_=True`, where g all-reduces) or backward (where f does)."""
 
-    def __init__(self, ref: nn.Module, group: Any, p: float, communicate: bool = True) -> None:
+    @staticmethod
+    def forward(ctx: Any, x: torch.Tensor, meet: Any, forward_: bool) -> torch.Tensor:
+        ctx.meet, ctx.forward_ = meet, forward_
+        if forward_:
+            meet()
+        return x.view_as(x)
+
+    @staticmethod
+    def backward(ctx: Any, grad: torch.Tensor) -> tuple[torch.Tensor, None, None]:
+        if not ctx.forward_:
+            ctx.meet()
+        return grad, None, None
+
+
+def meeting(group: Any) -> Any:
+    """A barrier of `group` that moves no bytes: cocoweave's shared-memory one where the ranks share this host's
+    memory (what cocoweave's collectives wait in), else the library's."""
+    from cocoweave.backends.torch import shm
+
+    g = shm.group_for(group)
+    return g.barrier if g is not None else (lambda: dist.barrier(group=group))
+
+
+class HandBlock(nn.Module):
+    """One pre-LN block with this rank's heads and MLP columns; `communicate=False` is the floor, `sync=True` with
+    it the floor whose ranks meet where the all-reduces were."""
+
+    def __init__(self, ref: nn.Module, group: Any, p: float, communicate: bool = True, sync: bool = False) -> None:
         from cocoweave.nn.functional import part
 
         super().__init__()
         t, r = dist.get_world_size(group), dist.get_rank(group)
         self.group, self.p, self.communicate = group, p, communicate
+        self.meet = meeting(group) if sync and not communicate else None
         self.heads, self.head_dim = ref.n_heads // t, ref.head_dim
         self.ln1, self.ln2 = copy.deepcopy(ref.ln1), copy.deepcopy(ref.ln2)
 
@@ -124,9 +156,13 @@ class HandBlock(nn.Module):
         self.fc2_w, self.fc2_b = param(part(ref.fc2.weight, 1, t, r)), param(ref.fc2.bias)
 
     def _f(self, x: torch.Tensor) -> torch.Tensor:
+        if self.meet is not None:
+            return _Meet.apply(x, self.meet, False)
         return _F.apply(x, self.group) if self.communicate else x
 
     def _g(self, x: torch.Tensor) -> torch.Tensor:
+        if self.meet is not None:
+            return _Meet.apply(x, self.meet, True)
         return _G.apply(x, self.group) if self.communicate else x
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
@@ -234,13 +270,13 @@ class CocoweaveStack(nn.Module):
 
 
 def variant_names(schedules: list[str]) -> list[str]:
-    """The variants this run times: the peers, cocoweave per schedule the layers accept, the floor."""
+    """The variants this run times: the peers, cocoweave per schedule the layers accept, the floors."""
     names = list(PEERS)
     if not any(cocoweave_block_kwargs(s) is not None and s != "as-written" for s in schedules):
         names.append("cocoweave")  # the layers take no schedule= yet: run them as they are, once
     else:
         names += [f"cocoweave:{s}" for s in schedules if cocoweave_block_kwargs(s) is not None]
-    return names + ["floor"]
+    return names + list(LIMITS)
 
 
 def skipped_schedules(schedules: list[str]) -> list[str]:
@@ -263,8 +299,9 @@ class Variant:
         refs = references(d, p)
         kind, _, schedule = name.partition(":")
         self.sequence_parallel = name == "torch-tp-sp"
-        if kind in ("megatron", "floor"):
-            self.model = nn.Sequential(*[HandBlock(r, self.tp, p, communicate=kind != "floor") for r in refs])
+        if kind in ("megatron", *LIMITS):
+            self.model = nn.Sequential(*[HandBlock(r, self.tp, p, communicate=kind == "megatron",
+                                                   sync=kind == "floor-sync") for r in refs])
         elif kind.startswith("torch-tp"):
             self.model = torch_tp(refs, p, mesh["tp"], self.sequence_parallel)
         else:
@@ -276,7 +313,7 @@ class Variant:
         for q in self.params:
             kinds.setdefault(hasattr(q, "to_local"), []).append(q)
         self.optimizers = [torch.optim.AdamW(qs, **ADAMW, fused=True) for qs in kinds.values()]
-        self.sync_dp = self.dp is not None and dist.get_world_size(self.dp) > 1 and kind != "floor"
+        self.sync_dp = self.dp is not None and dist.get_world_size(self.dp) > 1 and kind not in LIMITS
 
     def inputs(self, x: torch.Tensor) -> torch.Tensor:
         """This rank's input: the whole batch, or its sequence slice (torch: along seq; cocoweave: token rows)."""
@@ -405,7 +442,7 @@ def timings(rank: int, world_size: int, d: int, p: float, dp: int, names: list[s
         losses[v] = got
         del check
     same = {v: max(abs(a - b) / max(abs(b), 1e-12) for a, b in zip(losses[v], losses["megatron"]))
-            for v in names if v != "floor"}
+            for v in names if v not in LIMITS}
 
     built = {v: Variant(v, d, p, mesh) for v in names}
     times: dict[str, list[float]] = {v: [] for v in names}
@@ -440,12 +477,13 @@ def summarise(label: str, ws: int, dp: int, d: int, p: float, names: list[str], 
         t = [r["times"][v] for r in per_rank]
         prof = [r["profile"][v] for r in per_rank]
         rows.append({"layout": label, "world": ws, "dp": dp, "tp": ws // dp, "d_model": d, "dropout": p,
-                     "variant": v, "kind": "floor" if v == "floor" else "cocoweave" if v.startswith("cocoweave")
-                     else "peer", "median_ms": step_time_ms(t), "step_ms": step_times(t),
+                     "variant": v, "kind": "floor" if v == "floor" else "limit" if v in LIMITS
+                     else "cocoweave" if v.startswith("cocoweave") else "peer",
+                     "median_ms": step_time_ms(t), "step_ms": step_times(t),
                      "comm_share": max(q["comm_ms"] / q["wall_ms"] for q in prof),
                      "peak_step_alloc_bytes": max(q["peak_alloc"] for q in prof),
                      "held_bytes": max(r["held_bytes"][v] for r in per_rank),
-                     "same_work_rel_diff": None if v == "floor" else max(r["same_work"][v] for r in per_rank),
+                     "same_work_rel_diff": None if v in LIMITS else max(r["same_work"][v] for r in per_rank),
                      "module": per_rank[0]["repr"].get(v)})
     fastest = min(r["median_ms"] for r in rows if r["kind"] == "peer")
     floor = next(r["median_ms"] for r in rows if r["kind"] == "floor")
@@ -463,7 +501,7 @@ def print_table(rows: list[dict], title: str) -> None:
         Console = None
     headers = ["variant", "median ms", "vs fastest peer", "vs floor", "comm share", "step peak MiB",
                "held MiB", "same work"]
-    cells = [[r["variant"] + (" (limit)" if r["kind"] == "floor" else ""), f"{r['median_ms']:.1f}",
+    cells = [[r["variant"] + (" (limit)" if r["kind"] in ("floor", "limit") else ""), f"{r['median_ms']:.1f}",
               f"{r['ratio_to_fastest_peer']:.2f}", f"{r['ratio_to_floor']:.2f}", f"{100 * r['comm_share']:.0f}%",
               f"{r['peak_step_alloc_bytes'] / 2**20:.1f}", f"{r['held_bytes'] / 2**20:.1f}",
               "-" if r["same_work_rel_diff"] is None else f"{r['same_work_rel_diff']:.0e}"] for r in rows]
