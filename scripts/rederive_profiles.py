@@ -26,13 +26,18 @@ Then mean |error|, the largest and how many exceed 10%, over every profile and o
 from __future__ import annotations
 
 import json
-import math
 import statistics
 import sys
 from dataclasses import dataclass, replace
 from pathlib import Path
 
-from cocoweave.cluster.profiling.host_scaling import HostScaling, imbalance, measured_cpu_ms
+from cocoweave.cluster.profiling.host_scaling import (
+    HostScaling,
+    geomean,
+    imbalance,
+    measured_cpu_ms,
+    spread_factors,
+)
 from cocoweave.cluster.profiling.run_profile import RunProfile
 from cocoweave.errors import PlanningError
 
@@ -54,17 +59,6 @@ def ratio(run, cores: int, cpu: float) -> float:
     return run.step_ms / (max(run.world_size / cores, 1.0) * cpu)
 
 
-def geomean(xs: list[float]) -> float:
-    return math.exp(statistics.fmean(math.log(x) for x in xs))
-
-
-def spread_rule(ratios: list[tuple[float, float]], eta_bal: float) -> tuple[float, float]:
-    """(eta_bal, mu) from (imbalance, ratio) of oversubscribed worlds as the model fits them."""
-    eta_bal = max(geomean([eta_bal, *(x for imb, x in ratios if imb == 0)]), 1.0)
-    uneven = [(x / eta_bal - 1.0) / imb for imb, x in ratios if imb > 0]
-    return eta_bal, max(statistics.fmean(uneven), 0.0) if uneven else 0.0
-
-
 def checks(prof: RunProfile, name: str) -> list[Check]:
     model = prof.model
     cores = model.cores
@@ -76,8 +70,9 @@ def checks(prof: RunProfile, name: str) -> list[Check]:
         return []
     if shared:
         prev = max(geomean([ratio(r, cores, base.busy_ms(r.world_size)) for r in shared]), 1.0)
-        k_bal, k_mu = spread_rule([(imbalance(r.world_size, cores), ratio(r, cores, base.busy_ms(r.world_size)))
-                                   for r in shared], ratio(at_cores, cores, base.busy_ms(cores)))
+        k_bal, k_mu = spread_factors(ratio(at_cores, cores, base.busy_ms(cores)),
+                                     [(imbalance(r.world_size, cores), ratio(r, cores, base.busy_ms(r.world_size)))
+                                      for r in shared])
         prev_measured = geomean([ratio(r, cores, measured_cpu_ms(r)) for r in shared])
     out = []
     for run in sorted(prof.runs, key=lambda r: r.world_size):

@@ -398,11 +398,7 @@ def reduce_scatter(g: ShmGroup, slots: list[torch.Tensor], flat: torch.Tensor, o
     `out` is None, in place into this rank's part of its own slot (as Megatron-core reduce-scatters into its
     gradient buffer's shard: no result buffer; nobody else reads that part of this slot), returned as a view. Where
     two sets of slots alternate (`_alternate`) no barrier ends it, as an all-reduce's."""
-    use = _alternate(g, slots)
-    ends = use is None
-    use = slots if use is None else use
-    _write(use[g.me][:flat.numel()], flat)
-    g.barrier()
+    use, ends = _post(g, slots, flat)
     start, n = parts[g.me]
     if out is None:
         out = _reduce(use, start, n, op, use[g.me][start:start + n], g.me)
@@ -412,6 +408,18 @@ def reduce_scatter(g: ShmGroup, slots: list[torch.Tensor], flat: torch.Tensor, o
     if ends:
         g.barrier()  # nobody reads a slot after this: its owner may write it again
     return out
+
+
+def _post(g: ShmGroup, slots: list[torch.Tensor], flat: torch.Tensor) -> tuple[list[torch.Tensor], bool]:
+    """The opening of every slot collective: this rank's `flat` into its slot of the set this call uses (`_alternate`),
+    then the barrier after which every rank reads the others'. Returns the set and whether a barrier must end the call
+    (the set does not alternate: its owners write it again at the next call)."""
+    use = _alternate(g, slots)
+    ends = use is None
+    use = slots if use is None else use
+    _write(use[g.me][:flat.numel()], flat)
+    g.barrier()
+    return use, ends
 
 
 def _alternate(g: ShmGroup, slots: list[torch.Tensor]) -> list[torch.Tensor] | None:
@@ -447,11 +455,7 @@ def all_reduce(g: ShmGroup, slots: list[torch.Tensor], flat: torch.Tensor, op: s
     a set again two calls later, after the next call's first barrier, which every rank reaches only once it has
     read this call's parts; a lent slot (its owner writes it right after) or a large one keeps the third. At two
     ranks with alternating sets each rank reduces the whole from both slots straight into `out` (`_direct`)."""
-    use = _alternate(g, slots)
-    ends = use is None
-    use = slots if use is None else use
-    _write(use[g.me][:flat.numel()], flat)
-    g.barrier()
+    use, ends = _post(g, slots, flat)
     if not ends and g.size == 2 and not shares(out, use):
         return _direct(use, flat.numel(), op, out)
     start, n = parts[g.me]
@@ -476,11 +480,7 @@ def _direct(slots: list[torch.Tensor], n: int, op: str, out: torch.Tensor) -> to
 def all_gather(g: ShmGroup, slots: list[torch.Tensor], part: torch.Tensor, outs: list[torch.Tensor]) -> None:
     """Group rank j's `part` (flat) into outs[j] (any shape of that many elements) on every rank. Where two sets of
     slots alternate (`_alternate`) no barrier ends it, as an all-reduce's."""
-    use = _alternate(g, slots)
-    ends = use is None
-    use = slots if use is None else use
-    _write(use[g.me][:part.numel()], part)
-    g.barrier()
+    use, ends = _post(g, slots, part)
     for j, dst in enumerate(outs):
         if dst.numel():
             dst.copy_((use[j] if j != g.me else part)[:dst.numel()].view(dst.shape))

@@ -253,16 +253,22 @@ def fit_core_sharing(model: HostScaling, runs: Sequence[WorldRun], sharing: dict
                 else at_cores.step_ms / measured_cpu_ms(at_cores))
     if not shared:
         return replace(model, eta_bal=max(balanced, 1.0), mu=0.0, shared_cpu=1.0, sharing=dict(sharing or {}))
-    ratios = [(imbalance(r.world_size, cores), r.step_ms / (r.world_size * measured_cpu_ms(r) / cores))
-              for r in shared]
-    eta_bal = max(_geomean([balanced, *(x for imb, x in ratios if imb == 0)]), 1.0)
+    eta_bal, mu = spread_factors(balanced, [(imbalance(r.world_size, cores),
+                                             r.step_ms / (r.world_size * measured_cpu_ms(r) / cores)) for r in shared])
+    return replace(model, eta_bal=eta_bal, mu=mu, sharing={},
+                   shared_cpu=geomean([measured_cpu_ms(r) / model.busy_ms(r.world_size) for r in shared]))
+
+
+def spread_factors(balanced: float, ratios: Sequence[tuple[float, float]]) -> tuple[float, float]:
+    """(eta_bal, mu) from the K-rank world's ratio `balanced` and the oversubscribed worlds' (imbalance, step over
+    ideal sharing): eta_bal over the K-rank and evenly spread worlds, mu (>= 0) over the uneven ones."""
+    eta_bal = max(geomean([balanced, *(x for imb, x in ratios if imb == 0)]), 1.0)
     uneven = [(x / eta_bal - 1.0) / imb for imb, x in ratios if imb > 0]
-    return replace(model, eta_bal=eta_bal, mu=max(statistics.fmean(uneven), 0.0) if uneven else 0.0,
-                   shared_cpu=_geomean([measured_cpu_ms(r) / model.busy_ms(r.world_size) for r in shared]),
-                   sharing={})
+    return eta_bal, max(statistics.fmean(uneven), 0.0) if uneven else 0.0
 
 
-def _geomean(xs: Sequence[float]) -> float:
+def geomean(xs: Sequence[float]) -> float:
+    """The geometric mean of positive `xs`."""
     return math.exp(statistics.fmean(math.log(x) for x in xs))
 
 
