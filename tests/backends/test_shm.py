@@ -110,6 +110,53 @@ def test_a_collective_called_again_and_again_by_ranks_out_of_step_stays_correct(
     assert all(b[1:] == [want_barriers] * (len(steps) - 1) for _, b in per_rank), [b for _, b in per_rank]
 
 
+def _posted(rank: int, world_size: int, operands: list, late: list) -> tuple[list, int]:
+    """Split all-reduces (shm.Posted) called again and again, each operand computed into the slot, ranks stalling
+    between arrive and finish in turns and polling `ready` as the TP layers' weight-gradient loop does, with a
+    blocking all-reduce of another buffer between them; the results and how many were finished early."""
+    import torch
+
+    g = shm.group_for(None)
+    posted_slots = g.slots("test-posted", operands[0][0].numel(), torch.float32)
+    other = g.slots("test-other", operands[0][0].numel(), torch.float32)
+    n = operands[0][0].numel()
+    parts = [(i * n // world_size, (i + 1) * n // world_size - i * n // world_size) for i in range(world_size)]
+    got, early = [], 0
+    for i, xs in enumerate(operands):
+        out = torch.empty(n)
+        posted = shm.open_all_reduce(g, posted_slots, n, "sum", parts, out)
+        posted.slot.copy_(xs[rank].reshape(-1))
+        posted.arrive()
+        deadline = time.monotonic() + late[rank][i]
+        while time.monotonic() < deadline:
+            if not posted.done and posted.ready():
+                posted.finish()
+                early += 1
+        got.append(posted.finish().clone())
+        blocked = shm.all_reduce(g, other, (xs[rank] * 2).reshape(-1), "sum", parts, torch.empty(n))
+        got.append(blocked.clone())
+    return got, early
+
+
+@pytest.mark.parametrize("world_size", [2, 3])
+def test_a_split_all_reduce_equals_the_sum_however_late_each_rank_finishes(local_world, world_size):
+    """shm.Posted (the TP layers' MM-AR@shm||MMw): every rank's operand computed into its slot, flagged, and the
+    reduction finished later, early where every rank had arrived (polling) or waiting for the late: each call
+    equals the sum of the operands, step after step, with a blocking all-reduce of the same group between."""
+    import torch
+
+    gen = torch.Generator().manual_seed(5)
+    operands = [[torch.randn(7, 3, generator=gen) for _ in range(world_size)] for _ in range(10)]
+    late = [[0.01 * ((r + k) % world_size == 0) for k in range(10)] for r in range(world_size)]
+    per_rank = local_world(world_size).run(_posted, operands, late)
+    for i, xs in enumerate(operands):
+        want = sum(xs).reshape(-1)
+        for got, _ in per_rank:
+            assert torch.allclose(got[2 * i], want, atol=1e-6), f"split all-reduce {i}"
+            assert torch.allclose(got[2 * i + 1], 2 * want, atol=1e-5), f"blocking all-reduce after {i}"
+    assert any(early for _, early in per_rank)  # the stalled ranks saw the others arrive and finished early
+
+
 def _pipeline() -> cw.Program:
     p = cw.Program("pipe")
     first, second = p.pipeline(2)

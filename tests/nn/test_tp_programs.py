@@ -18,11 +18,12 @@ from cocoweave.ir import Program, Replicated
 from cocoweave.ir.ops import dropout
 from cocoweave.nn import ReferenceBlock, TransformerBlock
 from cocoweave.nn import programs as P
-from cocoweave.nn.compiled import ASYNC, schedules
+from cocoweave.nn.compiled import ASYNC, ASYNC_SHM, schedules
 from cocoweave.nn.functional import part
 
 TOL = 2e-5
-BLOCK_SCHEDULES = [None, "auto", "MM-AR@shm-C", "MM-RS@shm-C-AG@shm", "MM-fuse(RS-C-AG)@shm", "MM-AR-C", ASYNC]
+BLOCK_SCHEDULES = [None, "auto", "MM-AR@shm-C", "MM-RS@shm-C-AG@shm", "MM-fuse(RS-C-AG)@shm", "MM-AR-C", ASYNC,
+                   ASYNC_SHM]
 
 
 @st.composite
@@ -144,6 +145,36 @@ def test_sequence_parallel_block_equals_the_single_process_block(local_world, wo
 def test_block_at_tp_1_and_4(world4):
     _assert_close([block_case(0, 1, "auto", False, 2, 3)], "tp 1")  # no process group at all
     _assert_close(world4.run(block_case, "auto", False, 1, 5), "tp 4")
+
+
+def async_shm_case(rank: int, world_size: int) -> dict[str, float | str]:
+    """block_case on ASYNC_SHM, counting the split all-reduces the column layers' backward posted on shared memory."""
+    from cocoweave.backends.torch import shm
+
+    posted = []
+    arrive = shm.Posted.arrive
+
+    def counted(self: shm.Posted) -> None:
+        posted.append(self.numel)
+        arrive(self)
+
+    shm.Posted.arrive = counted
+    try:
+        errs = block_case(rank, world_size, ASYNC_SHM, False, 2, 5)
+    finally:
+        shm.Posted.arrive = arrive
+    return {**errs, "posted": str(len(posted))}
+
+
+@pytest.mark.parametrize("tp", [2, 4])
+def test_the_shared_memory_async_input_gradient_reduction_runs_and_equals_the_single_process_block(local_world,
+                                                                                                  tp):
+    """MM-AR@shm||MMw: the qkv and fc1 backward reduce their input gradient through shm.Posted (one each per
+    backward), filled by the weight gradient's chunks, and the block still computes what ReferenceBlock does."""
+    per_rank = local_world(tp).run(async_shm_case)
+    _assert_close([{k: v for k, v in errs.items() if k != "posted"} for errs in per_rank], f"ASYNC_SHM, tp {tp}")
+    assert all(errs["posted"] == "2" for errs in per_rank), [errs["posted"] for errs in per_rank]
+    assert f"backward: {ASYNC_SHM}" in per_rank[0]["repr"]
 
 
 def test_block_compiled_draws_the_reference_masks(local_world):

@@ -11,7 +11,10 @@
 
 `ASYNC` is Megatron's asynchronous input-gradient all-reduce as a column-parallel backward schedule: the
 reduction is launched (library algorithm, asynchronously: a CUDA stream on GPUs, Gloo's thread on CPUs) and the
-weight-gradient matmul runs while it is in flight.
+weight-gradient matmul runs while it is in flight. `ASYNC_SHM` is the same on shared memory (ranks of one host, on
+CPUs), with no thread: the input gradient is computed into this rank's slot and flagged, the weight gradient is
+computed, and only then are the slots summed (shm.Posted), so a rank that reaches the reduction first computes
+instead of waiting for the others (one core per rank: nothing to overlap on, but the ranks' skew is absorbed).
 """
 
 from __future__ import annotations
@@ -34,7 +37,7 @@ from ..ir.layout import slice_bounds
 from ..schedule.enumerate import schedules_of, shm_offered
 from ..schedule.schedule import Schedule
 from .functional import Group, group_size
-from .programs import ASYNC
+from .programs import ASYNC, ASYNC_SHM
 
 AS_WRITTEN = "as written"
 AUTO_ROUNDS = 7  # interleaved timed rounds (one run of every candidate each) when "auto" measures
@@ -118,12 +121,13 @@ def _layer_schedules() -> dict[str, frozenset[str]]:
     tiny = [P.row_forward(4, 4, 4, drop=0.1, sp=sp) for sp in (False, True)]
     tiny += [P.row_backward(4, 4, 4, drop=0.1, sp=sp) for sp in (False, True)]
     tiny += [P.column_backward(4, 4, 4, sp=sp) for sp in (False, True)] + [P.column_forward_sp(4, 4, 4)]
-    return {s.name: collectives.uses(s.stages) for p in tiny for s in schedules(p)}
+    every = {s.name: collectives.uses(s.stages) for p in tiny for s in schedules(p)}
+    return {**every, ASYNC: frozenset(), ASYNC_SHM: frozenset({"shm"})}  # the column backward's routes
 
 
 def layer_schedule_names() -> frozenset[str]:
-    """The name of every schedule of the layers' programs (at any size the same names), and ASYNC."""
-    return frozenset(_layer_schedules()) | {ASYNC}
+    """The name of every schedule of the layers' programs (at any size the same names), ASYNC and ASYNC_SHM."""
+    return frozenset(_layer_schedules())
 
 
 def one_host(group: Group) -> bool:
@@ -142,6 +146,22 @@ class Programs:
         # what a program resolved to, so that every later call (each forward and backward) goes straight to it:
         # by (what, kind, id(program), device) -> (program, value); see `_once`
         self._resolved: dict[tuple, tuple[Program, Any]] = {}
+        self._shm = shm.ShmBuffers()  # ASYNC_SHM's slots
+
+    def posted_all_reduce(self, out: torch.Tensor) -> shm.Posted | None:
+        """An all-reduce (sum) into `out` over the layer's group split in two on shared memory (ASYNC_SHM), or None
+        where the group's ranks do not share this host's memory or its slots cannot alternate (the same on every
+        rank): the caller then takes the blocking route."""
+        g = shm.group_for(self.group) if shm_offered(out.device.type) else None
+        if g is None:
+            return None
+        try:
+            slots = self._shm.get(g, ("async", out.dtype), out.numel(), out.dtype)
+        except shm.ShmUnavailable:
+            return None
+        n = out.numel()
+        parts = [(a, b - a) for a, b in (slice_bounds(n, g.size, i) for i in range(g.size))]
+        return shm.open_all_reduce(g, slots, n, "sum", parts, out)
 
     def _once(self, what: str, kind: str, program: Program, device: torch.device, make: Callable[[], Any]) -> Any:
         """`make()` the first time `program` asks for `what`, the remembered value after (ids are reused once a
@@ -253,7 +273,7 @@ class Programs:
         """Which of several whole routes of `kind` to take (e.g. a backward program, or ASYNC): the one named by
         the layer's schedule, else for "auto" the fastest (`fastest`, once per program and group size)."""
         name = self._once("route", kind, program, device, lambda: self._route(program, routes, device))
-        if name == ASYNC:
+        if name in (ASYNC, ASYNC_SHM):
             self.chosen[kind] = name
         return name
 
@@ -262,6 +282,15 @@ class Programs:
             name = self.schedule
         elif self.schedule != "auto" or self.size == 1:
             name = next(iter(routes))
+        elif ASYNC_SHM in routes and device.type == "cpu" and one_host(self.group):
+            # the program as written must be AUTO_MARGIN faster alone to be kept: measured alone the two do the same
+            # work; in a step ASYNC_SHM absorbs the ranks' skew (tp_step d512: -1% to -2%, README's tensor-parallel
+            # section)
+            k = ("route", _fingerprint(program), self.size, device.type, ASYNC_SHM)
+            if k not in _CHOSEN:
+                names = [ASYNC_SHM, "program"]
+                _CHOSEN[k] = names[self.fastest([routes[n] for n in names], device)]
+            name = _CHOSEN[k]
         elif device.type == "cpu" and one_host(self.group):
             # ASYNC's reduction runs on Gloo's thread, which on one host takes the core the weight-gradient matmul
             # needs (one core per rank): alone it measured faster (the other rank's core idle), in the step slower

@@ -21,7 +21,7 @@ from .. import rng
 from ..ir.layout import slice_bounds
 from ..ir.types import canonical_dtype
 from . import programs as P
-from .programs import ASYNC
+from .programs import ASYNC, ASYNC_SHM
 
 Group = dist.ProcessGroup | None
 
@@ -287,7 +287,22 @@ class _ColumnProgram(torch.autograd.Function):
             gb = gy.sum(0) if ctx.has_bias else None
             return exe.release(exe.run({"g": partial}).outputs["gx"]), gw, gb
 
+        def overlapped_shm() -> tuple[Any, ...]:  # ASYNC on shared memory: the weight gradient fills the wait
+            gx = torch.empty(rows, d_in, dtype=gy.dtype, device=gy.device)
+            posted = programs.posted_all_reduce(gx)
+            if posted is None:  # the group does not share this host's memory (the same on every rank)
+                return as_program()
+            torch.matmul(gy, weight, out=posted.slot.view(rows, d_in))  # this rank's partial sum, in its slot
+            posted.arrive()
+            # a rank that arrived first computes these while the others arrive; nobody waits for this rank's reads
+            # (the slots alternate), so it reduces only when it needs the sum
+            gw = gy.t() @ xg
+            gb = gy.sum(0) if ctx.has_bias else None
+            return posted.finish(), gw, gb
+
         routes = {"program": as_program, ASYNC: overlapped}
+        if not ctx.sp:
+            routes[ASYNC_SHM] = overlapped_shm
         gx, gw, gb = routes[programs.route("backward", prog, routes, xg.device)]()
         return gx.view(ctx.shape), gw, gb, None, None, None, None
 

@@ -20,6 +20,7 @@ from ..ir.ops import all_gather, all_reduce, dropout, matmul, reduce_scatter
 from ..ir.ops import sum as reduce_sum
 
 ASYNC = "MM-AR||MMw"  # the column backward's input-gradient all-reduce in flight during the weight-gradient matmul
+ASYNC_SHM = "MM-AR@shm||MMw"  # the same on shared memory: the slots summed after the weight-gradient matmul
 
 
 def _epilogue(p: Program, y, bias: bool, drop: float, residual, d_out: int, dtype: str):  # noqa: ANN001, ANN202

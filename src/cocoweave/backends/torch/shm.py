@@ -236,9 +236,22 @@ class ShmGroup:
 
     def barrier(self) -> None:
         """Wait until every rank of the group has reached its same-numbered barrier."""
+        self.wait(self.arrive())
+
+    def arrive(self) -> int:
+        """Flag that this rank reached its next barrier, without waiting there: the barrier's number (for `arrived`
+        and `wait`). Nothing of the group's may run on this rank between the two."""
         self.epoch += 1
-        flags, epoch = self._flags, self.epoch
-        flags[self.me] = epoch
+        self._flags[self.me] = self.epoch
+        return self.epoch
+
+    def arrived(self, epoch: int) -> bool:
+        """Whether every rank of the group has reached barrier `epoch`: one look, no wait."""
+        return min(self._flags.tolist()) >= epoch
+
+    def wait(self, epoch: int) -> None:
+        """Wait until every rank of the group has reached barrier `epoch` (this rank arrived there)."""
+        flags = self._flags
 
         def late() -> list[int]:
             return [i for i, e in enumerate(flags.tolist()) if e < epoch]
@@ -456,8 +469,15 @@ def all_reduce(g: ShmGroup, slots: list[torch.Tensor], flat: torch.Tensor, op: s
     read this call's parts; a lent slot (its owner writes it right after) or a large one keeps the third. At two
     ranks with alternating sets each rank reduces the whole from both slots straight into `out` (`_direct`)."""
     use, ends = _post(g, slots, flat)
+    return _all_reduced(g, use, flat.numel(), op, parts, out, ends)
+
+
+def _all_reduced(g: ShmGroup, use: list[torch.Tensor], numel: int, op: str, parts: list[tuple[int, int]],
+                 out: torch.Tensor, ends: bool) -> torch.Tensor:
+    """The rest of an all-reduce once every rank's operand is in its slot of `use` (every rank passed the barrier
+    after the writes): the reduction into `out`; `ends`: the slots do not alternate (a barrier ends the call)."""
     if not ends and g.size == 2 and not shares(out, use):
-        return _direct(use, flat.numel(), op, out)
+        return _direct(use, numel, op, out)
     start, n = parts[g.me]
     _reduce(use, start, n, op, use[g.me][start:start + n], g.me)
     g.barrier()
@@ -466,6 +486,43 @@ def all_reduce(g: ShmGroup, slots: list[torch.Tensor], flat: torch.Tensor, op: s
     if ends:
         g.barrier()
     return out
+
+
+class Posted:
+    """An all-reduce in two halves, so that a rank computes between them while its peers arrive (Megatron's
+    asynchronous input-gradient all-reduce, on shared memory, progressed by the caller rather than by a thread that
+    would take the rank's core): the operand is computed straight into `slot` (no copy), `arrive()` flags it,
+    `ready()` says whether every rank has arrived, `finish()` reduces into `out` (waiting for the late ones) once.
+    Only on alternating slot sets (`open_all_reduce`), so that no barrier ends it; no other collective of the group
+    may run on this rank between `arrive` and `finish`."""
+
+    def __init__(self, g: ShmGroup, use: list[torch.Tensor], numel: int, op: str, parts: list[tuple[int, int]],
+                 out: torch.Tensor) -> None:
+        self.g, self.use, self.numel, self.op, self.parts, self.out = g, use, numel, op, parts, out
+        self.slot = use[g.me][:numel]
+        self.epoch = 0
+        self.done = False
+
+    def arrive(self) -> None:
+        self.epoch = self.g.arrive()
+
+    def ready(self) -> bool:
+        return self.g.arrived(self.epoch)
+
+    def finish(self) -> torch.Tensor:
+        if not self.done:
+            self.g.wait(self.epoch)
+            _all_reduced(self.g, self.use, self.numel, self.op, self.parts, self.out.view(-1), False)
+            self.done = True
+        return self.out
+
+
+def open_all_reduce(g: ShmGroup, slots: list[torch.Tensor], numel: int, op: str, parts: list[tuple[int, int]],
+                    out: torch.Tensor) -> Posted | None:
+    """An all-reduce of `numel` elements on `slots` into `out` split in two (`Posted`), or None where the slots do
+    not alternate (lent, large, no second set: the same on every rank), for the caller's blocking route."""
+    use = _alternate(g, slots)
+    return None if use is None else Posted(g, use, numel, op, parts, out)
 
 
 def _direct(slots: list[torch.Tensor], n: int, op: str, out: torch.Tensor) -> torch.Tensor:
