@@ -3,14 +3,15 @@ they all map, instead of sending bytes through Gloo's TCP loopback.
 
 Each rank of a process group owns a slot of a segment that every rank of the group maps. A collective is: every rank
 writes its operand into its slot (nothing to write when the operand already lives there, e.g. a gradient bucket the
-optimizer allocated in shared memory), a barrier, every rank reads what it needs straight from the others' slots,
-a barrier. A reduce-scatter then reads 1/p of every slot and reduces into its own part of its own slot (nobody else
+optimizer allocated in shared memory), a barrier, every rank reads what it needs straight from the others' slots, a
+barrier. A reduce-scatter then reads 1/p of every slot and reduces into its own part of its own slot (nobody else
 reads that part); an all-reduce reduces its 1/p into its own slot and reads the others' reduced parts; an all-gather
-reads the others' parts. A state tensor every rank holds whole and only an all-gather writes (an optimizer's
-parameters) can live in one segment all ranks map (`common`): each rank computes its part in place there and the
-all-gather is a barrier, the tensor stored once per host. This is DeepSpeed's
-CPU shared-memory all-reduce idea (and what NCCL's SHM transport does between GPUs of a node), here as a checked
-schedule choice for every collective of a program.
+reads the others' parts. An all-reduce on alternating slots can also be split in two (`Posted`): a rank writes and
+flags its operand, computes something else, and reduces later, so the first to arrive does not wait. A state tensor
+every rank holds whole and only an all-gather writes (an optimizer's parameters) can live in one segment all ranks
+map (`common`): each rank computes its part in place there and the all-gather is a barrier, the tensor stored once
+per host. This is DeepSpeed's CPU shared-memory all-reduce idea (and what NCCL's SHM transport does between GPUs of
+a node), here as a checked schedule choice for every collective of a program.
 
 Segments are anonymous (memfd_create, mode 0600, space reserved with posix_fallocate): they have no name in
 /dev/shm, so nothing can be left there whatever kills a rank, and /dev/shm's size (Docker's 64 MiB) does not bound
