@@ -112,8 +112,8 @@ def test_a_collective_called_again_and_again_by_ranks_out_of_step_stays_correct(
 
 def _posted(rank: int, world_size: int, operands: list, late: list) -> tuple[list, int]:
     """Split all-reduces (shm.Posted) called again and again, each operand computed into the slot, ranks stalling
-    between arrive and finish in turns and polling `ready` as the TP layers' weight-gradient loop does, with a
-    blocking all-reduce of another buffer between them; the results and how many were finished early."""
+    between arrive and finish in turns and polling `ready` meanwhile (finishing as soon as every rank arrived), with
+    a blocking all-reduce of another buffer between them; the results and how many were finished early."""
     import torch
 
     g = shm.group_for(None)

@@ -170,7 +170,8 @@ def async_shm_case(rank: int, world_size: int) -> dict[str, float | str]:
 def test_the_shared_memory_async_input_gradient_reduction_runs_and_equals_the_single_process_block(local_world,
                                                                                                   tp):
     """MM-AR@shm||MMw: the qkv and fc1 backward reduce their input gradient through shm.Posted (one each per
-    backward), filled by the weight gradient's chunks, and the block still computes what ReferenceBlock does."""
+    backward), the weight gradient computed between arrive and finish, and the block still computes what
+    ReferenceBlock does."""
     per_rank = local_world(tp).run(async_shm_case)
     _assert_close([{k: v for k, v in errs.items() if k != "posted"} for errs in per_rank], f"ASYNC_SHM, tp {tp}")
     assert all(errs["posted"] == "2" for errs in per_rank), [errs["posted"] for errs in per_rank]

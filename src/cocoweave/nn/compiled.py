@@ -279,31 +279,25 @@ class Programs:
 
     def _route(self, program: Program, routes: dict[str, Callable[[], Any]], device: torch.device) -> str:
         if self.schedule in routes:
-            name = self.schedule
-        elif self.schedule != "auto" or self.size == 1:
-            name = next(iter(routes))
-        elif ASYNC_SHM in routes and device.type == "cpu" and one_host(self.group):
-            # the program as written must be AUTO_MARGIN faster alone to be kept: measured alone the two do the same
-            # work; in a step ASYNC_SHM absorbs the ranks' skew (tp_step d512: -1% to -2%, README's tensor-parallel
-            # section)
-            k = ("route", _fingerprint(program), self.size, device.type, ASYNC_SHM)
-            if k not in _CHOSEN:
-                names = [ASYNC_SHM, "program"]
-                _CHOSEN[k] = names[self.fastest([routes[n] for n in names], device)]
-            name = _CHOSEN[k]
-        elif device.type == "cpu" and one_host(self.group):
+            return self.schedule
+        first = next(iter(routes))  # the program as written
+        if self.schedule != "auto" or self.size == 1:
+            return first
+        names = list(routes)
+        if device.type == "cpu" and one_host(self.group):
             # ASYNC's reduction runs on Gloo's thread, which on one host takes the core the weight-gradient matmul
             # needs (one core per rank): alone it measured faster (the other rank's core idle), in the step slower
             # (tp_step d512: 468 ms against 410 for MM-AR@shm-C). It is a choice where the wait is the network's.
-            name = next(iter(routes))
-        else:
-            k = ("route", _fingerprint(program), self.size, device.type)
-            if k not in _CHOSEN:
-                names = list(routes)
-                _CHOSEN[k] = names[self.fastest([routes[n] for n in names], device)]
-            name = _CHOSEN[k]
-        return name
-
+            # ASYNC_SHM comes first, so the program as written must be AUTO_MARGIN faster alone to be kept: alone the
+            # two do the same work; in a step ASYNC_SHM absorbs the ranks' skew (tp_step d512: -1% to -2%, README's
+            # tensor-parallel section)
+            names = [ASYNC_SHM, first] if ASYNC_SHM in routes else [first]
+        if len(names) == 1:
+            return names[0]
+        k = ("route", _fingerprint(program), self.size, device.type, tuple(names))
+        if k not in _CHOSEN:
+            _CHOSEN[k] = names[self.fastest([routes[n] for n in names], device)]
+        return _CHOSEN[k]
 
 def kernels(program: Program, device: torch.device) -> str | None:
     """How a layer program's fused stages run: on CPU without dropout op by op ("torch"), else (and whenever
