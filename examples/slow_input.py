@@ -12,7 +12,9 @@ samples; a sample is one record read from the file (seek + read) and decompresse
 bytes the tokens. `--workers N` moves the decoding to N loader processes (the fix the profiler suggests).
 The shard is kept in $TMPDIR/cocoweave-slow-input-<uid> for later runs.
 `--ckpt-every K` saves rank 0's model and optimizer with torch.save every K steps (what `cocoweave profile`
-times as a checkpoint; the file is overwritten each time).
+times as a checkpoint; the file is overwritten each time). `--device cuda` trains on the GPU (rank r on GPU
+r mod the GPUs there, Gloo between ranks) and copies each batch there (`--pin-memory`: from pinned memory, without
+blocking): what the profiler times as host-device transfers.
 """
 
 from __future__ import annotations
@@ -111,6 +113,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     ap.add_argument("--context", type=int, default=64, help="sequence length")
     ap.add_argument("--ckpt-every", type=int, default=0, help="torch.save rank 0's state every K steps (0: never)")
     ap.add_argument("--ckpt-dir", type=Path, default=None, help="checkpoint folder (default: a temporary one)")
+    ap.add_argument("--device", choices=("cpu", "cuda"), default="cpu", help="where the model trains")
+    ap.add_argument("--pin-memory", action="store_true", help="pinned batches, copied without blocking (cuda)")
     ap.add_argument("--seed", type=int, default=0)
     args = ap.parse_args(argv)
     for name in ("steps", "batch", "records", "raw_kb", "vocab", "d_model", "context"):
@@ -118,6 +122,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
             ap.error(f"--{name.replace('_', '-')} must be at least 1, got {getattr(args, name)}")
     if args.vocab > 256 or args.context + 1 > args.raw_kb * 1024:
         ap.error("--vocab must be at most 256 and --context shorter than a record")
+    if args.device == "cuda" and not torch.cuda.is_available():
+        ap.error("--device cuda needs a GPU, and torch sees none here")
     return args
 
 
@@ -127,6 +133,10 @@ def main(argv: list[str] | None = None) -> int:
     if distributed:
         dist.init_process_group("gloo")
     rank = dist.get_rank() if distributed else 0
+    device = torch.device("cpu")
+    if args.device == "cuda":
+        device = torch.device("cuda", int(os.environ.get("LOCAL_RANK", rank)) % torch.cuda.device_count())
+        torch.cuda.set_device(device)
     folder = Path(tempfile.gettempdir()) / f"cocoweave-slow-input-{os.getuid()}"  # reused by later runs
     folder.mkdir(exist_ok=True)
     shard = folder / f"shard-{args.records}x{args.raw_kb}k-v{args.vocab}-s{args.seed + rank}.bz2"
@@ -134,11 +144,12 @@ def main(argv: list[str] | None = None) -> int:
                         args.context)
     sampler = DistributedSampler(data, shuffle=True, seed=args.seed) if distributed else None
     loader = DataLoader(data, batch_size=args.batch, sampler=sampler, shuffle=sampler is None, drop_last=True,
-                        num_workers=args.workers, persistent_workers=args.workers > 0)
+                        num_workers=args.workers, persistent_workers=args.workers > 0,
+                        pin_memory=args.pin_memory and device.type == "cuda")
     torch.manual_seed(args.seed)  # every rank starts from the same weights
-    model: nn.Module = TinyLM(args.vocab, args.d_model, args.context)
+    model: nn.Module = TinyLM(args.vocab, args.d_model, args.context).to(device)
     if distributed:
-        model = DistributedDataParallel(model)
+        model = DistributedDataParallel(model, device_ids=[device] if device.type == "cuda" else None)
     optimizer = torch.optim.AdamW(model.parameters(), lr=1e-3)
     ckpt = (args.ckpt_dir or folder) / f"rank{rank}.pt"
     start, step, epoch = time.perf_counter(), 0, 0
@@ -146,6 +157,8 @@ def main(argv: list[str] | None = None) -> int:
         if sampler is not None:
             sampler.set_epoch(epoch)
         for x, y in loader:
+            if device.type == "cuda":
+                x, y = x.to(device, non_blocking=args.pin_memory), y.to(device, non_blocking=args.pin_memory)
             loss = F.cross_entropy(model(x).reshape(-1, args.vocab), y.reshape(-1))
             optimizer.zero_grad(set_to_none=True)
             loss.backward()

@@ -7,14 +7,17 @@
 # Steps (seconds allowed):
 #   tests        75  the GPU tests (tests/kernels/test_cuda.py, the sm_90 compile test) with compiled Triton, and
 #                    the device-routing tests under the interpreter
-#   demo        150  cocoweave demo --device cuda (every schedule of the paper's workloads, checked and timed)
-#   kernels     120  benchmarks/kernels.py: each kernel checked on random inputs and timed against torch and its floor
 #   step-nccl    60  benchmarks/train_step.py --device cuda at 1 rank over NCCL
 #   step-gloo    75  benchmarks/train_step.py --device cuda at 2 ranks sharing the GPU over Gloo
 #   train-gpt    60  examples/train_gpt.py under torchrun, 1 rank (NCCL with Gloo beside it)
+#   profile-io   60  cocoweave profile examples/slow_input.py -n 1,2 on the GPU, batches copied from pinned and
+#                    from pageable memory (issue #31: host-device transfers timed)
+#   demo        150  cocoweave demo --device cuda (every schedule of the paper's workloads, checked and timed)
+#   kernels     120  benchmarks/kernels.py: each kernel checked on random inputs and timed against torch and its floor
+# (the two longest last: a step gets what is left of the whole budget when that is less than its own).
 # Files (at most 8, the device tool's limit): summary.json (per step: command, exit code, seconds, timed out, the
 # end of its output), tests.json, demo.json, kernels.json, train_step-nccl.json, train_step-gloo.json,
-# train_gpt.json. Exits 0 when every step did.
+# train_gpt.json, profile_io.json. Exits 0 when every step did.
 set -u
 cd "$(dirname "$0")/.."
 ROOT=$PWD
@@ -51,20 +54,32 @@ nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv,noheader >"
 step tests 75 bash -c "TRITON_INTERPRET=0 $PY -m pytest -q -p no:cacheprovider tests/kernels/test_cuda.py \
     tests/kernels/test_sm90_compile.py -rs && TRITON_INTERPRET=1 $PY -m pytest -q -p no:cacheprovider \
     tests/backends/test_placement.py tests/optim/test_device_routes.py tests/test_launch.py -k 'torchrun or nccl'"
-step demo 150 "$PY" -m cocoweave demo --device cuda --out "$WORK/demo" --json "$RESULTS/demo.json"
-step kernels 120 env OUT="$RESULTS" "$PY" benchmarks/kernels.py
 step step-nccl 60 "$PY" benchmarks/train_step.py --device cuda --backend nccl --worlds 1 --models small \
     --rounds 2 --steps 4 --out "$WORK/nccl"
 step step-gloo 75 "$PY" benchmarks/train_step.py --device cuda --backend gloo --worlds 2 --models small \
     --optimizers adamw --rounds 2 --steps 4 --out "$WORK/gloo"
 step train-gpt 60 "$PY" -m torch.distributed.run --standalone --nproc-per-node 1 examples/train_gpt.py \
     --steps 20 --tensor-parallel 1 --batch 8 --out "$WORK/gpt"
+PROFILE="$PY -m cocoweave profile examples/slow_input.py -n 1,2 --no-check --steps 6 --warmup 2 --rounds 1 \
+    --timeout 40 --store $WORK/store"
+step profile-io 60 bash -c "$PROFILE --json $WORK/profile-pinned.json -- --device cuda --pin-memory \
+    --ckpt-every 3 && $PROFILE --json $WORK/profile-pageable.json -- --device cuda --ckpt-every 3"
+step demo 150 "$PY" -m cocoweave demo --device cuda --out "$WORK/demo" --json "$RESULTS/demo.json"
+step kernels 120 env OUT="$RESULTS" "$PY" benchmarks/kernels.py
 
 for kind in nccl gloo; do  # train_step names its file by its options and date: one name here
     f=$(ls "$WORK/$kind"/train_step-*.json 2>/dev/null | head -n 1)
     [ -n "$f" ] && cp "$f" "$RESULTS/train_step-$kind.json"
 done
 [ -f "$WORK/gpt/losses.json" ] && cp "$WORK/gpt/losses.json" "$RESULTS/train_gpt.json"
+"$PY" - "$WORK" "$RESULTS" <<'EOF'  # the two profiles as one file: pinned and pageable batches
+import json, pathlib, sys
+work, results = map(pathlib.Path, sys.argv[1:])
+found = {k: json.loads((work / f"profile-{k}.json").read_text()) for k in ("pinned", "pageable")
+         if (work / f"profile-{k}.json").exists()}
+if found:
+    (results / "profile_io.json").write_text(json.dumps(found, indent=1))
+EOF
 
 "$PY" - "$WORK" "$RESULTS" "${STEPS[@]}" <<'EOF'
 import json, pathlib, subprocess, sys, datetime

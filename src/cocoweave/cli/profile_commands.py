@@ -132,6 +132,7 @@ def profile(
 ) -> None:
     """Profile a training script on local worlds, fit its scaling, name the bottleneck, predict other sizes."""
     from ..cluster.catalog import load_catalog
+    from ..cluster.profiling.io_summary import transfer_sentence
     from ..cluster.profiling.plot import write_profile_png
     from ..cluster.profiling.run_profile import RunProfile, host_info
     from ..cluster.profiling.worlds import cores, default_script_args, profile_worlds
@@ -178,6 +179,8 @@ def profile(
     if (ckpt := prof.checkpoint_measured()) is not None:
         out.print(f"checkpoint: {ckpt[2]} took {1e3 * ckpt[0]:.1f} ms for {ckpt[1] / 1e6:.2f} MB "
                   f"({ckpt[1] / 1e6 / ckpt[0]:.0f} MB/s; the slowest rank's mean)", highlight=False)
+    if (copies := transfer_sentence(min(prof.runs, key=lambda r: r.world_size).io)) is not None:
+        out.print(copies, highlight=False)
     out.print(f"[bold]Bottleneck:[/] {doc['bottleneck']}", highlight=False)
     if predictions:
         out.print(_prediction_table(predictions))

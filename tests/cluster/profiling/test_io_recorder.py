@@ -10,7 +10,13 @@ import torch
 from torch.utils.data import DataLoader, Dataset
 
 from cocoweave.cluster.profiling.io_recorder import NO_GPU_NOTE, IoRecorder, proc_io
-from cocoweave.cluster.profiling.io_summary import checkpoint_stats, input_hint, measured_checkpoint, summarise_io
+from cocoweave.cluster.profiling.io_summary import (
+    checkpoint_stats,
+    input_hint,
+    measured_checkpoint,
+    summarise_io,
+    transfer_sentence,
+)
 
 
 class FileSamples(Dataset):
@@ -114,3 +120,21 @@ def test_a_world_summary_and_the_checkpoint_the_planner_uses():
     assert measured_checkpoint({"checkpoints": {"torch.load": saves}}) is None  # loads are no checkpoint
     assert input_hint(io) == "raise num_workers from 0, or pre-tokenise; a rank reads 2.0 MB per step"
     assert checkpoint_stats([[], []]) == {}
+
+
+def test_copies_between_devices_are_counted_with_their_bytes_and_said_once_per_step():
+    # The meta device stands in for a GPU here: a copy to it changes the device type as .cuda() would.
+    rec = IoRecorder(gpu=True)
+    to = rec.timed_transfer(torch.Tensor.to)
+    to(torch.ones(256), "meta")
+    to(torch.ones(4, 8, dtype=torch.float64), "meta", non_blocking=True)
+    to(torch.ones(3), torch.float64)  # a dtype change on the host is no transfer
+    doc = rec.take_step()
+    assert doc["transfers"]["count"] == 2 and doc["transfers"]["bytes"] == 256 * 4 + 32 * 8
+    assert doc["transfers"]["async"] == 1 and doc["transfers"]["pinned"] == 0
+    assert rec.take_step()["transfers"]["count"] == 0  # counted per step
+    base = {"data_wait_ms": 1.0, "checkpoints": [], "transfers": doc["transfers"]}
+    io = summarise_io([[step(base), step(base)]], [[step(base), step(base)]])
+    assert io["transfers"]["device"] == "gpu" and io["transfers"]["bytes"] == 1280
+    assert transfer_sentence(io).startswith("host-device copies: 2 per step, 0.00 MB in ")
+    assert transfer_sentence({"transfers": {"device": "cpu"}}) is None  # no GPU: nothing to say

@@ -125,3 +125,13 @@ def measured_checkpoint(io: dict[str, Any]) -> tuple[float, float, str] | None:
         return None
     label, stats = max(saves.items(), key=lambda kv: kv[1]["slowest_rank_ms"])
     return stats["slowest_rank_ms"] / 1e3, stats["bytes"] * stats["ranks"], label
+
+
+def transfer_sentence(io: dict[str, Any]) -> str | None:
+    """What a rank copied between host and device per step (the run's transfers), or None on a host without a
+    GPU, where nothing is copied."""
+    t = io.get("transfers") or {}
+    if t.get("device") != "gpu":
+        return None
+    return (f"host-device copies: {t['count']:.0f} per step, {t['bytes'] / 1e6:.2f} MB in {t['ms']:.2f} ms "
+            f"({t['pinned']:.0f} from pinned memory, {t['async']:.0f} non-blocking: {t['note']})")
