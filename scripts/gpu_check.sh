@@ -3,6 +3,10 @@
 # own timeout so that the whole finishes inside 10 minutes, every result as JSON in one folder.
 #
 #     scripts/gpu_check.sh                # results in $OUT when set (the device tool), else runs/gpu_check-<time>/
+#     GPU_CHECK_STEPS="tests demo" scripts/gpu_check.sh    # only those steps
+#
+# Python packages the GPU machine lacks (pydantic there: its image has every other dependency) travel as wheels in
+# .whl/ (git-ignored; `pip download --no-deps` them for its Python) and are installed into a temporary folder.
 #
 # Steps (seconds allowed):
 #   tests        75  the GPU tests (tests/kernels/test_cuda.py, the sm_90 compile test) with compiled Triton, and
@@ -34,6 +38,7 @@ STEPS=()
 step() {  # step NAME SECONDS COMMAND...: run it with what is left of both budgets, keep its log in $WORK
     local name=$1 budget=$2
     shift 2
+    [[ -n "${GPU_CHECK_STEPS:-}" && " $GPU_CHECK_STEPS " != *" $name "* ]] && return 0  # not asked for this time
     local left=$(( TOTAL - ($(date +%s) - START) ))
     (( budget > left )) && budget=$left
     local t0 rc=124
@@ -49,6 +54,10 @@ step() {  # step NAME SECONDS COMMAND...: run it with what is left of both budge
     STEPS+=("$name|$rc|$(( ($(date +%s%N) - t0) / 1000000 ))|$*")
 }
 
+if [ -d .whl ] && ! "$PY" -c "import pydantic" 2>/dev/null; then  # the GPU image has no pydantic: carried wheels
+    "$PY" -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target "$WORK/site" .whl/*.whl \
+        && export PYTHONPATH=$PYTHONPATH:$WORK/site
+fi
 nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv,noheader >"$WORK/gpu.txt" 2>&1 || true
 
 step tests 75 bash -c "TRITON_INTERPRET=0 $PY -m pytest -q -p no:cacheprovider tests/kernels/test_cuda.py \
@@ -91,8 +100,9 @@ for s in steps:
     rows.append({"step": name, "command": command, "rc": int(rc), "seconds": round(int(seconds) / 1e3, 1),
                  "timed_out": int(rc) in (124, 137), "output_tail": log[-4000:]})
 tests = next((r for r in rows if r["step"] == "tests"), None)
-if tests is not None:
-    (results / "tests.json").write_text(json.dumps(tests, indent=1))
+if tests is not None:  # the whole log of the tests, not only its end
+    log = (work / "tests.log").read_text(errors="replace") if (work / "tests.log").exists() else ""
+    (results / "tests.json").write_text(json.dumps(tests | {"output": log[-400_000:]}, indent=1))
 try:
     import torch, triton
     versions = {"torch": torch.__version__, "triton": triton.__version__, "cuda": torch.version.cuda}

@@ -62,7 +62,9 @@ UNARY = {"abs": "tl.abs({x})", "sqrt": "tl.sqrt_rn({x})", "rsqrt": "tl.div_rn(1.
 # torch.pow's special cases for constant exponents (pow_tensor_scalar_optimized_kernel)
 POW = {1: "{x}", 2: "{x} * {x}", 3: "{x} * {x} * {x}", 0.5: "tl.sqrt_rn({x})",
        -0.5: UNARY["rsqrt"], -1: "tl.div_rn(1.0, {x})", -2: "tl.div_rn(1.0, {x} * {x})"}
-MAX_BLOCK = 4096
+# At most 8 elements per thread (BLOCK / (32 x num_warps)): at 16, Adam's fused stage (two pows, six streams) used 168
+# registers and spilled under Triton 3.6 for sm_90 (tests/kernels/test_sm90_compile.py, seen on an H200).
+MAX_BLOCK = 2048
 RESERVED = {"i", "mask", "tl", "triton", "BLOCK", "keep_mask", "precise_exp", "precise_pow", "math", "float"}
 INT32_LIMIT = 2**31 - 1
 
@@ -395,7 +397,7 @@ class _Gen:
             self.emit(f"tl.store({ptr} + {self.affine(layout, block=True)}, {self.var(v)}, mask={store_mask}){note}")
         keys = [f"{w}{k}" for k in range(len(self.dropouts)) for w in ("key", "threshold")]
         block = min(MAX_BLOCK, max(16, triton.next_power_of_2(max(self.numel, 1))))
-        num_warps = max(1, min(8, block // 512))
+        num_warps = max(1, min(8, block // 256))
         ints = [p for p, kd in zip(params, [k for k in kinds if k != "host"]) if kd == "int"] + keys
         deco = f"@triton.jit(do_not_specialize={ints!r})" if ints else "@triton.jit"
         args = ", ".join(params + keys + outs)
@@ -481,6 +483,8 @@ class FusedKernel:
         self.spec = spec
         self.inputs, self.outputs, self.source = spec.inputs, spec.outputs, spec.source
         self.stage, self.name, self.device = spec.stage, spec.name, torch.device(device)
+        if self.device.type == "cuda" and self.device.index is None:  # "cuda": the rank's GPU, as tensors name it
+            self.device = torch.device("cuda", torch.cuda.current_device())
         self.path = source_file(spec.source, key)
         self._fn = getattr(_load_module(self.path, spec.source), spec.name)
         self._grid = (triton.cdiv(spec.numel, spec.block),)
