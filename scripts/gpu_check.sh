@@ -14,7 +14,7 @@
 #   step-nccl    60  benchmarks/train_step.py --device cuda at 1 rank over NCCL
 #   step-gloo    75  benchmarks/train_step.py --device cuda at 2 ranks sharing the GPU over Gloo
 #   train-gpt    60  examples/train_gpt.py under torchrun, 1 rank (NCCL with Gloo beside it)
-#   profile-io   60  cocoweave profile examples/slow_input.py -n 1,2 on the GPU, batches copied from pinned and
+#   profile-io   90  cocoweave profile examples/slow_input.py -n 1,2 on the GPU, batches copied from pinned and
 #                    from pageable memory (issue #31: host-device transfers timed)
 #   demo        150  cocoweave demo --device cuda (every schedule of the paper's workloads, checked and timed)
 #   kernels     120  benchmarks/kernels.py: each kernel checked on random inputs and timed against torch and its floor
@@ -71,7 +71,7 @@ step train-gpt 60 "$PY" -m torch.distributed.run --standalone --nproc-per-node 1
     --steps 20 --tensor-parallel 1 --batch 8 --out "$WORK/gpt"
 PROFILE="$PY -m cocoweave profile examples/slow_input.py -n 1,2 --no-check --steps 6 --warmup 2 --rounds 1 \
     --timeout 40 --store $WORK/store"
-step profile-io 60 bash -c "$PROFILE --json $WORK/profile-pinned.json -- --device cuda --pin-memory \
+step profile-io 90 bash -c "$PROFILE --json $WORK/profile-pinned.json -- --device cuda --pin-memory \
     --ckpt-every 3 && $PROFILE --json $WORK/profile-pageable.json -- --device cuda --ckpt-every 3"
 step demo 150 "$PY" -m cocoweave demo --device cuda --out "$WORK/demo" --json "$RESULTS/demo.json"
 step kernels 120 env OUT="$RESULTS" "$PY" benchmarks/kernels.py

@@ -429,7 +429,8 @@ def test_init_from_env_under_torchrun_style_env(tmp_path):
             p.kill()
     for rank, (p, out) in enumerate(zip(procs, outputs)):
         assert p.returncode == 0, out
-        assert f"RESULT {rank} 2 cpu [3.0, 3.0]" in out
+        gpus = torch.cuda.device_count()  # init_from_env puts local rank r on GPU r mod the GPUs, if any
+        assert f"RESULT {rank} 2 {f'cuda:{rank % gpus}' if gpus else 'cpu'} [3.0, 3.0]" in out
         listening = out.split("LISTEN", 1)[1].split()
         assert listening and all(a in LOOPBACK for a in listening), out  # rank 0's store, Gloo's pairs
 

@@ -68,13 +68,16 @@ class PipelineBoundary(nn.Module):
         flat = t.detach().contiguous().view(-1)
         if self._sliced(flat.numel()):
             flat = part(flat, 0, group_size(self.group), group_rank(self.group))
-        dist.send(flat.contiguous(), self.peer)
+        # messages live on the group's device: host memory under Gloo, whose send and recv take no CUDA tensor
+        dist.send(flat.to(group_device(self.group)).contiguous(), self.peer)
 
     def _recv(self, shape: tuple[int, ...] | torch.Size, dtype: torch.dtype, device: Any) -> torch.Tensor:
         numel = torch.Size(shape).numel()
         sliced = self._sliced(numel)
-        buf = torch.empty(numel // group_size(self.group) if sliced else numel, dtype=dtype, device=device)
+        buf = torch.empty(numel // group_size(self.group) if sliced else numel, dtype=dtype,
+                          device=group_device(self.group))
         dist.recv(buf, self.peer)
+        buf = buf.to(device)
         return (all_gather_cat(buf, 0, self.group) if sliced else buf).view(shape)
 
     def send_forward(self, activation: torch.Tensor) -> None:

@@ -430,13 +430,20 @@ class RankContext:
 
     def send_recv(self, x: torch.Tensor | None, peer: int, sending: bool, shape: Sequence[int], dtype: torch.dtype,
                   out: Any, async_op: bool = False) -> Any:
-        """Group rank i of the sending stage sends to group rank i of the receiving stage."""
+        """Group rank i of the sending stage sends to group rank i of the receiving stage. Under Gloo a message
+        crosses in host memory (its point-to-point takes no CUDA pointer: writev fails with 'Bad address')."""
+        host = self.backend == "gloo" and self.device.type != "cpu"
         if sending:
-            work = dist.isend(x.contiguous(), dst=peer)
-            return self._done(work, lambda: None, async_op)
+            wire = x.detach().to("cpu") if host else x.contiguous()
+            work = dist.isend(wire.contiguous(), dst=peer)
+            return self._done(work, lambda: None, async_op)  # the work holds `wire` until the send completes
         buf = self.buffer(out, shape, dtype)
-        work = dist.irecv(buf, src=peer)
-        return self._done(work, lambda: buf, async_op)
+        if not host:
+            return self._done(dist.irecv(buf, src=peer), lambda: buf, async_op)
+        wire = self.buffers.get((out, "host"))
+        if wire is None or tuple(wire.shape) != tuple(shape) or wire.dtype != dtype:
+            wire = self.buffers[(out, "host")] = torch.empty(tuple(shape), dtype=dtype)
+        return self._done(dist.irecv(wire, src=peer), lambda: buf.copy_(wire), async_op)
 
     # -- the shared-memory algorithm (shm.py): synchronous, ranks of one host --------------------------------
     def _shm_group(self, group: Any, x: torch.Tensor) -> shm.ShmGroup | None:
