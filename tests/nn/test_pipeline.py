@@ -186,3 +186,16 @@ def test_a_step_without_its_batch_is_one_sentence(world4) -> None:
         assert "needs the batch's inputs, targets or positions" in said[0]
         assert said[1].endswith("the first stage and needs the batch's inputs" if rank < 2 else
                                 "the last stage and needs the batch's targets")
+
+
+def gloo_gpu_case(rank: int, world_size: int) -> str:
+    mesh = parallel_mesh(tensor_parallel=2, pipeline_parallel=2)
+    with pytest.raises(ParallelConfigError) as e:  # the meta device stands in for a GPU: refused before any use
+        Pipeline(mesh, n_blocks=2, block=lambda i: nn.Identity(), loss_fn=ce, microbatches=2,
+                 device=torch.device("meta"))
+    return str(e.value)
+
+
+def test_a_pipeline_on_gpus_over_gloo_is_one_sentence(world4) -> None:
+    """torch's engine would hand CUDA tensors to Gloo's send, which fails deep inside with 'Bad address'."""
+    assert "needs NCCL between stages" in world4.run(gloo_gpu_case)[0]

@@ -126,7 +126,8 @@ def _model_parallel(rank: int, world_size: int, sizes: Mapping[str, int], iters:
 def _pipeline(rank: int, world_size: int, sizes: Mapping[str, int], iters: int, warmup: int, dtype: str,
               compiled: bool, p: float = 0.1) -> list[float]:
     """Stage 0 (the first half of the ranks): AllReduce of the partial sums in the stage (in place), dropout(y + b)
-    + r, then the whole result sent to rank i of stage 1, which receives it."""
+    + r, then the whole result sent to rank i of stage 1, which receives it. Under Gloo with CUDA tensors the
+    message crosses in host memory, as the schedules' does (Gloo's send and recv take no CUDA pointer)."""
     from ..backends.torch.executable import process_groups
     from ..workloads import boundary
 
@@ -139,14 +140,19 @@ def _pipeline(rank: int, world_size: int, sizes: Mapping[str, int], iters: int, 
     b = torch.randn(H, generator=_gen(0)).to(dev, dt)
     r = torch.randn(B, S, H, generator=_gen(0)).to(dev, dt)
     epi = epilogue(compiled, (B, S, H), dt, p)
+    host = dev.type != "cpu" and dist.get_backend() == "gloo"
+    wire = torch.empty(B, S, H, dtype=dt) if host else buf
 
     def step() -> None:
         if rank < half:
             if half > 1:
                 dist.all_reduce(y, group=group)
-            dist.send(epi(y, b, r), rank + half)
+            out = epi(y, b, r)
+            dist.send(out.cpu() if host else out, rank + half)
         else:
-            dist.recv(buf, rank - half)
+            dist.recv(wire, rank - half)
+            if host:
+                buf.copy_(wire)
 
     return timed_steps(step, world_size, dev, iters, warmup)
 

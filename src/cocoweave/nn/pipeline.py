@@ -209,6 +209,10 @@ class Pipeline:
         self.dp_size = group_size(self.dp_group)
         self.num_stages = pp * per_rank
         self.device = group_device(self.tp_group) if device is None else device
+        if torch.device(self.device).type != "cpu" and "gloo" in str(dist.get_backend(self.pp_group)).lower():
+            raise ParallelConfigError(f"Pipeline on {self.device} needs NCCL between stages: torch's pipelining "
+                                      "engine sends activations on the stage's device, and Gloo's send and recv "
+                                      "take host tensors only (use one GPU per rank with NCCL, or the CPU)")
         self.stage_ids = [self.pp_rank + c * pp for c in range(per_rank)]  # interleaved: rank r holds r, r + pp, ...
         self.modules: list[StageModule] = []
         self.stages: list[Any] = []  # pipeline_engine.CountingStage

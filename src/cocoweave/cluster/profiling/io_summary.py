@@ -133,5 +133,6 @@ def transfer_sentence(io: dict[str, Any]) -> str | None:
     t = io.get("transfers") or {}
     if t.get("device") != "gpu":
         return None
+    note = f": {t['note']}" if t["async"] else ""
     return (f"host-device copies: {t['count']:.0f} per step, {t['bytes'] / 1e6:.2f} MB in {t['ms']:.2f} ms "
-            f"({t['pinned']:.0f} from pinned memory, {t['async']:.0f} non-blocking: {t['note']})")
+            f"({t['pinned']:.0f} from pinned memory, {t['async']:.0f} non-blocking{note})")
