@@ -9,18 +9,24 @@ the JSONs and runs nothing):
   median over steps), which a rank's staggered step boundaries inflate when ranks outnumber cores.
 
     PYTHONPATH=src python scripts/step_definition_check.py [FILE ...]   # default: the stored slow_input-*
+    PYTHONPATH=src python scripts/step_definition_check.py --refit FILE ...
 
 Errors are against the measured 3-rank step under the same definition. The model's CPU time at 3 ranks is used
 (`HostScaling.busy_ms`), the synthetic factor as stored (measured under the house definition).
+`--refit`: any stored profile refitted on its fitted sizes with every world's step taken on each definition (the
+median of the per-step maxima `steps_ms`, or the largest of `per_rank_step_ms`), with this tree's rules, and the
+error at each checked size printed for both.
 """
 
 from __future__ import annotations
 
+import dataclasses
 import json
+import statistics
 import sys
 from pathlib import Path
 
-from cocoweave.cluster.profiling.host_scaling import measured_cpu_ms
+from cocoweave.cluster.profiling.host_scaling import fit_host_scaling, measured_cpu_ms
 from cocoweave.cluster.profiling.run_profile import RunProfile
 
 DEFAULT = sorted((Path(__file__).resolve().parents[1] / "benchmarks/results/profile").glob("slow_input-*.json"))
@@ -45,5 +51,22 @@ def main(paths: list[Path]) -> int:
     return 0
 
 
+def refit(paths: list[Path]) -> int:
+    for path in paths:
+        prof = RunProfile.from_json(json.loads(path.read_text()), str(path))
+        said = []
+        for name, step in (("house", lambda r: statistics.median(r.steps_ms)),
+                           ("slowest rank's median", lambda r: max(r.per_rank_step_ms))):
+            runs = [dataclasses.replace(r, step_ms=step(r)) for r in prof.runs]
+            model = fit_host_scaling([r for r in runs if r.world_size in prof.fit_world_sizes],
+                                     int(prof.host["cores"]), prof.core_sharing or None)
+            said += [f"{name} at {r.world_size}: {100 * (model.predict(r.world_size).total_ms / r.step_ms - 1):+.1f}%"
+                     for r in runs if r.world_size not in prof.fit_world_sizes]
+        print(f"{path.stem:44s} " + "  ".join(said))
+    return 0
+
+
 if __name__ == "__main__":
+    if sys.argv[1:2] == ["--refit"]:
+        sys.exit(refit([Path(p) for p in sys.argv[2:]]))
     sys.exit(main([Path(p) for p in sys.argv[1:]] or DEFAULT))

@@ -174,7 +174,8 @@ def profile(
               f"x{m.busy_cores(m.cores):.2f} with every core busy; waiting {m.omega_ms_per_hop:.3f} ms/hop; "
               f"core sharing beyond {m.cores} ranks x{m.eta_bal:.2f} spread evenly, x(1 + {m.mu:.2f} x imbalance) "
               f"unevenly, CPU time x{m.shared_cpu:.2f} sharing a core"
-              f"{''.join(f', x{f:.2f} measured at {p}' for p, f in m.sharing.items())}; input {m.input_ms:.2f} + "
+              f"{''.join(f', x{m.eta_bal:.2f} x {f:.2f} synthetic at {p}' for p, f in m.sharing.items())}; input "
+              f"{m.input_ms:.2f} + "
               f"{m.input_ms_per_rank:.2f} x (ranks - 1) ms waited, {m.input_cpu_ms:.2f} ms CPU[/]", highlight=False)
     if (ckpt := prof.checkpoint_measured()) is not None:
         out.print(f"checkpoint: {ckpt[2]} took {1e3 * ckpt[0]:.1f} ms for {ckpt[1] / 1e6:.2f} MB "

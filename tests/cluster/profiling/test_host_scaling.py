@@ -133,8 +133,11 @@ def test_core_sharing_measured_beyond_the_cores_when_no_fitted_world_shared_them
     model = truth(cores=2)
     two = [measured(model, p, make_run) for p in (1, 2)]
     fitted = fit_host_scaling(two, cores=2, sharing={3: 1.2, 5: 1.4})
-    assert [fitted.sharing_at(p) for p in (3, 4, 5, 8)] == [1.2, 1.2, 1.4, 1.4]
-    assert fitted.predict(3).total_ms == pytest.approx(1.2 * 3 * fitted.busy_ms(3) / 2)
+    # the synthetic factor is what sharing the cores adds; eta_bal, what the real ranks lose to each other already
+    e = fitted.eta_bal
+    assert e > 1.03 and e == pytest.approx(model.eta_bal, rel=1e-6)
+    assert [fitted.sharing_at(p) for p in (3, 4, 5, 8)] == pytest.approx([1.2 * e, 1.2 * e, 1.4 * e, 1.4 * e])
+    assert fitted.predict(3).total_ms == pytest.approx(e * 1.2 * 3 * fitted.busy_ms(3) / 2)
     assert fitted.mu == 0.0 and fitted.shared_cpu == 1.0
     # nothing measured beyond the cores: an even spread's eta, the K-rank world's step over its CPU time
     alone = fit_host_scaling(two, cores=2)
@@ -148,7 +151,7 @@ def test_cpu_time_that_grows_when_every_core_is_busy_carries_beyond_the_cores(ma
     host) is found from 1 and 2 ranks and carried to 3; ignoring it would predict 3 ranks about 17% low."""
     model = dataclasses.replace(truth(cores=2, strong=False), kappa=0.25)
     fitted = fit_host_scaling([measured(model, p, make_run) for p in (1, 2)], cores=2,
-                              sharing={3: model.sharing_at(3)})
+                              sharing={3: model.sharing_at(3) / model.eta_bal})
     assert fitted.kappa == pytest.approx(0.25, abs=0.01)
     assert fitted.predict(3).total_ms == pytest.approx(model.predict(3).total_ms, rel=0.02)
     assert fit_host_scaling([measured(truth(cores=2), p, make_run) for p in (1, 2, 3)], cores=2).kappa == 0.0

@@ -1,14 +1,14 @@
 """How well this host shares its cores among more ranks than cores when the ranks meet every step: measured.
 
 p processes (spawned, no torch) each burn `busy_ms` of CPU per step, times a factor drawn at random per rank and
-step from `spread` (the measured steps of one rank over their median: real ranks do not do equal work every
-step), then pass a token around a ring `hops` times (a ring collective's message steps: each needs its neighbour
-on a core, which on shared cores waits for a time slice), and meet at a barrier. Each rank notes when it runs
-again after the barrier, and a step is timed as the profiler times a world's: per step the slowest rank's time
-between its own two such moments, then the median over steps (a rank left waiting for a core while the others
-resume makes its step longer). Ideal processor sharing would take p x busy / K per step on K cores; the measured
-factor (>= 1) is what the host's scheduler adds: a core left idle while the last rank of a step finishes, ranks
-unevenly spread over the cores' run queues, time slices.
+step from `spread` (the measured steps of one rank over their median: real ranks do not do equal work every step),
+then pass a token around a ring `hops` times (a ring collective's message steps: each needs its neighbour on a core,
+which on shared cores waits for a time slice), and meet at a barrier. Each rank notes when it runs again after the
+barrier, and a step is timed as the profiler times a world's: the slowest rank's median time between its own two
+such moments (a rank left waiting for a core while the others resume makes its steps longer). Ideal processor
+sharing would take p x busy / K per step on K cores; the measured factor (>= 1) is what the host's scheduler adds: a
+core left idle while the last rank of a step finishes, ranks unevenly spread over the cores' run queues, time
+slices.
 `cocoweave profile` uses it for core sharing at a predicted size when no fitted world oversubscribed the cores.
 """
 
@@ -99,6 +99,6 @@ def sharing_factor(ranks: int, cores: int, busy_ms: float, spread: Sequence[floa
             proc.join(timeout=5)
             if proc.is_alive():
                 proc.kill()
-    times = [max(r[t + 1] - r[t] for r in resumed) for t in range(total)]
+    step_s = max(statistics.median([r[t + 1] - r[t] for t in range(WARMUP, total)]) for r in resumed)
     ideal_s = max(ranks / cores, 1.0) * busy_ms / 1e3
-    return max(statistics.median(times[WARMUP:]) / ideal_s, 1.0)
+    return max(step_s / ideal_s, 1.0)

@@ -34,8 +34,10 @@ Fitted on the worlds `cocoweave profile` measured (`worlds.WorldRun`), per rank 
   eta_bal). Beyond the cores a rank's CPU time is the model's times shared_cpu, the oversubscribed worlds' measured
   CPU time over the model's (ranks sharing a core spent more per step than the terms fitted across all the worlds
   give there). When no fitted world oversubscribed the cores none of the three is measured beyond them: eta(p) is
-  the synthetic factor measured at each predicted size by `core_sharing.sharing_factor` (processes of the predicted
-  CPU time per step meeting at a barrier every step), else eta_bal (mu = 0, shared_cpu = 1).
+  eta_bal times the synthetic factor measured at each predicted size by `core_sharing.sharing_factor` (processes
+  of the predicted CPU time per step meeting at a barrier every step: what sharing the cores adds; eta_bal, what
+  the real ranks lose to each other beyond their CPU time, which the synthetic ones do not have), else eta_bal
+  (mu = 0, shared_cpu = 1).
 
 The step is c + k + w + idle + d while p <= K, and eta(p) x p x (c + k + i) / K beyond (c, k, i times shared_cpu).
 """
@@ -170,11 +172,11 @@ class HostScaling:
         return (1.0 + self.kappa * share) * (self.shared_cpu if p > self.cores else 1.0)
 
     def sharing_at(self, p: int) -> float:
-        """eta at p ranks beyond the cores: the synthetic factor measured at p (or the largest size below it
-        measured) when no fitted world shared the cores, else eta_bal x (1 + mu x imbalance(p))."""
+        """eta at p ranks beyond the cores: eta_bal x the synthetic factor measured at p (or the largest size below
+        it measured) when no fitted world shared the cores, else eta_bal x (1 + mu x imbalance(p))."""
         below = [q for q in self.sharing if q <= p]
         if below:
-            return self.sharing[max(below)]
+            return self.eta_bal * self.sharing[max(below)]
         return self.eta_bal * (1.0 + self.mu * imbalance(p, self.cores))
 
     def busy_ms(self, p: int) -> float:

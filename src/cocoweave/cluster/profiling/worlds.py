@@ -158,12 +158,19 @@ def summarise(world_size: int, folder: Path, seconds: float) -> WorldRun:
                       for k in sorted(keys)}
     header0, _, counts0 = parsed[0]
     return WorldRun(
-        world_size=world_size, step_ms=_median(per_step), steps_ms=per_step, phases_ms=phases, cpu_ms=cpu,
+        world_size=world_size, step_ms=slowest_rank_step(timed), steps_ms=per_step, phases_ms=phases, cpu_ms=cpu,
         collectives=colls, optimizer_phases_ms=opt_phases, counts=counts0, optimizer=header0.get("optimizer", "?"),
         param_bytes=float(header0.get("param_bytes", 0)), state_bytes=float(header0.get("state_bytes", 0)),
         threads=int(header0.get("threads", 1)), load_avg=list(header0.get("load_avg", [])), seconds=seconds,
         per_rank_step_ms=[_median([s["wall_ms"] for s in t]) for t in timed],
         io=summarise_io([t[:n] for t in timed], [steps for _, steps, _ in parsed]))
+
+
+def slowest_rank_step(timed: Sequence[Sequence[dict[str, Any]]]) -> float:
+    """A world's step: the slowest rank's median step time. Ranks that meet every step take as long per step over a
+    run (the run's pace); taking the slowest rank's time per step before the median (the definition before
+    2026-11-28) adds the spread of when each rank's step boundary falls, 2-8% at 3 ranks on 2 cores (docs/perf.md)."""
+    return max(_median([s["wall_ms"] for s in steps]) for steps in timed)
 
 
 def ranks(n: int) -> str:
@@ -235,8 +242,9 @@ def run_world(script: Path, script_args: Sequence[str], world_size: int, steps: 
 
 
 def merge_rounds(runs: Sequence[WorldRun]) -> WorldRun:
-    """One world measured in several rounds as one: every round's steps, the median step over all of them,
-    round means of the phase, CPU and collective figures and of the others' load."""
+    """One world measured in several rounds as one: every round's steps, each rank's median step averaged over the
+    rounds and the slowest of those as the world's step, round means of the phase, CPU and collective figures and
+    of the others' load."""
     first = runs[0]
     if len(runs) == 1:
         return first
@@ -248,10 +256,11 @@ def merge_rounds(runs: Sequence[WorldRun]) -> WorldRun:
     colls = {key: {f: statistics.fmean(r.collectives.get(key, {}).get(f, 0.0) for r in runs) for f in c}
              for key, c in first.collectives.items()}
     loads = [r.other_load for r in runs if r.other_load is not None]
+    per_rank = [statistics.fmean(x) for x in zip(*(r.per_rank_step_ms for r in runs))]
     return dataclasses.replace(
-        first, step_ms=_median(steps), steps_ms=steps, phases_ms=mean(lambda r: r.phases_ms),
-        cpu_ms=mean(lambda r: r.cpu_ms), collectives=colls, seconds=sum(r.seconds for r in runs),
-        per_rank_step_ms=[statistics.fmean(x) for x in zip(*(r.per_rank_step_ms for r in runs))],
+        first, step_ms=max(per_rank) if per_rank else _median(steps), steps_ms=steps,
+        phases_ms=mean(lambda r: r.phases_ms), cpu_ms=mean(lambda r: r.cpu_ms), collectives=colls,
+        seconds=sum(r.seconds for r in runs), per_rank_step_ms=per_rank,
         other_load=statistics.fmean(loads) if loads else None, io=merge_io([r.io for r in runs]))
 
 
