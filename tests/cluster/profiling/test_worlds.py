@@ -1,8 +1,9 @@
 """Profiling a torchrun script on local worlds: a real 2-rank DDP run is recorded step by step and ended
-after warmup + steps; a world's step is the median of the slowest rank's; failures are one sentence."""
+after warmup + steps; a world's step is the slowest rank's median step; failures are one sentence."""
 
 from __future__ import annotations
 
+import dataclasses
 import json
 
 import pytest
@@ -119,6 +120,8 @@ def test_rounds_of_one_world_merge_into_one(make_run):
     a.other_load, b.other_load = 0.1, 0.3
     merged = merge_rounds([a, b])
     assert merged.steps_ms == [9.0, 10.0, 11.0, 29.0, 30.0, 31.0, 32.0]
-    assert merged.per_rank_step_ms == [19.5, 20.5] and merged.step_ms == 20.5  # the slowest rank, rounds averaged
+    assert merged.per_rank_step_ms == [19.5, 20.5] and merged.step_ms == 20.5  # the slowest rank over the rounds
+    c = dataclasses.replace(a, per_rank_step_ms=[11.0, 10.5])
+    assert merge_rounds([a, b, c]).step_ms == 11.0  # rank 0: median of 9, 30, 11; the slow round (b) drops out
     assert merged.cpu_ms == {"cpu_main_ms": 9.0, "cpu_other_ms": 2.0} and merged.other_load == pytest.approx(0.2)
     assert merged.collectives["all_reduce/p2"]["bytes"] == 400.0 and merge_rounds([a]) is a

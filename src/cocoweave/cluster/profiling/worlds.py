@@ -242,9 +242,9 @@ def run_world(script: Path, script_args: Sequence[str], world_size: int, steps: 
 
 
 def merge_rounds(runs: Sequence[WorldRun]) -> WorldRun:
-    """One world measured in several rounds as one: every round's steps, each rank's median step averaged over the
-    rounds and the slowest of those as the world's step, round means of the phase, CPU and collective figures and
-    of the others' load."""
+    """One world measured in several rounds as one: every round's steps, each rank's median step over the rounds
+    (the median of its rounds' medians) and the slowest of those as the world's step, round means of the phase, CPU
+    and collective figures and of the others' load."""
     first = runs[0]
     if len(runs) == 1:
         return first
@@ -256,7 +256,7 @@ def merge_rounds(runs: Sequence[WorldRun]) -> WorldRun:
     colls = {key: {f: statistics.fmean(r.collectives.get(key, {}).get(f, 0.0) for r in runs) for f in c}
              for key, c in first.collectives.items()}
     loads = [r.other_load for r in runs if r.other_load is not None]
-    per_rank = [statistics.fmean(x) for x in zip(*(r.per_rank_step_ms for r in runs))]
+    per_rank = [_median(x) for x in zip(*(r.per_rank_step_ms for r in runs))]  # a slow round moves it least
     return dataclasses.replace(
         first, step_ms=max(per_rank) if per_rank else _median(steps), steps_ms=steps,
         phases_ms=mean(lambda r: r.phases_ms), cpu_ms=mean(lambda r: r.cpu_ms), collectives=colls,
