@@ -98,7 +98,7 @@ def test_stored_profiles_of_scripts_without_a_data_loader_still_predict_within_1
         assert abs(p.predicted_ms - measured[p.world_size]) < 0.10 * measured[p.world_size]
 
 
-@pytest.mark.parametrize("name", [f"slow_input-amd-slowest-{run}-cpu2-2026-11-27.json" for run in "abc"])
+@pytest.mark.parametrize("name", [f"slow_input-amd-final-{run}-cpu2-2026-11-27.json" for run in "abc"])
 def test_stored_slow_input_profiles_predict_the_oversubscribed_3_rank_step_within_10_percent(name):
     """Fitted on 1 and 2 ranks only (quiet runs of the 2-core AMD VM, every step the slowest rank's median, the
     core-sharing factor measured then), the 3-rank step is predicted within 10%: eta is eta_bal (the 2-rank world's
