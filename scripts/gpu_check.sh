@@ -11,7 +11,8 @@
 # Steps (seconds allowed):
 #   tests        75  the GPU tests (tests/kernels/test_cuda.py, the sm_90 compile test) with compiled Triton, and
 #                    the device-routing tests under the interpreter
-#   step-nccl    60  benchmarks/train_step.py --device cuda at 1 rank over NCCL
+#   step-nccl    90  benchmarks/train_step.py --device cuda at 1 rank over NCCL, both models (the first run's 5.3M
+#                    model alone, 2 x 4 steps, was launch-bound: DistributedAdamW 1.26x DDP + AdamW(fused) there)
 #   step-gloo    75  benchmarks/train_step.py --device cuda at 2 ranks sharing the GPU over Gloo
 #   train-gpt    60  examples/train_gpt.py under torchrun, 1 rank (NCCL with Gloo beside it)
 #   profile-io   90  cocoweave profile examples/slow_input.py -n 1,2 on the GPU, batches copied from pinned and
@@ -20,8 +21,8 @@
 #   kernels     120  benchmarks/kernels.py: each kernel checked on random inputs and timed against torch and its floor
 # (the two longest last: a step gets what is left of the whole budget when that is less than its own).
 # Files (at most 8, the device tool's limit): summary.json (per step: command, exit code, seconds, timed out, the
-# end of its output), tests.json, demo.json, kernels.json, train_step-nccl.json, train_step-gloo.json,
-# train_gpt.json, profile_io.json. Exits 0 when every step did.
+# last 12,000 characters of its output), tests.json (the whole log), demo.json, kernels.json, train_step-nccl.json,
+# train_step-gloo.json, train_gpt.json, profile_io.json. Exits 0 when every step did.
 set -u
 cd "$(dirname "$0")/.."
 ROOT=$PWD
@@ -63,8 +64,8 @@ nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv,noheader >"
 step tests 75 bash -c "TRITON_INTERPRET=0 $PY -m pytest -q -p no:cacheprovider tests/kernels/test_cuda.py \
     tests/kernels/test_sm90_compile.py -rs && TRITON_INTERPRET=1 $PY -m pytest -q -p no:cacheprovider \
     tests/backends/test_placement.py tests/optim/test_device_routes.py tests/test_launch.py -k 'torchrun or nccl'"
-step step-nccl 60 "$PY" benchmarks/train_step.py --device cuda --backend nccl --worlds 1 --models small \
-    --rounds 2 --steps 4 --out "$WORK/nccl"
+step step-nccl 90 "$PY" benchmarks/train_step.py --device cuda --backend nccl --worlds 1 --models small,large \
+    --rounds 3 --steps 8 --out "$WORK/nccl"
 step step-gloo 75 "$PY" benchmarks/train_step.py --device cuda --backend gloo --worlds 2 --models small \
     --optimizers adamw --rounds 2 --steps 4 --out "$WORK/gloo"
 step train-gpt 60 "$PY" -m torch.distributed.run --standalone --nproc-per-node 1 examples/train_gpt.py \
@@ -98,7 +99,7 @@ for s in steps:
     name, rc, seconds, command = s.split("|", 3)
     log = (work / f"{name}.log").read_text(errors="replace") if (work / f"{name}.log").exists() else ""
     rows.append({"step": name, "command": command, "rc": int(rc), "seconds": round(int(seconds) / 1e3, 1),
-                 "timed_out": int(rc) in (124, 137), "output_tail": log[-4000:]})
+                 "timed_out": int(rc) in (124, 137), "output_tail": log[-12000:]})
 tests = next((r for r in rows if r["step"] == "tests"), None)
 if tests is not None:  # the whole log of the tests, not only its end
     log = (work / "tests.log").read_text(errors="replace") if (work / "tests.log").exists() else ""
