@@ -168,8 +168,8 @@ def summarise(world_size: int, folder: Path, seconds: float) -> WorldRun:
 
 def slowest_rank_step(timed: Sequence[Sequence[dict[str, Any]]]) -> float:
     """A world's step: the slowest rank's median step time. Ranks that meet every step take as long per step over a
-    run (the run's pace); taking the slowest rank's time per step before the median (the definition before
-    2026-11-28) adds the spread of when each rank's step boundary falls, 2-8% at 3 ranks on 2 cores (docs/perf.md)."""
+    run (the run's pace); taking the slowest rank's time per step before the median (the definition until late
+    2026-11-27) adds the spread of when each rank's step boundary falls: 2-8% at 3 ranks on 2 cores (docs/perf.md)."""
     return max(_median([s["wall_ms"] for s in steps]) for steps in timed)
 
 
