@@ -128,10 +128,10 @@ def check(results: list[dict[str, object]], n: int, tp: int) -> None:
 
 
 @pytest.mark.parametrize("tp,pp,schedule,sp", [(2, 2, "1f1b", False), (2, 2, "gpipe", True), (1, 4, "gpipe", False),
-                                               (1, 2, "interleaved1f1b", False)])
+                                               (1, 2, "interleaved1f1b", False), (1, 2, "loopedbfs", False)])
 def test_pipeline_equals_one_process(world4, tp: int, pp: int, schedule: str, sp: bool) -> None:
-    """pp 2 x tp 2 (with and without sequence parallelism), pp 4, and pp 2 x dp 2 (interleaved: two stages per rank)
-    against the whole batch in one process."""
+    """pp 2 x tp 2 (with and without sequence parallelism), pp 4, and pp 2 x dp 2 (interleaved and looped BFS: two
+    stages per rank) against the whole batch in one process."""
     check(world4.run(pipeline_case, tp, pp, schedule, 4, 8, sp=sp), 8, tp)
 
 
