@@ -53,6 +53,25 @@ def test_slurm_variables_alone_place_the_rank():
     assert env.launcher == "SLURM"
 
 
+def test_srun_without_ntasks_per_node_takes_the_local_world_size_from_the_per_node_list():
+    """`srun -N 3 -n 7` sets SLURM_TASKS_PER_NODE="3(x2),1" and no SLURM_NTASKS_PER_NODE: without the list every
+    rank would count the whole world as local, and ranks with a GPU each would be given Gloo instead of NCCL."""
+    env = {k: v for k, v in SLURM.items() if k != "SLURM_NTASKS_PER_NODE"} | {"SLURM_NTASKS": "7",
+                                                                             "SLURM_TASKS_PER_NODE": "3(x2),1"}
+    assert RankEnv.from_env(env).local_world_size == 3
+    last = env | {"SLURM_NODEID": "2", "SLURM_LOCALID": "0", "SLURM_PROCID": "6"}
+    assert RankEnv.from_env(last).local_world_size == 1
+    assert rankenv.tasks_per_node("4") == [4] and rankenv.tasks_per_node("2(x3),1") == [2, 2, 2, 1]
+    with pytest.raises(SettingsError, match=r"^SLURM_TASKS_PER_NODE must list task counts like '2\(x3\),1', "
+                                            r"got '2\(x'$"):
+        RankEnv.from_env(env | {"SLURM_TASKS_PER_NODE": "2(x"})
+    with pytest.raises(SettingsError, match=r"^SLURM_NODEID=3 names no node of SLURM_TASKS_PER_NODE='3\(x2\),1' "
+                                            r"\(3 nodes\)$"):
+        RankEnv.from_env(env | {"SLURM_NODEID": "3"})
+    with pytest.raises(SettingsError, match="SLURM_LOCALID=1 must be below SLURM_TASKS_PER_NODE=1"):
+        RankEnv.from_env(env | {"SLURM_NODEID": "2"})
+
+
 def test_hand_set_torchrun_variables_that_contradict_slurm_are_one_sentence():
     with pytest.raises(SettingsError, match=r"^RANK=2 \(torchrun\) and SLURM_PROCID=5 \(SLURM\) disagree about "
                                             r"this process's rank; unset one launcher's variables or make them "

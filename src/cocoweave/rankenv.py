@@ -35,11 +35,13 @@ class Launcher:
     local_world_size: str = ""
     node_rank: str = ""
     marker: str = ""  # set only in processes this launcher started itself: it runs inside any other launcher
+    tasks_per_node: str = ""  # every node's task count, compressed ("2(x3),1"): the local world size by node rank
 
 
 LAUNCHERS: tuple[Launcher, ...] = (
     Launcher("torchrun", "RANK", "WORLD_SIZE", "LOCAL_RANK", "LOCAL_WORLD_SIZE", "GROUP_RANK", "TORCHELASTIC_RUN_ID"),
-    Launcher("SLURM", "SLURM_PROCID", "SLURM_NTASKS", "SLURM_LOCALID", "SLURM_NTASKS_PER_NODE", "SLURM_NODEID"),
+    Launcher("SLURM", "SLURM_PROCID", "SLURM_NTASKS", "SLURM_LOCALID", "SLURM_NTASKS_PER_NODE", "SLURM_NODEID",
+             tasks_per_node="SLURM_TASKS_PER_NODE"),
 )
 TORCHRUN = LAUNCHERS[0]
 RENDEZVOUS = ("MASTER_ADDR", "MASTER_PORT")  # where the ranks meet (torchrun sets them; under srun, export them)
@@ -74,8 +76,28 @@ Reading = dict[str, tuple[int | None, str]]  # field -> (value, the variable it 
 
 
 def _reading(launcher: Launcher, env: Mapping[str, str]) -> Reading:
-    """What `launcher`'s variables say."""
-    return {field: (_whole(env, getattr(launcher, field)), getattr(launcher, field)) for field in _PLACE}
+    """What `launcher`'s variables say; the local world size from the per-node task list where it has no variable
+    of its own (srun sets SLURM_NTASKS_PER_NODE only when given --ntasks-per-node)."""
+    got = {field: (_whole(env, getattr(launcher, field)), getattr(launcher, field)) for field in _PLACE}
+    node = got["node_rank"][0]
+    if got["local_world_size"][0] is None and node is not None and env.get(launcher.tasks_per_node):
+        counts = tasks_per_node(env[launcher.tasks_per_node], launcher.tasks_per_node)
+        if node >= len(counts):
+            raise SettingsError(f"{launcher.node_rank}={node} names no node of {launcher.tasks_per_node}="
+                                f"{env[launcher.tasks_per_node]!r} ({len(counts)} nodes)")
+        got["local_world_size"] = (counts[node], launcher.tasks_per_node)
+    return got
+
+
+def tasks_per_node(text: str, name: str = "SLURM_TASKS_PER_NODE") -> list[int]:
+    """Each node's task count from SLURM's compressed list: "2(x3),1" -> [2, 2, 2, 1]; SettingsError if malformed."""
+    counts: list[int] = []
+    for item in text.split(","):
+        count, repeated, times = item.strip().partition("(x")
+        if not count.isdigit() or (repeated and not (times.endswith(")") and times[:-1].isdigit())):
+            raise SettingsError(f"{name} must list task counts like '2(x3),1', got {text!r}")
+        counts += [int(count)] * (int(times[:-1]) if repeated else 1)
+    return counts
 
 
 def _resolve(env: Mapping[str, str]) -> tuple[Launcher | None, Reading]:

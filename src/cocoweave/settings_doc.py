@@ -32,9 +32,11 @@ def markdown() -> str:
               row("Launcher", "Rank", "World size", "Local rank", "Local world size", "Node", "Marks its workers"),
               row(*["---"] * 7)]
     for launcher in LAUNCHERS:
-        lines.append(row(launcher.name, *(f"`{v}`" if v else "" for v in (
-            launcher.rank, launcher.world_size, launcher.local_rank, launcher.local_world_size, launcher.node_rank,
-            launcher.marker))))
+        cells = [f"`{v}`" if v else "" for v in (launcher.rank, launcher.world_size, launcher.local_rank,
+                                                  launcher.local_world_size, launcher.node_rank, launcher.marker)]
+        if launcher.tasks_per_node:  # the local world size from the per-node list where the variable is unset
+            cells[3] += f", else `{launcher.tasks_per_node}` at the node's index"
+        lines.append(row(launcher.name, *cells))
     lines += ["", "Joining a process group (`cocoweave.launch.init_from_env`) also needs "
               + ", ".join(f"`{v}`" for v in RENDEZVOUS) + " (torchrun sets them; under srun, export them). "
               "A rank's CPU threads come from `OMP_NUM_THREADS` when set.", "",
