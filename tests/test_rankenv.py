@@ -23,7 +23,7 @@ def bare_env(monkeypatch):
     """No launcher's variables in os.environ (the suite may itself run under one)."""
     for launcher in LAUNCHERS:
         for name in (launcher.rank, launcher.world_size, launcher.local_rank, launcher.local_world_size,
-                     launcher.node_rank, launcher.marker, *rankenv.RENDEZVOUS):
+                     launcher.node_rank, launcher.marker, launcher.tasks_per_node, *rankenv.RENDEZVOUS):
             if name:
                 monkeypatch.delenv(name, raising=False)
     monkeypatch.delenv("COCOWEAVE_BACKEND", raising=False)
