@@ -1,6 +1,7 @@
 """`cocoweave run --backend torch` as ranks of a torchrun world: healthy runs leave the process group cleanly and
 exit 0 every time (torchrun restarts a rank that aborts at exit), and a failing rank makes every rank exit 4 with a
-sentence naming itself and the stage it was in. scripts/torchrun_repeat.sh repeats the healthy run 50 times."""
+sentence naming itself and the stage it was in. `check --backend torch` runs there too, rank 0 comparing.
+scripts/torchrun_repeat.sh repeats the healthy run 50 times."""
 
 from __future__ import annotations
 
@@ -38,6 +39,21 @@ def test_a_healthy_torchrun_run_exits_0_and_rank_0_reports(tmp_path, attempt):
     doc = json.loads(proc.stdout)  # rank 0 alone prints
     assert doc["world_size"] == 2 and doc["where"] == "torch, gloo on cpu, torchrun"
     assert all(row["finite"] for row in doc["results"])
+
+
+def test_check_under_torchrun_compares_every_schedule_on_rank_0(tmp_path):
+    """`check --backend torch` as the ranks of a torchrun world: each runs every schedule on its part of the same
+    inputs, rank 0 compares the gathered results with the unscheduled program and alone reports."""
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "2", "--max-restarts",
+           "0", "-m", "cocoweave", "check", ADAM, "-s", "N=64", "--backend", "torch", "--json", "-"]
+    proc = subprocess.run(cmd, cwd=tmp_path, env=_env(), capture_output=True, text=True, timeout=180)
+    assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-3000:]
+    doc = json.loads(proc.stdout)
+    schedules = subprocess.run([sys.executable, "-m", "cocoweave", "schedules", ADAM, "-s", "N=64", "--json", "-"],
+                               env=_env(), capture_output=True, text=True, timeout=120)
+    names = {row["name"] for row in json.loads(schedules.stdout)}
+    assert doc["ok"] and doc["backend"] == "torch" and {r["world_size"] for r in doc["rows"]} == {2}
+    assert {r["schedule"] for r in doc["rows"]} == names and len(names) > 10
 
 
 def _ranks(fault: str, *args: str) -> list[subprocess.CompletedProcess]:

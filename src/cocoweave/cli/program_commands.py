@@ -3,10 +3,7 @@
 from __future__ import annotations
 
 import json
-import os
 import statistics
-import sys
-import threading
 import time
 from pathlib import Path
 from typing import Annotated, Any
@@ -22,7 +19,7 @@ from ..errors import LoadError
 from ..ir.graph import Program
 from ..plan.plan import Plan
 from ..schedule.schedule import Schedule
-from .common import EXIT_RANK_FAILED, console, table, user_errors
+from .common import console, table, user_errors
 from .options import (
     DEFAULT_TIMEOUT_S,
     DEFAULT_WORLD,
@@ -251,56 +248,15 @@ def _run_under_torchrun(schedule: Schedule, named: bool, world_size: str | None,
                         as_json: str | None) -> None:
     """This process is one rank of a torchrun world: run, gather the results on rank 0, which reports them;
     every rank then leaves the process group cleanly. A failure names this rank and its stage (exit 4)."""
-    import torch.distributed as dist
+    from ..backends.torch.worker import run_and_time
+    from .torchrun_rank import gather_on_rank0, torchrun_rank
 
-    from .. import faults
-    from ..launch import init_from_env, rank_failure, shutdown
-
-    timeout, wall = timeouts
-    rank, size, dev = init_from_env(timeout, backend="gloo" if device == "cpu" else None)
-    where = f"torch, {dist.get_backend()} on {'cpu' if device == 'cpu' else dev.type}, torchrun"
-    timer = None if wall is None else _exit_after(wall, rank)
-    ok = False
-    try:
-        if world_size is not None and parse_world_sizes(world_size) != [size]:
-            raise LoadError(f"--world-size {world_size} differs from torchrun's WORLD_SIZE {size}")
-        check_fits(schedule.original, sizes, [size], given)
-        dev = torch.device("cpu") if device == "cpu" else dev
+    with torchrun_rank(timeouts, device, world_size) as me:
+        check_fits(schedule.original, sizes, [me.size], given)
         start = time.perf_counter()
-        gathered: list[Any] = [None] * size
-        try:
-            from ..backends.torch.worker import run_and_time
-
-            mine = run_and_time(rank, size, schedule, make_inputs(schedule.original, size, sizes, seed=seed), sizes,
-                                str(dev), iters, trace is not None)
-            faults.reset_stage()  # past the generated step: a failure from here on is at no stage of it
-            dist.gather_object(mine, gathered if rank == 0 else None, dst=0)
-        except Exception as exc:  # noqa: BLE001 - another rank died, hung or diverged, or this one failed
-            raise rank_failure(exc, rank) from None
-        ok = True
-    finally:
-        if ok:
-            shutdown()  # every rank waits for the others, then destroys the group: a clean exit 0
-        elif dist.is_initialized():
-            dist.destroy_process_group()
-        if timer is not None:
-            timer.cancel()
-    if rank == 0:
-        _report([_finish(schedule, gathered, size, where, seed, start, iters, trace)], schedule, named, trace, as_json)
-
-
-def _exit_after(seconds: float, rank: int) -> threading.Timer:
-    """Under torchrun: end this rank with exit code 4 and a sentence if the run is still going after `seconds`."""
-    from .. import faults
-
-    def expire() -> None:
-        stage = faults.current_stage()
-        at = f" (at {faults.where(*stage)})" if stage else ""
-        print(f"error: rank {rank} did not finish within the wall timeout of {seconds:g} s{at}", file=sys.stderr,
-              flush=True)
-        os._exit(EXIT_RANK_FAILED)
-
-    timer = threading.Timer(seconds, expire)
-    timer.daemon = True
-    timer.start()
-    return timer
+        inputs = make_inputs(schedule.original, me.size, sizes, seed=seed)
+        gathered = gather_on_rank0(me, lambda: run_and_time(me.rank, me.size, schedule, inputs, sizes,
+                                                              str(me.device), iters, trace is not None))
+    if gathered is not None:
+        _report([_finish(schedule, gathered, me.size, me.where, seed, start, iters, trace)], schedule, named, trace,
+                as_json)

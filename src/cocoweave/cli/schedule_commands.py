@@ -102,6 +102,12 @@ def check(
     check_output(as_json, "--json")
     program, given, bound = load(spec, size)
     chosen = select(program, schedule, device)
+    from ..launch import in_torchrun
+
+    if backend == "torch" and in_torchrun():
+        _check_under_torchrun(program, chosen, None if world_size == DEFAULT_WORLD else world_size, bound, given,
+                              seed, device, timeouts, as_json)
+        return
     runnable = [w for w in worlds if world_applicable(program, w) is None]
     if not runnable:
         raise LoadError(world_applicable(program, worlds[0]))
@@ -114,6 +120,12 @@ def check(
             rows += _check_torch(program, chosen, w, bound, seed, device, timeouts)
         else:
             rows += check_schedules(program, chosen, w, bound, seed)
+    _report_check(program, chosen, runnable, backend, rows, skipped, as_json)
+
+
+def _report_check(program: Program, chosen: list[Schedule], runnable: list[int], backend: str, rows: list[CheckRow],
+                  skipped: dict[int, Any], as_json: str | None) -> None:
+    """Print the table (unless --json -), write the JSON, and exit 1 when a check differs."""
     bad = [r for r in rows if not r.ok]
     tol = tolerances(program)
     if as_json != "-":
@@ -123,6 +135,30 @@ def check(
                 "tolerance": {n: {"atol": a, "rtol": r} for n, (a, r) in tol.items()}}, as_json)
     if bad:
         raise fail(f"{len(bad)} of {len(rows)} checks differ from the unscheduled program", EXIT_MISMATCH)
+
+
+def _check_under_torchrun(program: Program, chosen: list[Schedule], world_size: str | None, sizes: dict[str, int],
+                          given: dict[str, int], seed: int, device: str, timeouts: tuple[float, float | None],
+                          as_json: str | None) -> None:
+    """This process is one rank of a torchrun world: every rank runs every schedule on its part of the same random
+    inputs, rank 0 gathers the results, compares them with the unscheduled program and reports (exit 1 on a
+    mismatch); a failing rank is one sentence naming it (exit 4)."""
+    from ..backends.inputs import make_inputs
+    from ..backends.torch.worker import run_schedules
+    from .torchrun_rank import gather_on_rank0, torchrun_rank
+
+    with torchrun_rank(timeouts, device, world_size) as me:
+        if (why := world_applicable(program, me.size)) is not None:
+            raise LoadError(why)
+        check_fits(program, sizes, [me.size], given)
+        inputs = make_inputs(program, me.size, sizes, seed=seed)  # the same on every rank: one seed
+        per_rank = gather_on_rank0(me, lambda: run_schedules(me.rank, me.size, chosen, inputs, sizes,
+                                                               str(me.device)))
+    if per_rank is None:
+        return
+    results = [[r[i] for r in per_rank] for i in range(len(chosen))]
+    rows = check_schedules(program, chosen, me.size, sizes, seed, batch=lambda *_: results)
+    _report_check(program, chosen, [me.size], "torch", rows, {}, as_json)
 
 
 def _print_check(program: Program, chosen: list[Schedule], runnable: list[int], backend: str, rows: list[CheckRow],
