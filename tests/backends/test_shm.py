@@ -124,7 +124,7 @@ def _posted(rank: int, world_size: int, operands: list, late: list) -> tuple[lis
     got, early = [], 0
     for i, xs in enumerate(operands):
         out = torch.empty(n)
-        posted = shm.open_all_reduce(g, posted_slots, n, "sum", parts, out)
+        posted = shm.open_all_reduce(g, posted_slots, n, "sum", out)
         posted.slot.copy_(xs[rank].reshape(-1))
         posted.arrive()
         deadline = time.monotonic() + late[rank][i]

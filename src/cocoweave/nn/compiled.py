@@ -159,9 +159,7 @@ class Programs:
             slots = self._shm.get(g, ("async", out.dtype), out.numel(), out.dtype)
         except shm.ShmUnavailable:
             return None
-        n = out.numel()
-        parts = [(a, b - a) for a, b in (slice_bounds(n, g.size, i) for i in range(g.size))]
-        return shm.open_all_reduce(g, slots, n, "sum", parts, out)
+        return shm.open_all_reduce(g, slots, out.numel(), "sum", out)
 
     def _once(self, what: str, kind: str, program: Program, device: torch.device, make: Callable[[], Any]) -> Any:
         """`make()` the first time `program` asks for `what`, the remembered value after (ids are reused once a
@@ -298,6 +296,7 @@ class Programs:
         if k not in _CHOSEN:
             _CHOSEN[k] = names[self.fastest([routes[n] for n in names], device)]
         return _CHOSEN[k]
+
 
 def kernels(program: Program, device: torch.device) -> str | None:
     """How a layer program's fused stages run: on CPU without dropout op by op ("torch"), else (and whenever

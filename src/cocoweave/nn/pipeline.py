@@ -209,7 +209,7 @@ class Pipeline:
         self.dp_size = group_size(self.dp_group)
         self.num_stages = pp * per_rank
         self.device = group_device(self.tp_group) if device is None else device
-        if torch.device(self.device).type != "cpu" and "nccl" not in str(dist.get_backend(self.pp_group)).lower():
+        if torch.device(self.device).type != "cpu" and group_device(self.pp_group).type == "cpu":
             raise ParallelConfigError(f"Pipeline on {self.device} needs NCCL between stages: torch's pipelining "
                                       "engine sends activations on the stage's device, and Gloo's send and recv "
                                       "take host tensors only (use one GPU per rank with NCCL, or the CPU)")

@@ -226,12 +226,14 @@ class RankContext:
             mask = self._masks[(name, key)] = keep_mask(self.indices[name], p, key)
         return mask
 
-    def buffer(self, key: Any, shape: Sequence[int], dtype: torch.dtype) -> torch.Tensor:
-        """A tensor owned by this executable, allocated on first use and reused by later steps."""
+    def buffer(self, key: Any, shape: Sequence[int], dtype: torch.dtype,
+               device: torch.device | None = None) -> torch.Tensor:
+        """A tensor owned by this executable (on its device unless `device`), allocated on first use and reused by
+        later steps."""
         shape = tuple(shape)
         b = self.buffers.get(key)
         if b is None or tuple(b.shape) != shape or b.dtype != dtype:
-            b = self.buffers[key] = torch.empty(shape, dtype=dtype, device=self.device)
+            b = self.buffers[key] = torch.empty(shape, dtype=dtype, device=device or self.device)
         return b
 
     @contextmanager
@@ -440,9 +442,7 @@ class RankContext:
         buf = self.buffer(out, shape, dtype)
         if not host:
             return self._done(dist.irecv(buf, src=peer), lambda: buf, async_op)
-        wire = self.buffers.get((out, "host"))
-        if wire is None or tuple(wire.shape) != tuple(shape) or wire.dtype != dtype:
-            wire = self.buffers[(out, "host")] = torch.empty(tuple(shape), dtype=dtype)
+        wire = self.buffer((out, "host"), shape, dtype, torch.device("cpu"))
         return self._done(dist.irecv(wire, src=peer), lambda: buf.copy_(wire), async_op)
 
     # -- the shared-memory algorithm (shm.py): synchronous, ranks of one host --------------------------------

@@ -46,6 +46,7 @@ import torch
 import torch.distributed as dist
 
 from ...errors import BackendError
+from ...ir.layout import slice_bounds
 from ...rankenv import cores
 
 LINE = 8  # int64 words per cache line: one line per rank ([flag, -, -, nonce (rank 0 / the sender), ...])
@@ -518,12 +519,15 @@ class Posted:
         return self.out
 
 
-def open_all_reduce(g: ShmGroup, slots: list[torch.Tensor], numel: int, op: str, parts: list[tuple[int, int]],
-                    out: torch.Tensor) -> Posted | None:
-    """An all-reduce of `numel` elements on `slots` into `out` split in two (`Posted`), or None where the slots do
-    not alternate (lent, large, no second set: the same on every rank), for the caller's blocking route."""
+def open_all_reduce(g: ShmGroup, slots: list[torch.Tensor], numel: int, op: str, out: torch.Tensor) -> Posted | None:
+    """An all-reduce of `numel` elements on `slots` into `out` split in two (`Posted`; each rank reduces its
+    tensor_split part), or None where the slots do not alternate (lent, large, no second set: the same on every
+    rank), for the caller's blocking route."""
     use = _alternate(g, slots)
-    return None if use is None else Posted(g, use, numel, op, parts, out)
+    if use is None:
+        return None
+    parts = [(a, b - a) for a, b in (slice_bounds(numel, g.size, i) for i in range(g.size))]
+    return Posted(g, use, numel, op, parts, out)
 
 
 def _direct(slots: list[torch.Tensor], n: int, op: str, out: torch.Tensor) -> torch.Tensor:

@@ -58,7 +58,7 @@ SHM_COLLECTIVES: dict[str, tuple[str, int, bool]] = {
     "all_reduce": ("all_reduce", 2, False), "reduce_scatter": ("reduce_scatter", 2, False),
     "all_gather": ("all_gather", 2, True), "gather_in_place": ("all_gather", 3, True),
     "gather_common": ("all_gather", 3, True),
-    "open_all_reduce": ("all_reduce", 5, False),  # split in two (the TP layers' MM-AR@shm||MMw): bytes, no wall time
+    "open_all_reduce": ("all_reduce", 4, False),  # split in two (the TP layers' MM-AR@shm||MMw): bytes, no wall time
 }
 KIND = {"reduce_scatter_tensor": "reduce_scatter", "reduce_scatter_single": "reduce_scatter",
         "all_gather_into_tensor": "all_gather", "all_gather_single": "all_gather", "batch_isend_irecv": "p2p"}

@@ -157,20 +157,22 @@ def summarise(world_size: int, folder: Path, seconds: float) -> WorldRun:
         opt_phases = {k: statistics.fmean(_median([s["optimizer_phases_ms"][k] for s in t[:n]]) for t in timed)
                       for k in sorted(keys)}
     header0, _, counts0 = parsed[0]
+    per_rank = [_median([s["wall_ms"] for s in t]) for t in timed]
     return WorldRun(
-        world_size=world_size, step_ms=slowest_rank_step(timed), steps_ms=per_step, phases_ms=phases, cpu_ms=cpu,
+        world_size=world_size, step_ms=slowest_rank_step(per_rank), steps_ms=per_step, phases_ms=phases, cpu_ms=cpu,
         collectives=colls, optimizer_phases_ms=opt_phases, counts=counts0, optimizer=header0.get("optimizer", "?"),
         param_bytes=float(header0.get("param_bytes", 0)), state_bytes=float(header0.get("state_bytes", 0)),
         threads=int(header0.get("threads", 1)), load_avg=list(header0.get("load_avg", [])), seconds=seconds,
-        per_rank_step_ms=[_median([s["wall_ms"] for s in t]) for t in timed],
+        per_rank_step_ms=per_rank,
         io=summarise_io([t[:n] for t in timed], [steps for _, steps, _ in parsed]))
 
 
-def slowest_rank_step(timed: Sequence[Sequence[dict[str, Any]]]) -> float:
-    """A world's step: the slowest rank's median step time. Ranks that meet every step take as long per step over a
-    run (the run's pace); taking the slowest rank's time per step before the median (the definition until late
-    2026-11-27) adds the spread of when each rank's step boundary falls: 2-8% at 3 ranks on 2 cores (docs/perf.md)."""
-    return max(_median([s["wall_ms"] for s in steps]) for steps in timed)
+def slowest_rank_step(per_rank_ms: Sequence[float]) -> float:
+    """A world's step from each rank's median step time: the slowest rank's. Ranks that meet every step take as long
+    per step over a run (the run's pace); taking the slowest rank's time per step before the median (the definition
+    until late 2026-11-27) adds the spread of when each rank's step boundary falls: 2-8% at 3 ranks on 2 cores
+    (docs/perf.md)."""
+    return max(per_rank_ms)
 
 
 def ranks(n: int) -> str:
@@ -258,7 +260,7 @@ def merge_rounds(runs: Sequence[WorldRun]) -> WorldRun:
     loads = [r.other_load for r in runs if r.other_load is not None]
     per_rank = [_median(x) for x in zip(*(r.per_rank_step_ms for r in runs))]  # a slow round moves it least
     return dataclasses.replace(
-        first, step_ms=max(per_rank) if per_rank else _median(steps), steps_ms=steps,
+        first, step_ms=slowest_rank_step(per_rank), steps_ms=steps,
         phases_ms=mean(lambda r: r.phases_ms), cpu_ms=mean(lambda r: r.cpu_ms), collectives=colls,
         seconds=sum(r.seconds for r in runs), per_rank_step_ms=per_rank,
         other_load=statistics.fmean(loads) if loads else None, io=merge_io([r.io for r in runs]))
