@@ -1,8 +1,10 @@
-"""Fixtures of the cluster tests: measured worlds (`WorldRun`) made from a known step model."""
+"""Fixtures of the cluster tests: measured worlds (`WorldRun`) made from a known step model; a call bounded in time."""
 
 from __future__ import annotations
 
+import threading
 from collections.abc import Callable
+from typing import Any
 
 import pytest
 
@@ -30,3 +32,27 @@ def make_run() -> Callable[..., WorldRun]:
                         [step_ms] * p, 0.0)
 
     return make
+
+
+@pytest.fixture
+def returns_within() -> Callable[..., Any]:
+    """`returns_within(fn, seconds=60)`: fn()'s result or the exception it raised, asserting it came back within
+    `seconds` (run in a daemon thread, so an input that hangs fails the test instead of hanging the suite). The
+    default is far above a bounded call's time even on a loaded host; the unbounded ones took minutes."""
+
+    def call(fn: Callable[[], Any], seconds: float = 60.0) -> Any:
+        box: dict[str, Any] = {}
+
+        def run() -> None:
+            try:
+                box["value"] = fn()
+            except BaseException as exc:  # noqa: BLE001 - handed back to the test
+                box["error"] = exc
+
+        thread = threading.Thread(target=run, daemon=True)
+        thread.start()
+        thread.join(seconds)
+        assert not thread.is_alive(), f"the call did not return within {seconds} s"
+        return box.get("error", box.get("value"))
+
+    return call

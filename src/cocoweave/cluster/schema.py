@@ -7,6 +7,7 @@ from typing import Any, TypeVar
 
 from pydantic import BaseModel, ConfigDict, ValidationError
 
+from cocoweave.cluster.yamlio import shorten
 from cocoweave.errors import PlanningError
 
 M = TypeVar("M", bound=BaseModel)
@@ -59,7 +60,8 @@ def validate(model: type[M], doc: Any, source: str, what: str) -> M:
         loc = tuple(err["loc"])
         msg = err["msg"][0].lower() + err["msg"][1:]
         if not loc:
-            raise PlanningError(f"{source}: the {what} is inconsistent: {msg.removeprefix('value error, ')}.") from None
+            why = shorten(msg.removeprefix("value error, "))
+            raise PlanningError(f"{source}: the {what} is inconsistent: {why}.") from None
         prefix, key = _where(loc)
         where = f"{source}: {prefix}: " if prefix else f"{source}: "
         if err["type"] == "extra_forbidden":
@@ -68,4 +70,4 @@ def validate(model: type[M], doc: Any, source: str, what: str) -> M:
             raise PlanningError(f"{where}unknown key {key} in the {what} (allowed keys: {allowed}).") from None
         if err["type"] == "missing":
             raise PlanningError(f"{where}the {what} is missing the key {key}.") from None
-        raise PlanningError(f"{where}{key} in the {what}: {msg}, got {err.get('input')!r}.") from None
+        raise PlanningError(f"{where}{key} in the {what}: {msg}, got {shorten(repr(err.get('input')))}.") from None

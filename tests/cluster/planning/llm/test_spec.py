@@ -84,3 +84,19 @@ def test_shipped_examples_load():
     examples = Path(__file__).resolve().parents[4] / "examples" / "llm"
     assert load_spec(examples / "gpt3-175b.yaml").params() == pytest.approx(175e9, rel=0.01)
     assert load_spec(examples / "llama3-8b-config.json").gated_mlp
+
+
+@pytest.mark.parametrize("field, value, limit", [
+    ("layers", 10**9, "10000"), ("hidden", 10**9, "1048576"), ("seq_len", 10**12, "134217728"),
+    ("global_batch", 10**12, "16777216")])
+def test_sizes_past_physical_limits_are_refused_naming_field_and_limit(field: str, value: int, limit: str):
+    doc = {"layers": 4, "hidden": 512, "heads": 8, "vocab": 32000, "seq_len": 1024, "global_batch": 64, field: value}
+    with pytest.raises(PlanningError) as err:
+        parse_spec(doc, "m.yaml")
+    assert f"'{field}'" in str(err.value) and limit in str(err.value)
+
+
+def test_a_huge_value_is_quoted_short():
+    with pytest.raises(PlanningError) as err:
+        parse_spec({"layers": "x" * 1_000_000, "hidden": 512}, "m.yaml")
+    assert "'layers'" in str(err.value) and len(str(err.value)) < 500

@@ -10,7 +10,7 @@ from dataclasses import dataclass
 from cocoweave.cluster.catalog import Catalog, MachineType
 from cocoweave.cluster.planning.checkpoint_model import CheckpointModel
 from cocoweave.cluster.planning.llm.memory import OPTIMIZER_BYTES
-from cocoweave.cluster.planning.llm.search import Evaluated, SearchResult, search
+from cocoweave.cluster.planning.llm.search import MAX_GPUS, Evaluated, SearchResult, search
 from cocoweave.cluster.planning.llm.spec import TransformerSpec
 from cocoweave.cluster.planning.llm.system import Stack, system_for
 from cocoweave.cluster.planning.planner import ClusterPlan, Option, evaluate_options, pareto_front, recommend
@@ -64,6 +64,9 @@ def plan_llm(spec: TransformerSpec, catalog: Catalog, tokens: float, stack: Stac
     """Recommend machine, GPU count and layout for training `spec` on `tokens` tokens by a deadline or a budget."""
     if not (math.isfinite(tokens) and tokens > 0):
         raise PlanningError(f"the number of tokens to train must be positive, got {tokens}.")
+    if not 1 <= max_gpus <= MAX_GPUS:
+        raise PlanningError(f"the most GPUs to consider (--max-gpus) must be between 1 and {MAX_GPUS:,}, got "
+                            f"{max_gpus}.")
     machines = [m for m in catalog.machines if modellable(m, catalog, spec.dtype)]
     if not machines:
         raise PlanningError(f"no machine of the catalog {catalog.source} has a GPU with {spec.dtype} figures and "

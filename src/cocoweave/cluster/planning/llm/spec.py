@@ -20,24 +20,29 @@ from cocoweave.cluster.yamlio import load_yaml
 from cocoweave.errors import PlanningError
 
 DTYPE_BYTES = {"float32": 4, "bfloat16": 2, "float16": 2, "float8": 1}
+# Sane physical limits of a spec, each far beyond any published model (the largest: 128-200 layers, hidden 25,600-
+# 53,248, vocabularies of 256K, 10M-token contexts): a value past one is refused with the field and its limit, so
+# that no input makes the planner run for minutes or overflow its arithmetic.
+LIMITS = {"layers": 10_000, "hidden": 2**20, "heads": 2**16, "ffn": 2**22, "vocab": 2**24, "seq_len": 2**27,
+          "global_batch": 2**24, "experts": 2**16}
 
 
 class TransformerSpec(Strict):
     """A decoder-only transformer and its training batch (sequences of `seq_len` tokens per step)."""
 
-    name: str = "model"
-    layers: int = Field(gt=0)
-    hidden: int = Field(gt=0)
-    heads: int = Field(gt=0)
-    kv_heads: int | None = Field(default=None, gt=0)  # None: as many as heads (multi-head attention)
-    ffn: int | None = Field(default=None, gt=0)  # None: 4 x hidden
+    name: str = Field(default="model", max_length=200)
+    layers: int = Field(gt=0, le=LIMITS["layers"])
+    hidden: int = Field(gt=0, le=LIMITS["hidden"])
+    heads: int = Field(gt=0, le=LIMITS["heads"])
+    kv_heads: int | None = Field(default=None, gt=0, le=LIMITS["heads"])  # None: as many as heads (multi-head)
+    ffn: int | None = Field(default=None, gt=0, le=LIMITS["ffn"])  # None: 4 x hidden
     gated_mlp: bool = False  # SwiGLU: three FFN matrices instead of two
-    vocab: int = Field(gt=0)
-    seq_len: int = Field(gt=0)
-    global_batch: int = Field(gt=0)  # sequences per optimizer step
+    vocab: int = Field(gt=0, le=LIMITS["vocab"])
+    seq_len: int = Field(gt=0, le=LIMITS["seq_len"])
+    global_batch: int = Field(gt=0, le=LIMITS["global_batch"])  # sequences per optimizer step
     dtype: Literal["bfloat16", "float16", "float32", "float8"] = "bfloat16"
-    experts: int = Field(default=1, gt=0)  # MoE: experts per layer (1: dense)
-    experts_per_token: int = Field(default=1, gt=0)
+    experts: int = Field(default=1, gt=0, le=LIMITS["experts"])  # MoE: experts per layer (1: dense)
+    experts_per_token: int = Field(default=1, gt=0, le=LIMITS["experts"])
     flash_attention: bool = True  # fused attention: no s x s scores stored, causal half of the work done
     tied_embeddings: bool = False
 
