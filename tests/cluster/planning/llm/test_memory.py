@@ -56,3 +56,17 @@ def test_zero_stages_shard_their_parts():
         m = memory_per_gpu(SPEC, ParallelConfig(tp=2, pp=2, dp=4, zero=zero))
         assert (m.weights, m.gradients, m.optimizer) == pytest.approx(
             (params * 2 / w, params * 2 / g, params * OPTIMIZER_BYTES / o)), zero
+
+
+def test_uneven_stages_hold_the_most_on_the_stage_with_most_layers_times_micro_batches():
+    """Stage i of a 1F1B pipeline holds pp - i micro-batches of its layers: with (1, 4, 2, 1) the second stage's
+    4 x 3 = 12 layer-micro-batches beat the first's 1 x 4; its weights (4 layers) beat the first's 1 + embedding."""
+    spec = SPEC.model_copy(update={"vocab": 8})
+    cfg = ParallelConfig(pp=4, dp=1, stages=(1, 4, 2, 1))
+    per_layer = layer_activation_bytes(spec, cfg)
+    embedding = 2 * S * H * 4  # the embedding's output, for pp micro-batches in flight
+    assert activation_bytes(spec, cfg) == pytest.approx(12 * per_layer + embedding)
+    assert stage_params(spec, cfg) == 4 * spec.layer_params()
+    even = ParallelConfig(pp=4, dp=1)
+    assert activation_bytes(spec, even) == pytest.approx(2 * 4 * per_layer + embedding)
+    assert stage_params(spec, even) == 2 * spec.layer_params() + 8 * H

@@ -13,7 +13,7 @@ from cocoweave.cluster.planning.llm.parallelism import ParallelConfig
 from cocoweave.cluster.planning.llm.published import published_runs
 from cocoweave.cluster.planning.llm.spec import TransformerSpec
 from cocoweave.cluster.planning.llm.step import layer_forward_s, p2p_micro_s, predict_step, tp_comm_layer_s
-from cocoweave.cluster.planning.llm.system import STACKS, Efficiency, System
+from cocoweave.cluster.planning.llm.system import STACKS, Efficiency, System, system_for
 
 GPU = GPUSpec("G", "g", {"float32": 10.0, "bfloat16": 100.0}, 1000.0, 80.0, "s")
 NODE = MachineType("node", "G", 10.0, None, 0.0, 60.0, 8, "nvl", "ib")
@@ -87,3 +87,34 @@ def test_published_runs_within_the_bar():
     assert errs.mean() <= 3.5 and errs.max() <= 9.0
     assert errs[held].mean() <= 3.5 and errs[held].max() <= 9.0
     assert held.sum() >= 10
+
+
+def test_uneven_stages_the_pipeline_waits_for_the_longest():
+    """Same layers, same mean stage: moving one more layer into the longest middle stage, (1, 3, 3, 1) -> (1, 4, 2, 1),
+    adds m x one layer's forward + backward to the pipeline; the bubble (its mean stage) is unchanged. The even split
+    (2, 2, 2, 2) is faster than both."""
+    spec = SPEC.model_copy(update={"vocab": 8})
+    even = predict_step(spec, ParallelConfig(pp=4, dp=1), SYSTEM)
+    three = predict_step(spec, ParallelConfig(pp=4, dp=1, stages=(1, 3, 3, 1)), SYSTEM)
+    four = predict_step(spec, ParallelConfig(pp=4, dp=1, stages=(1, 4, 2, 1)), SYSTEM)
+    layer = 3 * sum(layer_forward_s(spec, ParallelConfig(pp=4, dp=1), SYSTEM))  # forward + backward (2x)
+    assert four.bubble_s == pytest.approx(three.bubble_s) and three.bubble_s == pytest.approx(even.bubble_s)
+    assert four.pipeline_s - three.pipeline_s == pytest.approx(32 * layer)  # m = 32 micro-batches
+    assert even.pipeline_s < three.pipeline_s
+
+
+def test_llama3_405b_on_16384_h100_tp8_pp16_uneven_dp128_is_described_and_predicted():
+    """#48: Llama 3 405B's 126 layers on 16 stages (7, 8 x 14, 7) with tp 8 x dp 128, 16M-token batches of 8K
+    sequences, on H100 nodes with 400 Gb/s RoCE: a layout the planner describes, prices and sizes."""
+    catalog = load_catalog()
+    machine = next(m for m in catalog.machines if m.name == "h100-roce-8x")
+    system = system_for(machine, catalog, STACKS["megatron-2022"].eff)
+    spec = TransformerSpec(name="Llama 3 405B", layers=126, hidden=16384, heads=128, kv_heads=8, ffn=53248,
+                           gated_mlp=True, vocab=128256, seq_len=8192, global_batch=2048)
+    cfg = ParallelConfig(tp=8, pp=16, dp=128, zero=1, sp=True, recompute="full")
+    assert cfg.gpus == 16384 and cfg.problems(spec, 8) == []
+    assert cfg.stage_layers(spec) == (7,) + (8,) * 14 + (7,)
+    step = predict_step(spec, cfg, system)
+    assert step.memory.total < 80e9
+    tokens_s = spec.tokens_per_step() / step.total_s
+    assert 0.2 < step.mfu < 0.8 and tokens_s > 1e6  # a plausible step, not a number fitted to anything

@@ -59,12 +59,20 @@ def in_flight_factor(cfg: ParallelConfig) -> float:
     return cfg.pp * (1.0 + (cfg.pp - 1) / (cfg.pp * cfg.vp)) if cfg.vp > 1 else float(cfg.pp)
 
 
+def held_layers(spec: TransformerSpec, cfg: ParallelConfig) -> float:
+    """Layer x micro-batch activations the stage that holds the most keeps in flight. Evenly split, the first
+    stage's: its layers x `in_flight_factor`. Unevenly (1F1B only), stage i holds pp - i micro-batches of its
+    n_i layers, so a longer second stage can hold more than a shortened first one (Llama 3's 8 x 15 > 7 x 16)."""
+    stages = cfg.stage_layers(spec)
+    if len(set(stages)) == 1:
+        return stages[0] * in_flight_factor(cfg)
+    return float(max(n * (cfg.pp - i) for i, n in enumerate(stages)))
+
+
 def activation_bytes(spec: TransformerSpec, cfg: ParallelConfig) -> float:
-    """Activation bytes of the first pipeline stage (the one that holds the most), plus the input embedding's
-    output and, with one stage, the logits (fp32 for the loss)."""
-    layers_per_stage = spec.layers / cfg.pp
-    per_layer = layer_activation_bytes(spec, cfg)
-    layers = per_layer * layers_per_stage * in_flight_factor(cfg)
+    """Activation bytes of the pipeline stage that holds the most, plus the input embedding's output and, with one
+    stage, the logits (fp32 for the loss)."""
+    layers = layer_activation_bytes(spec, cfg) * held_layers(spec, cfg)
     s, b = spec.seq_len, cfg.micro_batch
     embedding = 2 * s * b * spec.hidden / (cfg.tp if cfg.sp else 1) * min(cfg.pp, cfg.micro_batches(spec) or 1)
     logits = 4 * s * b * spec.vocab / cfg.tp if cfg.pp == 1 else 0.0
@@ -72,13 +80,14 @@ def activation_bytes(spec: TransformerSpec, cfg: ParallelConfig) -> float:
 
 
 def stage_params(spec: TransformerSpec, cfg: ParallelConfig) -> float:
-    """Parameters one GPU holds on the heaviest stage (the first: its layers plus the input embedding; the last
-    stage's output projection is as large), before ZeRO sharding."""
-    layers = spec.layer_params() * spec.layers / cfg.pp
-    embedding = spec.vocab * spec.hidden
+    """Parameters one GPU holds on the heaviest stage (the first holds the input embedding, the last the output
+    projection, as large; the middle ones only layers), before ZeRO sharding."""
     if cfg.pp == 1:
-        embedding = spec.embedding_params()
-    return (layers + embedding) / cfg.tp
+        return (spec.layer_params() * spec.layers + spec.embedding_params()) / cfg.tp
+    stages = cfg.stage_layers(spec)
+    embedding = spec.vocab * spec.hidden
+    heaviest = max(max(stages[0], stages[-1]) * spec.layer_params() + embedding, max(stages) * spec.layer_params())
+    return heaviest / cfg.tp
 
 
 def memory_per_gpu(spec: TransformerSpec, cfg: ParallelConfig) -> MemoryBreakdown:

@@ -33,6 +33,7 @@ class ParallelConfig:
     # 2021 "local" DDP, whose all-reduce runs after the pipeline flush
     tp_overlap: bool = False  # tp collectives hidden behind GEMMs (a cocoweave schedule that overlaps them)
     grad_bytes: int = 2  # bytes per gradient value reduced across dp (4: fp32 main gradients)
+    stages: tuple[int, ...] | None = None  # layers of each pipeline stage as stated; None: `split_layers`'s split
 
     @property
     def gpus(self) -> int:
@@ -42,6 +43,10 @@ class ParallelConfig:
         """Micro-batches each pipeline runs per step (global batch / (dp x micro-batch))."""
         return spec.global_batch // (self.dp * self.micro_batch)
 
+    def stage_layers(self, spec: TransformerSpec) -> tuple[int, ...]:
+        """Layers of each pipeline stage, first to last: the stated split, or `split_layers`'s."""
+        return self.stages if self.stages is not None else split_layers(spec.layers, self.pp)
+
     def problems(self, spec: TransformerSpec, gpus_per_node: int) -> list[str]:
         """Why this layout cannot run `spec` (empty when it can)."""
         out = []
@@ -49,8 +54,16 @@ class ParallelConfig:
             out.append(f"tp {self.tp} exceeds a node's {gpus_per_node} GPUs")
         if spec.heads % self.tp or spec.kv % self.tp and self.tp % spec.kv:
             out.append(f"{spec.heads} heads ({spec.kv} KV heads) do not split over tp {self.tp}")
-        if spec.layers % (self.pp * self.vp):
-            out.append(f"{spec.layers} layers do not split into pp {self.pp} x vp {self.vp} stages")
+        if self.stages is not None and (len(self.stages) != self.pp or sum(self.stages) != spec.layers
+                                        or min(self.stages) < 1):
+            out.append(f"the stated stages {list(self.stages)} are not pp {self.pp} stages of at least one layer "
+                       f"adding up to the {spec.layers} layers")
+        elif spec.layers < self.pp:
+            out.append(f"{spec.layers} layers cannot fill pp {self.pp} stages")
+        elif self.vp > 1 and (spec.layers % (self.pp * self.vp) or self.stages is not None
+                              and len(set(self.stages)) > 1):
+            out.append(f"{spec.layers} layers do not split evenly into pp {self.pp} x vp {self.vp} stages (uneven "
+                       "stages are modelled without interleaving only)")
         if spec.global_batch % (self.dp * self.micro_batch):
             out.append(f"global batch {spec.global_batch} is not a multiple of dp {self.dp} x micro-batch "
                        f"{self.micro_batch}")
@@ -64,7 +77,8 @@ class ParallelConfig:
         return out
 
     def describe(self) -> str:
-        parts = [f"tp{self.tp}", f"pp{self.pp}" + (f"x{self.vp}" if self.vp > 1 else ""), f"dp{self.dp}",
+        split = f"[{','.join(map(str, self.stages))}]" if self.stages is not None else ""
+        parts = [f"tp{self.tp}", f"pp{self.pp}" + (f"x{self.vp}" if self.vp > 1 else "") + split, f"dp{self.dp}",
                  f"mb{self.micro_batch}"]
         if self.zero:
             parts.append("fsdp" if self.zero == 3 else f"zero{self.zero}")
@@ -73,3 +87,15 @@ class ParallelConfig:
         if self.recompute != "none":
             parts.append(f"{self.recompute}-recompute")
         return " ".join(parts)
+
+
+def split_layers(layers: int, pp: int) -> tuple[int, ...]:
+    """Layers per pipeline stage when they do not divide evenly: every stage gets layers // pp, and the rest go to
+    the middle stages first, so the first and last stages, which also run the embedding and the logits, get fewer;
+    then to the last stage (the first holds the most micro-batches in flight). This is the split the Llama 3 paper
+    (Dubey et al. 2024, sec. 3.3.2) describes for 126 layers on 16 stages (7, 8 x 14, 7) and Megatron-DeepSpeed's
+    partitioning gave BLOOM's 70 on 12 (5, 6 x 10, 5)."""
+    base, rest = divmod(layers, pp)
+    order = list(range(1, pp - 1)) + [pp - 1, 0]
+    extra = set(order[:rest])
+    return tuple(base + (i in extra) for i in range(pp))

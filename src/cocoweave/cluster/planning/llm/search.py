@@ -4,6 +4,7 @@ cannot run are skipped with their reason; layouts that do not fit in GPU memory 
 
 from __future__ import annotations
 
+import math
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 
@@ -16,6 +17,7 @@ from cocoweave.errors import PlanningError
 
 MICRO_BATCHES = (1, 2, 4, 8)
 MAX_VIRTUAL = 8
+MAX_GPUS = 2**20  # a sane physical limit: the largest published training runs used ~10^5 GPUs
 
 
 @dataclass(frozen=True)
@@ -39,8 +41,12 @@ class SearchResult:
     smallest_rejection: Evaluated | None  # the rejected layout needing the least memory (to say why nothing fits)
 
 
-def _divisors(n: int) -> list[int]:
-    return [d for d in range(1, n + 1) if n % d == 0]
+def _divisors(n: int, most: int | None = None) -> list[int]:
+    """The divisors of n in increasing order, up to `most` (in O(sqrt n), not O(n): n may be a large GPU count)."""
+    if most is not None:
+        return [d for d in range(1, min(n, most) + 1) if n % d == 0]
+    small = [d for d in range(1, math.isqrt(n) + 1) if n % d == 0]
+    return sorted(set(small) | {n // d for d in small})
 
 
 def layouts(spec: TransformerSpec, gpus: int, gpus_per_node: int, stack: Stack,
@@ -50,8 +56,8 @@ def layouts(spec: TransformerSpec, gpus: int, gpus_per_node: int, stack: Stack,
     tps = [t for t in (1, 2, 4, 8, 16, 32, 64) if t <= gpus_per_node and gpus % t == 0 and spec.heads % t == 0]
     for tp in tps:
         for pp in _divisors(gpus // tp):
-            if spec.layers % pp:
-                continue
+            if spec.layers < pp:
+                continue  # uneven stages are fine (`split_layers`), empty ones are not
             dp = gpus // (tp * pp)
             for mb in MICRO_BATCHES:
                 if spec.global_batch % (dp * mb):
@@ -59,8 +65,9 @@ def layouts(spec: TransformerSpec, gpus: int, gpus_per_node: int, stack: Stack,
                 m = spec.global_batch // (dp * mb)
                 if pp > 1 and m < pp:
                     continue  # 1F1B needs at least pp micro-batches
-                vps = [1] if pp == 1 else [v for v in _divisors(spec.layers // pp) if v <= MAX_VIRTUAL
-                                           and (v == 1 or m % pp == 0)]
+                even = spec.layers % pp == 0  # interleaving needs equal chunks
+                vps = [1] if pp == 1 or not even else [v for v in _divisors(spec.layers // pp, MAX_VIRTUAL)
+                                                       if v == 1 or m % pp == 0]
                 zeros = [z for z in stack.zero_stages if z < 3 or pp == 1]
                 for vp in vps:
                     for zero in zeros if dp > 1 else (0,):
@@ -74,8 +81,8 @@ def layouts(spec: TransformerSpec, gpus: int, gpus_per_node: int, stack: Stack,
 
 def search(spec: TransformerSpec, system: System, gpus: int, stack: Stack, keep: int = 5) -> SearchResult:
     """The fastest layouts `stack` offers for `spec` on `gpus` GPUs of `system` that fit in its memory."""
-    if gpus < 1:
-        raise PlanningError(f"the number of GPUs must be positive, got {gpus}.")
+    if not 1 <= gpus <= MAX_GPUS:
+        raise PlanningError(f"the number of GPUs must be between 1 and {MAX_GPUS:,}, got {gpus}.")
     capacity = system.memory_bytes
     fits, rejected, smallest = [], 0, None
     floors: dict[tuple, float] = {}  # least memory of a (tp, pp, dp, zero): recompute everything, micro-batch 1

@@ -5,7 +5,8 @@ the elementwise work (LayerNorm, dropout, residual, activation, softmax) as pass
 count stores (memory-bound); backward twice the forward; recomputation adds a forward (full) or the attention core
 (selective). Tensor-parallel collectives on the tp group's link, exposed unless a schedule overlaps them. A stage
 runs its layers, sends and receives its boundary activations (1/tp of them with the scatter-gather optimisation),
-and the first and last stages also the embedding and the logits. The 1F1B pipeline takes m x the slowest stage plus
+and the first and last stages also the embedding and the logits; stages may hold unequal layers (`split_layers`
+or a stated split). The 1F1B pipeline takes m x the slowest stage plus
 the bubble (pp - 1) / vp x the mean stage (Narayanan et al. SC'21, sec. 2.2). Data-parallel gradient traffic on the
 dp group's link, overlapped with the last micro-batch's backward where the framework does so; then the optimizer.
 """
@@ -120,17 +121,21 @@ def predict_step(spec: TransformerSpec, cfg: ParallelConfig, system: System) -> 
     layer_tp = tp_comm_layer_s(spec, cfg, system)
     if cfg.tp_overlap:
         layer_tp = max(0.0, layer_tp - 3 * mats)
-    per_stage_layers = spec.layers / cfg.pp
-    body = per_stage_layers * (layer_compute + layer_tp)
+    layers = cfg.stage_layers(spec)
+    per_layer = layer_compute + layer_tp
     p2p = p2p_micro_s(spec, cfg, system)
     hbm = system.hbm_bytes_s
     logits = 3 * gemm(b * s, spec.vocab / t, h) + 3 * 4 * b * s * spec.vocab / t * 2 / hbm
     embedding = 3 * b * s * h * spec.bytes_per_value / hbm
     if cfg.pp == 1:
-        stages = [body + logits + embedding]
+        stages = [spec.layers * per_layer + logits + embedding]
     else:
-        stages = [body + embedding + p2p, body + logits + p2p] + [body + p2p] * (cfg.pp - 2)
-    slowest, mean = max(stages), sum(stages) / len(stages)
+        stages = [n * per_layer + p2p for n in layers]
+        stages[0] += embedding
+        stages[-1] += logits
+    slowest_at = max(range(len(stages)), key=stages.__getitem__)
+    slowest, mean = stages[slowest_at], sum(stages) / len(stages)
+    busiest_layers = layers[slowest_at]  # the layers of the stage that sets the pace
     bubble = (cfg.pp - 1) / cfg.vp * mean
     pipeline = m * slowest + bubble
 
@@ -140,14 +145,14 @@ def predict_step(spec: TransformerSpec, cfg: ParallelConfig, system: System) -> 
     if cfg.zero == 0:
         dp_time, algo = priced("all_reduce", grads, cfg.dp, dp_link)
         last = collective_s("all_reduce", min(grads, BUCKET_BYTES), cfg.dp, dp_link)
-        window = per_stage_layers * 2 * fwd
+        window = busiest_layers * 2 * fwd
     elif cfg.zero in (1, 2):
         weights = params * spec.bytes_per_value
         dp_time = collective_s("reduce_scatter", grads, cfg.dp, dp_link) + \
             collective_s("all_gather", weights, cfg.dp, dp_link)
         algo = "ring"
         last = collective_s("reduce_scatter", min(grads, BUCKET_BYTES), cfg.dp, dp_link)
-        window = per_stage_layers * 2 * fwd
+        window = busiest_layers * 2 * fwd
     else:  # FSDP: parameters gathered for forward, again for backward (and recomputation), gradients scattered
         weights = params * spec.bytes_per_value
         gathers = 2 + (1 if cfg.recompute == "full" else 0)
@@ -167,6 +172,6 @@ def predict_step(spec: TransformerSpec, cfg: ParallelConfig, system: System) -> 
     notes = (f"dp traffic on {dp_link.name if dp_link else 'no link'} ({algo})",)
     return StepBreakdown(
         total_s=total, pipeline_s=pipeline, bubble_s=bubble,
-        compute_s=m * per_stage_layers * layer_compute, tp_comm_s=m * per_stage_layers * layer_tp,
+        compute_s=m * busiest_layers * layer_compute, tp_comm_s=m * busiest_layers * layer_tp,
         pp_comm_s=m * p2p, dp_comm_s=dp_time if cfg.dp > 1 else 0.0, dp_exposed_s=exposed,
         optimizer_s=optimizer, mfu=mfu, memory=memory_per_gpu(spec, cfg), notes=notes)
