@@ -85,7 +85,11 @@ def test_a_profile_without_parameter_servers_is_billed_none(tmp_path):
 
 
 def test_a_billion_layers_or_gpus_are_refused_in_one_sentence_not_searched(tmp_path, returns_within):
-    """#50 item 4: these inputs ran the search for minutes; now refused at once, naming the field and its limit."""
+    """#50 item 4: these inputs ran the search for minutes; now refused at once, naming the field and its limit.
+    The modules `plan --llm` imports lazily are imported first, so the bound is on the call, not on cold imports."""
+    import cocoweave.cluster.planning.checkpoint_model  # noqa: F401
+    import cocoweave.cluster.planning.llm.plan  # noqa: F401
+
     spec = tmp_path / "m.yaml"
     spec.write_text(SPEC.replace("layers: 4", "layers: 1000000000"))
     result = returns_within(lambda: runner.invoke(app, ["plan", "--llm", str(spec), "--tokens", "1e10", "--budget",
