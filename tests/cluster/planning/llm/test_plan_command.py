@@ -84,7 +84,7 @@ def test_a_profile_without_parameter_servers_is_billed_none(tmp_path):
                                                                               else 34.41))
 
 
-def test_a_billion_layers_or_gpus_are_refused_in_one_sentence_not_searched(tmp_path, returns_within):
+def test_a_billion_layers_are_refused_in_one_sentence_not_searched(tmp_path, returns_within):
     """#50 item 4: these inputs ran the search for minutes; now refused at once, naming the field and its limit.
     The modules `plan --llm` imports lazily are imported first, so the bound is on the call, not on cold imports."""
     import cocoweave.cluster.planning.checkpoint_model  # noqa: F401
@@ -95,7 +95,3 @@ def test_a_billion_layers_or_gpus_are_refused_in_one_sentence_not_searched(tmp_p
     result = returns_within(lambda: runner.invoke(app, ["plan", "--llm", str(spec), "--tokens", "1e10", "--budget",
                                                         "100", "--catalog", str(_small_catalog(tmp_path))]))
     assert result.exit_code == 2 and "'layers'" in result.output and "10000" in result.output
-    spec.write_text(SPEC)
-    result = returns_within(lambda: runner.invoke(app, ["plan", "--llm", str(spec), "--tokens", "1e10", "--budget",
-                                                        "100", "--max-gpus", "1000000000"]))
-    assert result.exit_code == 2 and "--max-gpus" in result.output and "1,048,576" in result.output
