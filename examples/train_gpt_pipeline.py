@@ -68,6 +68,8 @@ class Head(nn.Module):
 
 def check_layout(cfg: Config, pp: int, microbatches: int, schedule: str) -> int:
     """The data-parallel size of this layout, or CocoweaveError saying what cannot run."""
+    if microbatches < 1:
+        raise CocoweaveError(f"--microbatches must be at least 1, got {microbatches}")
     dp = mesh_shape(cfg.world_size, cfg.tensor_parallel, pp)[0]
     if cfg.heads % cfg.tensor_parallel:
         raise CocoweaveError(f"{cfg.heads} attention heads cannot be split over --tensor-parallel "

@@ -5,13 +5,15 @@ from __future__ import annotations
 
 import importlib.util
 import os
+import py_compile
 import stat
+import sys
 import warnings
 
 import pytest
 import torch
 
-from cocoweave import codecache
+from cocoweave import codecache, statedir
 from cocoweave.backends.torch.executable import Executable
 from cocoweave.loader import load_example
 from cocoweave.plan import lower
@@ -27,6 +29,53 @@ def unwritable(tmp_path, monkeypatch):
     monkeypatch.setenv(codecache.CACHE_ENV, str(blocker))
     monkeypatch.setattr(codecache, "_WARNED", set())
     return blocker
+
+
+def _plant(plans, key: str, marker) -> None:
+    """What a hostile user who may write into `plans` plants: KEY.py as cocoweave would write it, and beside it an
+    unchecked-hash .pyc (Python runs it without looking at the source) that writes `marker`."""
+    bad = plans / "bad.py"
+    bad.write_text(f"open({str(marker)!r}, 'w').write('planted code ran')\n")
+    pyc = plans / "__pycache__" / f"{key}.{sys.implementation.cache_tag}.pyc"
+    py_compile.compile(str(bad), cfile=str(pyc), invalidation_mode=py_compile.PycInvalidationMode.UNCHECKED_HASH)
+    bad.unlink()
+
+
+@pytest.mark.parametrize("how", ["world-writable", "group-writable", "another user's"])
+def test_a_cache_others_may_write_into_is_not_used_and_planted_code_never_runs(tmp_path, monkeypatch, how):
+    from cocoweave.loader import import_module_file  # how generated kernels are imported (kernels/codegen.py)
+
+    shared, marker = tmp_path / "shared", tmp_path / "marker"
+    plans = shared / "plans"
+    (plans / "__pycache__").mkdir(parents=True)
+    source, key = "x = 1\n", f"kern{abs(hash(how))}"
+    (plans / f"{key}.py").write_text(source)
+    _plant(plans, key, marker)
+    for folder in (shared, plans, plans / "__pycache__"):
+        folder.chmod({"world-writable": 0o777, "group-writable": 0o770, "another user's": 0o700}[how])
+    if how == "another user's":
+        monkeypatch.setattr(statedir.os, "geteuid", lambda: os.stat(shared).st_uid + 1)
+    monkeypatch.setenv(codecache.CACHE_ENV, str(shared))
+    monkeypatch.setattr(codecache, "_WARNED", set())
+    why = {"world-writable": r"is writable by every user \(mode 777\)", "group-writable": r"is writable by its "
+           r"group \(mode 770\)", "another user's": r"belongs to another user \(uid \d+, you are \d+\)"}[how]
+    with pytest.warns(codecache.CacheWarning, match=f"the code cache {plans} cannot be written \\(the code cache "
+                                                    f"folder {shared} {why}: point \\$COCOWEAVE_CACHE at a folder"):
+        path = codecache.source_file(source, key)
+    assert not str(path).startswith(str(shared))  # a private temporary folder instead
+    module = import_module_file(f"cocoweave_test_planted_{key}", str(path))
+    assert module.x == 1 and not marker.exists()
+
+
+def test_a_new_cache_is_made_private(tmp_path, monkeypatch):
+    monkeypatch.setenv(codecache.CACHE_ENV, str(tmp_path / "new" / "cache"))
+    old = os.umask(0o002)  # a umask that would leave new folders group-writable
+    try:
+        path = codecache.write_source("x = 1\n", "k")
+    finally:
+        os.umask(old)
+    assert path == tmp_path / "new" / "cache" / "plans" / "k.py"
+    assert {stat.S_IMODE(os.stat(p).st_mode) for p in (path.parent, path.parent.parent)} == {0o700}
 
 
 def test_source_is_cached_once_and_reused(tmp_path, monkeypatch):

@@ -8,6 +8,12 @@ that cannot be written costs one warning per folder and process, never a run. Tr
 from its file, so kernels fall back to a private temporary folder (removed when the process exits).
 Writing a new file prunes the folder to the newest `max_files()` files and `max_bytes()` bytes (a cache hit
 touches its file, so what is in use stays newest).
+
+The cache holds code that runs, so it is trusted as the state folder is (`statedir.check_private_folder`): its
+folder, `plans/` and `plans/__pycache__` must be real folders of this user that neither other users nor the group
+may write into (cocoweave makes them mode 0700). A cache that fails this is not used at all, with one warning
+naming why: step code runs from memory and kernels from a private temporary folder, so nothing planted there (a
+module, an unchecked `.pyc`) is ever imported.
 """
 
 from __future__ import annotations
@@ -22,6 +28,8 @@ from pathlib import Path
 
 from . import settings
 from .atomic import write_text
+from .errors import CocoweaveError
+from .statedir import check_private_folder
 
 log = logging.getLogger(__name__)
 
@@ -59,11 +67,12 @@ def max_bytes() -> int:
     return int(settings.CACHE_MAX_MB.get() * 1e6)
 
 
-def _warn_once(folder: Path, exc: OSError) -> None:
+def _warn_once(folder: Path, exc: OSError | CocoweaveError) -> None:
     log.debug("the code cache %s cannot be written: %s", folder, exc)
     if str(folder) not in _WARNED:
         _WARNED.add(str(folder))
-        warnings.warn(f"the code cache {folder} cannot be written ({exc.strerror or exc}); generated code runs "
+        why = exc.strerror if isinstance(exc, OSError) and exc.strerror else exc
+        warnings.warn(f"the code cache {folder} cannot be written ({why}); generated code runs "
                       f"from memory (set {CACHE_ENV} to a writable folder to keep it)", CacheWarning, stacklevel=3)
 
 
@@ -86,13 +95,27 @@ def _write(folder: Path, source: str, key: str) -> Path:
     return path
 
 
+def trusted_cache_dir() -> Path:
+    """cache_dir(), made (mode 0700) if absent and checked: it, its parent and its `__pycache__` must be real
+    folders of this user that neither other users nor the group may write into. Raises CocoweaveError naming
+    the folder and what is wrong, or OSError when it cannot be made."""
+    folder = cache_dir()
+    how = f"point ${CACHE_ENV} at a folder of your own that only you may write into (chmod 700)"
+    folder.parent.parent.mkdir(parents=True, exist_ok=True)
+    for part in (folder.parent, folder):
+        part.mkdir(mode=0o700, exist_ok=True)
+    for part in (folder.parent, folder, folder / "__pycache__"):  # checked once they exist: no window between
+        check_private_folder(part, "the code cache folder", how, group_may_write=False)
+    return folder
+
+
 def write_source(source: str, key: str) -> Path | None:
     """Cache `source` as cache_dir()/KEY.py and return its path; None (with one warning) when the cache
-    cannot be written."""
+    cannot be written or is not trusted (see `trusted_cache_dir`)."""
     folder = cache_dir()
     try:
-        return _write(folder, source, key)
-    except OSError as exc:
+        return _write(trusted_cache_dir(), source, key)
+    except (OSError, CocoweaveError) as exc:
         _warn_once(folder, exc)
         return None
 

@@ -37,6 +37,7 @@ def test_a_resumed_pipeline_run_trains_the_one_process_curve(example, world4, tm
 @pytest.mark.parametrize("args,said", [
     (["--pipeline-parallel", "3"], "does not divide the world size 4"),
     (["--microbatches", "3"], "cannot be split into 1 data-parallel replicas of --microbatches 3"),
+    (["--microbatches", "0"], "--microbatches must be at least 1, got 0"),
     (["--layers", "1"], "--layers 1 cannot be cut into --pipeline-parallel 2 stages"),
 ])
 def test_a_layout_it_cannot_run_is_one_sentence_and_exit_code_2(example, capsys, args, said):

@@ -178,11 +178,17 @@ def missing_case(rank: int, world_size: int) -> list[str]:
         with pytest.raises(ParallelConfigError) as e:
             pipe.step(*args)
         said.append(str(e.value))
+    x, y = batch(4)
+    with pytest.raises(ParallelConfigError) as e:
+        pipe.step(x[:0], y[:0])
+    said.append(str(e.value))
     return said
 
 
 def test_a_step_without_its_batch_is_one_sentence(world4) -> None:
     for rank, said in enumerate(world4.run(missing_case)):
+        assert said[2] == "Pipeline.step got an empty batch (shape (0, 8)): it needs at least 2 samples, one per " \
+                          "micro-batch"
         assert "needs the batch's inputs, targets or positions" in said[0]
         assert said[1].endswith("the first stage and needs the batch's inputs" if rank < 2 else
                                 "the last stage and needs the batch's targets")

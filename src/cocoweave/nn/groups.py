@@ -4,12 +4,18 @@
     mesh = parallel_mesh(tensor_parallel=2, pipeline_parallel=2)   # world 8: dims ("dp", "pp", "tp") = (2, 2, 2)
     tp, pp, dp = (mesh.get_group(d) for d in ("tp", "pp", "dp"))   # rank r = (dp * pp_size + pp) * tp_size + tp
     tp_group, dp_group = parallel_groups(tensor_parallel=2)        # world 4: tp {0,1} {2,3}, dp {0,2} {1,3}
+
+Every group made here carries the job's timeout (`init_from_env(timeout_s=...)`, `init_process_group(timeout=...)`,
+read back from the default group), not torch's default of 30 minutes for new groups: a rank that stops answering
+makes the others give up in about that time.
 """
 
 from __future__ import annotations
 
+from datetime import timedelta
 from typing import Any
 
+import torch
 import torch.distributed as dist
 from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
 
@@ -21,11 +27,33 @@ _CACHE: dict[tuple[int, ...], Any] = {}
 _MESHES: dict[tuple[Any, ...], DeviceMesh] = {}
 
 
+def job_timeout() -> timedelta | None:
+    """The default process group's timeout (what the job was started with), or None when torch does not say."""
+    world = dist.group.WORLD
+    for device in [torch.device("cpu"), *getattr(world, "_device_types", [])]:
+        try:
+            timeout = world._get_backend(device).options._timeout
+        except (AttributeError, RuntimeError, ValueError):
+            continue
+        if isinstance(timeout, timedelta):
+            return timeout
+    return None
+
+
+def inherit_timeout(group: Any) -> Any:
+    """`group`, its timeout set to the job's (`job_timeout`); the default group and None are left as they are."""
+    timeout = job_timeout()
+    if group is not None and group is not dist.group.WORLD and timeout is not None:
+        group.set_timeout(timeout)
+    return group
+
+
 def new_group(ranks: list[int]) -> Any:
-    """A process group of `ranks`, created once per process (every rank must ask for the same groups in order)."""
+    """A process group of `ranks` with the job's timeout, created once per process (every rank must ask for the
+    same groups in order)."""
     key = tuple(ranks)
     if key not in _CACHE:
-        _CACHE[key] = dist.new_group(list(ranks))
+        _CACHE[key] = dist.new_group(list(ranks), timeout=job_timeout())
     return _CACHE[key]
 
 
@@ -60,7 +88,10 @@ def parallel_mesh(tensor_parallel: int = 1, pipeline_parallel: int = 1, device_t
         device_type = "cuda" if "nccl" in str(dist.get_backend()).lower() else "cpu"
     key = (id(dist.group.WORLD), shape, device_type)  # a new default group (a restarted world) gets new meshes
     if key not in _MESHES:
-        _MESHES[key] = init_device_mesh(device_type, shape, mesh_dim_names=MESH_DIMS)
+        mesh = init_device_mesh(device_type, shape, mesh_dim_names=MESH_DIMS)
+        for dim in MESH_DIMS:
+            inherit_timeout(mesh.get_group(dim))
+        _MESHES[key] = mesh
     return _MESHES[key]
 
 

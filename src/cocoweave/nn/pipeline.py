@@ -272,7 +272,10 @@ class Pipeline:
         if given is None:
             raise ParallelConfigError("Pipeline.step needs the batch's inputs, targets or positions on every rank "
                                       "(they say how many samples the micro-batches split)")
-        batch = given.shape[0]
+        batch = given.shape[0] if given.dim() else 0
+        if batch < 1:
+            raise ParallelConfigError(f"Pipeline.step got an empty batch (shape {tuple(given.shape)}): it needs at "
+                                      f"least {self.microbatches} samples, one per micro-batch")
         if batch % self.microbatches:
             raise ParallelConfigError(f"a batch of {batch} samples cannot be split into {self.microbatches} "
                                       "equal micro-batches")
