@@ -174,9 +174,15 @@ def maybe_fault(rank: int, stage: int, label: str) -> None:
     raise InjectedFault(f"injected fault on rank {rank} at {at}")
 
 
-if settings.FAULT.text():  # faults asked for in the environment announce themselves on stderr
-    log_to_stderr(logging.WARNING, __name__)
-try:
-    configure(settings.FAULT.text())
-except CocoweaveError as _exc:  # never fail an import; say why the fault is not armed
-    log.warning("fault not armed: %s", _exc)
+def configure_from_env() -> None:
+    """Arm the fault COCOWEAVE_FAULT asks for now (at import, and in a rank once it has its starter's environment);
+    a malformed one is logged and not armed: never fail an import or a rank's start."""
+    if settings.FAULT.text():  # faults asked for in the environment announce themselves on stderr
+        log_to_stderr(logging.WARNING, __name__)
+    try:
+        configure(settings.FAULT.text())
+    except CocoweaveError as exc:
+        log.warning("fault not armed: %s", exc)
+
+
+configure_from_env()

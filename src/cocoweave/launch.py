@@ -1,6 +1,6 @@
 """Process runtime: a local world of live worker ranks over torch.distributed, and torchrun entry points.
 
-    with LocalWorld(4) as world:                      # 4 spawned ranks, Gloo on 127.0.0.1, kept alive
+    with LocalWorld(4) as world:                      # 4 rank processes, Gloo on 127.0.0.1, kept alive
         sums = world.run(step, tensor)                # step(rank, world_size, tensor) on every rank
 
 Timeouts: `timeout_s` is how long a rank may wait for the others: the process group's timeout (every
@@ -316,13 +316,47 @@ def _send(conn: Connection, msg: Any) -> None:
     conn.send_bytes(pickle.dumps(msg, protocol=pickle.HIGHEST_PROTOCOL))
 
 
+# What a rank imports before it can join a group: ranks fork from a server that imported it once per process,
+# instead of each spawned rank importing torch again (seconds per rank, minutes on a loaded host).
+_PRELOAD = ["torch", "torch.distributed", "cocoweave.launch"]
+
+
+_SERVER_READY: list[bool] = []
+
+
+def _rank_context(wait_s: float) -> Any:
+    """The multiprocessing context ranks start in: a fork server with torch preloaded where the platform has one
+    (Linux, macOS), else spawn. Both start ranks from a clean process: no thread, lock or CUDA state of the caller's.
+    The first call waits (up to `wait_s`) for the server's imports, so they do not count against a world's start."""
+    if "forkserver" not in mp.get_all_start_methods() or settings.SPAWN_RANKS.get():
+        return mp.get_context("spawn")
+    ctx = mp.get_context("forkserver")
+    if not _SERVER_READY:
+        ctx.set_forkserver_preload(_PRELOAD)
+        probe = ctx.Process(target=os.getpid, name="cocoweave-fork-server-probe", daemon=True)
+        probe.start()
+        probe.join(wait_s)
+        _SERVER_READY.append(probe.exitcode == 0)
+    return ctx
+
+
 def _worker_main(rank: int, world_size: int, port: int, backend: str, device: str, timeout_s: float,
-                 start_timeout_s: float, threads: int, conn: Connection, progress: Any = None) -> None:
+                 start_timeout_s: float, threads: int, conn: Connection, progress: Any = None,
+                 env: dict[str, str] | None = None, cwd: str | None = None) -> None:
     """Body of one rank process: join the group, then run what the parent sends until told to stop."""
     signal.signal(signal.SIGINT, signal.SIG_IGN)  # the parent owns Ctrl-C and tears the world down
-    parent = mp.parent_process()
-    # the rank ends with the thread that started the world, however it ends (SIGKILL, SIGTERM): no orphan
-    die_with_parent(signal.SIGKILL, parent.pid if parent is not None else None)
+    # The rank ends with the process that started it, however that ends (SIGKILL, SIGTERM): no orphan. Forked from
+    # the fork server, its OS parent is the server, which exits as soon as the starting process is gone.
+    die_with_parent(signal.SIGKILL, os.getppid())
+    if env is not None and env != os.environ:  # the starter's environment now, not the fork server's at its start
+        os.environ.clear()
+        os.environ.update(env)
+        faults.configure_from_env()
+    if cwd is not None:
+        try:
+            os.chdir(cwd)
+        except OSError:
+            pass
     try:
         torch.set_num_threads(threads)
         dev = torch.device(device)
@@ -422,7 +456,9 @@ def _raise(message: str, **attrs: Any) -> NoReturn:
 
 class LocalWorld:
     """`world_size` live rank processes on this machine in one process group; `run` sends them work. The ranks end
-    with the thread that made the world, however it ends (a parent-death signal, cocoweave.lifetime)."""
+    with the process that made the world, however it ends (a parent-death signal, cocoweave.lifetime). They fork from
+    a server that imported torch once (COCOWEAVE_SPAWN_RANKS=1: spawned, each importing it), with the starter's
+    environment and folder at the time of the start."""
 
     def __init__(self, world_size: int, backend: str = "gloo", device: str = "cpu", timeout_s: float = 60.0,
                  threads_per_rank: int | None = None, start_timeout_s: float | None = None,
@@ -471,7 +507,7 @@ class LocalWorld:
     # -- lifecycle -------------------------------------------------------------------------------------------
 
     def _start(self) -> None:
-        ctx = mp.get_context("spawn")
+        ctx = _rank_context(self.start_timeout_s)
         procs: list[Any] = []
         conns: list[Connection] = []
         self._procs, self._conns = procs, conns
@@ -489,7 +525,7 @@ class LocalWorld:
                 p = ctx.Process(target=_worker_main, name=f"cocoweave-rank-{rank}", daemon=False,
                                 args=(rank, self.world_size, self._store.port, self.backend, self.device,
                                       self.timeout_s, self.start_timeout_s, self.threads_per_rank, child_end,
-                                      self._progress[rank]))
+                                      self._progress[rank], dict(os.environ), os.getcwd()))
                 try:
                     p.start()
                 finally:

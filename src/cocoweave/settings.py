@@ -202,6 +202,9 @@ DEBUG = Flag(
 MAX_LOCAL_RANKS = Whole(
     "COCOWEAVE_MAX_LOCAL_RANKS", "the most ranks a LocalWorld may start on this machine", "cocoweave.launch",
     default_text="4 per core, at least 16", minimum=1)
+SPAWN_RANKS = Flag(
+    "COCOWEAVE_SPAWN_RANKS", "start a LocalWorld's ranks with spawn (each imports torch itself) instead of forking "
+    "them from a server that imported torch once", "cocoweave.launch")
 TORCHRUN_REPEATS = Whole(
     "COCOWEAVE_TORCHRUN_REPEATS", "how many times the test suite repeats its torchrun test "
     "(scripts/torchrun_repeat.sh sets 50)", "tests/cli/test_torchrun.py", default=3, minimum=1)
