@@ -223,9 +223,13 @@ def test_trace_of_a_world_has_one_track_per_rank_and_stream(world4, tmp_path):
 
 
 @pytest.fixture(scope="module")
-def fragile():
-    """A world of 2 ranks with a 3 s timeout that tests may break (each test restarts it if needed)."""
-    world = LocalWorld(2, timeout_s=3)
+def fragile(time_scale):
+    """A world of 2 ranks with a 3 s timeout (times the machine's slowness, conftest.time_scale) that tests may
+    break (each test restarts it if needed). `fragile.scale` is that factor: the tests' time bounds use it."""
+    scale = max(1, round(time_scale))
+    world = LocalWorld(2, timeout_s=3 * scale)
+    world.scale = scale
+    world.run(_pid)  # the ranks import this module now, not inside a timed call
     yield world
     world.close()
 
@@ -233,11 +237,12 @@ def fragile():
 def _ensure_live(world: LocalWorld) -> None:
     if world.broken:
         world.restart()
+        world.run(_pid)
 
 
 def test_a_sleep_within_the_timeout_is_fine(fragile):
     _ensure_live(fragile)
-    assert fragile.call(_sleep_on_1, (0.2,), timeout_s=2.0) == [0, 1]
+    assert fragile.call(_sleep_on_1, (0.2,), timeout_s=2.0 * fragile.scale) == [0, 1]
 
 
 def test_dead_rank_is_named_quickly_and_restart_works(fragile):
@@ -245,13 +250,13 @@ def test_dead_rank_is_named_quickly_and_restart_works(fragile):
     t0 = time.monotonic()
     with pytest.raises(BackendError, match=r"^rank 1 exited with code 3 during run of `_exit_on_1`$") as info:
         fragile.run(_exit_on_1)
-    assert time.monotonic() - t0 < 2.0
+    assert time.monotonic() - t0 < 2.0 * fragile.scale
     assert info.value.ranks == [1] and info.value.exit_codes == {1: 3}
     assert fragile.broken
     t0 = time.monotonic()
     with pytest.raises(BackendError, match="unusable because rank 1 exited with code 3; call restart"):
         fragile.run(_all_reduce)
-    assert time.monotonic() - t0 < 0.1
+    assert time.monotonic() - t0 < 0.1 * fragile.scale
     fragile.restart()
     assert fragile.broken is None
     assert [t.tolist() for t in fragile.run(_all_reduce)] == [[3.0] * 3] * 2
@@ -268,10 +273,11 @@ def test_a_rank_that_exits_0_without_a_result_is_a_failure(fragile):
 def test_hung_rank_is_named_within_the_timeout(fragile):
     _ensure_live(fragile)
     t0 = time.monotonic()
-    with pytest.raises(BackendError, match=r"^rank 1 did not finish `_sleep_on_1` within 3 s$"):
-        fragile.run(_sleep_on_1, 60.0)
+    timeout = fragile.timeout_s
+    with pytest.raises(BackendError, match=rf"^rank 1 did not finish `_sleep_on_1` within {timeout:g} s$"):
+        fragile.run(_sleep_on_1, 20.0 * timeout)
     elapsed = time.monotonic() - t0
-    assert 3.0 <= elapsed < 4.5
+    assert timeout <= elapsed < timeout + 1.5 * fragile.scale
     assert fragile.broken
     with pytest.raises(BackendError, match="unusable"):
         fragile.run(_all_reduce)
@@ -282,13 +288,13 @@ def test_raise_before_a_collective_tears_down_the_stuck_ranks(fragile):
     t0 = time.monotonic()
     with pytest.raises(BackendError, match=r"^rank 1 failed: KeyError: 'missing'; rank 0 did not finish"):
         fragile.run(_raise_then_collective)
-    assert time.monotonic() - t0 < 3.0
+    assert time.monotonic() - t0 < fragile.timeout_s
     assert fragile.broken
 
 
 def test_a_run_longer_than_the_timeout_is_fine_when_no_rank_waits_that_long(fragile):
     _ensure_live(fragile)  # timeout 3 s: each rank waits at most that long for the others
-    results = fragile.run(_sleep_then_all_reduce, 4.0)
+    results = fragile.run(_sleep_then_all_reduce, 4.0 / 3.0 * fragile.timeout_s)
     assert [t.tolist() for t in results] == [[3.0] * 3] * 2
 
 
@@ -298,7 +304,7 @@ def test_the_wall_timeout_caps_a_whole_call(fragile):
     with pytest.raises(BackendError, match=r"^ranks 0, 1 did not finish `_sleep_then_all_reduce` within the wall "
                                            r"timeout of 1 s$"):
         fragile.call(_sleep_then_all_reduce, (30.0,), wall_timeout_s=1.0)
-    assert time.monotonic() - t0 < 5.0 and fragile.broken  # 1 s, then the teardown
+    assert time.monotonic() - t0 < 1.0 + 4.0 * fragile.scale and fragile.broken  # 1 s, then the teardown
 
 
 def test_a_stopped_rank_is_named_as_the_one_that_stopped_answering(fragile):
@@ -312,7 +318,8 @@ def test_a_stopped_rank_is_named_as_the_one_that_stopped_answering(fragile):
                           "stopped by a signal); rank 0 gave up waiting: "), msg
     assert "stage" not in msg and "Timed out" in msg  # rank 1 never entered a stage of this call
     assert info.value.ranks == [1, 0] and fragile.broken
-    assert time.monotonic() - t0 < 3.0 + 2.0 + 5.0  # Gloo's 3 s wait, the error grace, teardown (loaded CPUs)
+    # Gloo's 3 s wait, the error grace, teardown (loaded CPUs)
+    assert time.monotonic() - t0 < fragile.timeout_s + (2.0 + 5.0) * fragile.scale
 
 
 def test_communication_failures_break_the_world():
@@ -367,11 +374,14 @@ def test_every_listening_socket_of_a_world_is_on_loopback():
     assert ranks and all(a in LOOPBACK for a in ranks), ranks  # Gloo's pairs
 
 
-def test_a_failure_to_start_a_rank_stops_the_ones_already_started(monkeypatch):
+def test_a_failure_to_start_a_rank_stops_the_ones_already_started(monkeypatch, time_scale):
     import multiprocessing.context as mp_context
 
+    from cocoweave import launch
+
     started = []
-    original = mp_context.SpawnProcess.start
+    kind = type(launch._rank_context(120.0).Process())  # the fork server is up before the count starts
+    original = kind.start
 
     def start(self):
         if len(started) == 2:
@@ -379,13 +389,14 @@ def test_a_failure_to_start_a_rank_stops_the_ones_already_started(monkeypatch):
         original(self)
         started.append(self)
 
-    monkeypatch.setattr(mp_context.SpawnProcess, "start", start)
+    assert kind in (mp_context.SpawnProcess, getattr(mp_context, "ForkServerProcess", None))
+    monkeypatch.setattr(kind, "start", start)
     t0 = time.monotonic()
     with pytest.raises(BackendError, match=r"^could not start rank 2 of a local world of 3: BlockingIOError: "
                                            r"\[Errno 11\] Resource temporarily unavailable; the 2 ranks already "
                                            r"started were stopped$") as info:
         LocalWorld(3)
-    assert time.monotonic() - t0 < 10 and info.value.ranks == [2]
+    assert time.monotonic() - t0 < 10 * time_scale and info.value.ranks == [2]
     assert len(started) == 2 and all(p._closed for p in started)  # killed, joined and closed
 
 
@@ -409,7 +420,7 @@ _SCRIPT = textwrap.dedent("""
 """)
 
 
-def test_init_from_env_under_torchrun_style_env(tmp_path):
+def test_init_from_env_under_torchrun_style_env(tmp_path, time_scale):
     script = tmp_path / "rank.py"
     script.write_text(_SCRIPT)
     with socket.socket() as s:
@@ -423,7 +434,7 @@ def test_init_from_env_under_torchrun_style_env(tmp_path):
         procs.append(subprocess.Popen([sys.executable, str(script)], env=env, stdout=subprocess.PIPE,
                                       stderr=subprocess.STDOUT, text=True))
     try:
-        outputs = [p.communicate(timeout=60)[0] for p in procs]
+        outputs = [p.communicate(timeout=60 * time_scale)[0] for p in procs]
     finally:
         for p in procs:
             p.kill()

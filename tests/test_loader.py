@@ -93,21 +93,40 @@ def test_import_module_file_loads_once_by_name_and_cleans_up_a_failure(tmp_path)
         import_module_file("cocoweave_test_no_such_module", None)
 
 
+def test_a_module_planted_under_the_same_name_on_sys_path_is_never_run(tmp_path, monkeypatch):
+    import sys
+
+    from cocoweave.loader import import_module_file
+
+    planted = tmp_path / "planted"
+    planted.mkdir()
+    marker = tmp_path / "ran"
+    (planted / "cocoweave_test_kernel_name.py").write_text(f"open({str(marker)!r}, 'w').close()\nVALUE = 0\n")
+    monkeypatch.syspath_prepend(str(planted))
+    real = write(tmp_path, "VALUE = 7\n", "kernel.py")
+    try:
+        assert import_module_file("cocoweave_test_kernel_name", real).VALUE == 7
+    finally:
+        sys.modules.pop("cocoweave_test_kernel_name", None)
+    assert not marker.exists()
+
+
 @pytest.mark.parametrize("text, func, pattern", [
     ("import os\n\ndef f():\n    os._exit(0)\n", "f", r"prog.py:4: the program called os._exit\(0\); a program file "
                                                     r"must return a Program, not end the process"),
     ("from os import _exit\n_exit(3)\n", "f", r"prog.py:2: the program called os._exit\(3\)"),
-    ("def f():\n    while True:\n        pass\n", "f", r"prog.py:[23]: still running after 0.5 s of loading"),
+    ("def f():\n    while True:\n        pass\n", "f", r"prog.py:[23]: still running after [0-9.]+ s of loading"),
     ("import time\ntry:\n    time.sleep(60)\nexcept Exception:\n    pass\n", "f", r"prog.py:3: still running after"),
 ])
-def test_a_program_that_ends_the_process_or_never_returns_is_stopped(tmp_path, text, func, pattern):
+def test_a_program_that_ends_the_process_or_never_returns_is_stopped(tmp_path, text, func, pattern, time_scale):
     import os
     import time
 
     path = write(tmp_path, text)
     t0 = time.monotonic()
     with pytest.raises(LoadError, match=pattern):
-        load_program(f"{path}:{func}", timeout_s=0.5)
-    assert time.monotonic() - t0 < 5
+        load_program(f"{path}:{func}", timeout_s=0.5 * time_scale)
+    assert time.monotonic() - t0 < 5 * time_scale
     assert os._exit.__module__ in ("posix", "nt")  # the real os._exit is back
-    assert load_program(f"{write(tmp_path, GOOD, 'good.py')}:prog", {"N": 2}, timeout_s=0.5).name == "good"
+    good = write(tmp_path, GOOD, "good.py")
+    assert load_program(f"{good}:prog", {"N": 2}, timeout_s=0.5 * time_scale).name == "good"

@@ -77,14 +77,16 @@ def import_module_file(name: str, path: str | None) -> ModuleType:
     module = sys.modules.get(name)
     if module is not None:
         return module
+    if not path:
+        return importlib.import_module(name)
+    # Imported by name only when the name finds this very file: a module of that name planted earlier on sys.path
+    # is never executed (find_spec locates it without running it).
     try:
-        module = importlib.import_module(name)
-        found = getattr(module, "__file__", None) or path
-        if not path or os.path.realpath(found) == os.path.realpath(path):
-            return module
-    except ImportError:
-        if not path:
-            raise
+        found = importlib.util.find_spec(name)
+    except (ImportError, ValueError):
+        found = None
+    if found is not None and found.origin and os.path.realpath(found.origin) == os.path.realpath(path):
+        return importlib.import_module(name)
     file_spec = importlib.util.spec_from_file_location(name, path)  # type: ignore[arg-type]
     if file_spec is None or file_spec.loader is None:
         raise ImportError(f"cannot load {path}")
