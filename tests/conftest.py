@@ -24,8 +24,9 @@ if TYPE_CHECKING:
 
 
 @pytest.fixture(scope="session")
-def local_world() -> Iterator[Callable[[int], LocalWorld]]:
-    """`local_world(n)`: LocalWorld of n CPU ranks (started when first used, restarted if broken)."""
+def local_world(time_scale: float) -> Iterator[Callable[[int], LocalWorld]]:
+    """`local_world(n)`: LocalWorld of n CPU ranks (started when first used, restarted if broken), whose ranks wait
+    for each other 60 s times the machine's slowness (a first compile of a fused stage can take that long)."""
     from cocoweave.launch import LocalWorld  # noqa: F811 - imported here so collection stays light
 
     worlds: dict[int, LocalWorld] = {}
@@ -33,7 +34,7 @@ def local_world() -> Iterator[Callable[[int], LocalWorld]]:
     def get(world_size: int) -> LocalWorld:
         world = worlds.get(world_size)
         if world is None:
-            world = worlds[world_size] = LocalWorld(world_size)
+            world = worlds[world_size] = LocalWorld(world_size, timeout_s=60.0 * time_scale)
         elif world.broken:
             world.restart()
         return world

@@ -1,10 +1,12 @@
 """The compiled route, the CPU default for users: every fused computation stage runs as one loop compiled by
-torch.compile (Inductor's C++ on CPU). Every schedule of every example, run that way on live Gloo ranks, equals the
-unscheduled program on the reference backend (random programs x random schedules: test_torch_properties.py); a
-stage that cannot be compiled still runs (op by op) with a warning."""
+torch.compile (Inductor's C++ on CPU). Every schedule of every example (one of those that differ only in a
+collective's algorithm), run that way on live Gloo ranks, equals the unscheduled program on the reference backend
+(random programs x random schedules: test_torch_properties.py); a stage that cannot be compiled still runs (op by
+op) with a warning."""
 
 from __future__ import annotations
 
+import re
 import warnings
 import weakref
 
@@ -28,10 +30,21 @@ EXAMPLES = [("adam.py:adam", {"N": 13}), ("lamb.py:lamb", {"N": 13}),
             ("pipeline_parallel.py:boundary", {"B": 2, "S": 5, "H": 8})]
 
 
+def _one_per_compute_shape(schedules: list[Schedule]) -> list[Schedule]:
+    """The schedules with distinct compute stages: those differing only in a collective's algorithm (`AR@ring-C`,
+    `AR@shm-C`, `AR-C`) compile the same fused loops (their algorithms are checked op by op elsewhere); of the chunk
+    counts 2, 4 and 8 of an overlap, 2 and 8 (4's loops are the same code at sizes between theirs)."""
+    kept: dict[str, Schedule] = {}
+    for schedule in schedules:
+        if not re.search(r",4\)", schedule.name):
+            kept.setdefault(re.sub(r"@\w+", "", schedule.name), schedule)
+    return list(kept.values())
+
+
 @pytest.mark.parametrize("spec, sizes", EXAMPLES, ids=[e[0].split(".")[0] for e in EXAMPLES])
 def test_every_schedule_of_every_example_equals_the_reference_compiled(local_world, spec, sizes):
     program = load_example(spec, **sizes)
-    schedules = enumerate_schedules(program)
+    schedules = _one_per_compute_shape(enumerate_schedules(program))
     assert any(s.name.count("C") for s in schedules)  # fused stages are among them
     with warnings.catch_warnings():
         warnings.simplefilter("error", RuntimeWarning)  # a stage falling back to op by op fails the test
