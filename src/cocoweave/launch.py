@@ -42,7 +42,7 @@ from .backends.torch.placement import group_backend
 from .errors import BackendError
 from .lifetime import die_with_parent
 from .loader import import_module_file
-from .rankenv import RankEnv, cores, missing_to_join
+from .rankenv import RankEnv, adopt_environment, cores, environment, missing_to_join
 from .rankenv import in_torchrun as in_torchrun  # re-exported: examples and the CLI ask launch
 from .rankenv import torchrun_device as torchrun_device
 
@@ -348,9 +348,7 @@ def _worker_main(rank: int, world_size: int, port: int, backend: str, device: st
     # The rank ends with the process that started it, however that ends (SIGKILL, SIGTERM): no orphan. Forked from
     # the fork server, its OS parent is the server, which exits as soon as the starting process is gone.
     die_with_parent(signal.SIGKILL, os.getppid())
-    if env is not None and env != os.environ:  # the starter's environment now, not the fork server's at its start
-        os.environ.clear()
-        os.environ.update(env)
+    if env is not None and adopt_environment(env):  # the starter's environment now, not the fork server's
         faults.configure_from_env()
     if cwd is not None:
         try:
@@ -525,7 +523,7 @@ class LocalWorld:
                 p = ctx.Process(target=_worker_main, name=f"cocoweave-rank-{rank}", daemon=False,
                                 args=(rank, self.world_size, self._store.port, self.backend, self.device,
                                       self.timeout_s, self.start_timeout_s, self.threads_per_rank, child_end,
-                                      self._progress[rank], dict(os.environ), os.getcwd()))
+                                      self._progress[rank], environment(), os.getcwd()))
                 try:
                     p.start()
                 finally:

@@ -206,3 +206,18 @@ def torchrun_device(local_rank: int, local_size: int, backend: str | None = None
     if backend == "nccl":
         raise BackendError("backend nccl needs CUDA, and no GPU is visible to this rank")
     return torch.device("cpu"), backend or "gloo"
+
+
+def environment() -> dict[str, str]:
+    """A copy of this process's environment, for a rank started from elsewhere (LocalWorld's fork server) to adopt."""
+    return dict(os.environ)
+
+
+def adopt_environment(env: dict[str, str]) -> bool:
+    """Make this process's environment `env` (a rank forked from a server takes its starter's as it is now, not the
+    server's when it started); True when that changed anything."""
+    if env == os.environ:
+        return False
+    os.environ.clear()
+    os.environ.update(env)
+    return True
