@@ -152,8 +152,13 @@ def test_incomplete_or_mismatched_checkpoints_are_refused(tmp_path):
         ck.load(tmp_path / "c", {"q": torch.zeros(4)})
     with pytest.raises(CheckpointError, match="was saved split along dim 0 of size 3, not dim 0 of size 4"):
         ck.load(tmp_path / "c", {"x": ck.Shard(torch.zeros(2), 0, 4, 0, 2)})
+    whole = torch.zeros(3)  # a whole tensor takes a sliced one's parts (a tensor-parallel checkpoint at tp 1)
+    ck.load(tmp_path / "c", {"x": whole})
+    assert torch.equal(whole, torch.ones(3))
+    with pytest.raises(CheckpointError, match="was saved split along dim 0 of size 3, not dim 0 of size 4"):
+        ck.load(tmp_path / "c", {"x": torch.zeros(4)})
     with pytest.raises(CheckpointError, match="`x` is sliced there; load it into a checkpoint.Shard"):
-        ck.load(tmp_path / "c", {"x": torch.zeros(3)})
+        ck.load(tmp_path / "c", {"x": torch.zeros(())})
     with pytest.raises(CheckpointError, match="needs 2 rows there"):
         ck.Shard(torch.zeros(3), 0, 4, 0, 2)
     (Path(tmp_path / "c") / ck.MARKER).unlink()

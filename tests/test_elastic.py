@@ -217,6 +217,29 @@ def test_gradient_moments_over_ranks_are_the_sum_of_squares_and_the_mean_squared
     assert gradient_moments([torch.ones(4)]) == (4.0, 4.0)  # one process: the local gradient is the mean
 
 
+def _moments_of_a_tensor_parallel_model(rank: int, world_size: int) -> tuple[float, float]:
+    """dp 2 x tp 2: a weight sharded over tp (a DTensor's gradient) and a replicated bias; replica d's whole
+    gradients are (d + 1) * W and (d - 1) * b."""
+    from torch.distributed.device_mesh import init_device_mesh
+
+    from cocoweave.sharding import replicate_parameter, shard_parameter
+
+    mesh = init_device_mesh("cpu", (2, 2), mesh_dim_names=("dp", "tp"))
+    d, t = mesh.get_local_rank("dp"), mesh.get_local_rank("tp")
+    whole_w, whole_b = torch.arange(8.0).reshape(4, 2), torch.tensor([1.0, -2.0])
+    w = shard_parameter(((d + 1) * whole_w).chunk(2, 0)[t].clone(), mesh["tp"], 0)
+    b = replicate_parameter((d - 1) * whole_b, mesh["tp"])
+    return gradient_moments([w.detach(), b.detach()], mesh.get_group("dp"))
+
+
+def test_gradient_moments_of_a_tensor_parallel_model_count_each_part_once(local_world):
+    """AdaScale's moments are the whole model's and the same on every rank (not each tensor-parallel part's)."""
+    whole_w, whole_b = torch.arange(8.0).reshape(4, 2), torch.tensor([1.0, -2.0])
+    g = [torch.cat([((d + 1) * whole_w).reshape(-1), (d - 1) * whole_b]) for d in range(2)]
+    expected = (float(g[0].pow(2).sum() + g[1].pow(2).sum()), float(((g[0] + g[1]) / 2).pow(2).sum()))
+    assert local_world(4).run(_moments_of_a_tensor_parallel_model) == [pytest.approx(expected)] * 4
+
+
 def test_a_dataloader_with_workers_yields_the_samplers_global_order_from_its_position():
     from torch.utils.data import DataLoader
 

@@ -56,6 +56,7 @@ from . import faults
 from .errors import CheckpointError
 from .ir.layout import share_bounds
 from .safe_dcp import SafePlanner, SafeReader, UnsafeCheckpoint, first_failure
+from .sharding import is_dtensor
 
 MARKER = "COMPLETE.json"
 PARTIAL = ".partial"
@@ -102,9 +103,33 @@ def _rank(group: Any) -> int:
     return dist.get_rank(group) if _is_dist(group) else 0
 
 
+def as_shard(value: Any) -> Any:
+    """A DTensor as this format holds it: a Shard of this rank's part (sharded on one mesh dim; its part aliases the
+    local tensor, so a load fills the DTensor in place), or its local tensor (replicated); anything else as it is."""
+    if not is_dtensor(value):
+        return value
+    sharded = [(i, pl.dim) for i, pl in enumerate(value.placements) if pl.is_shard()]
+    part = value._local_tensor
+    if not sharded:
+        return part
+    if len(sharded) > 1 or any(pl.is_partial() for pl in value.placements):
+        raise CheckpointError(f"a DTensor sharded on {len(sharded)} mesh dims ({list(value.placements)}) is not "
+                              "supported by cocoweave.checkpoint; save it with torch.distributed.checkpoint")
+    i, dim = sharded[0]
+    mesh, size = value.device_mesh, value.shape[sharded[0][1]]
+    count = mesh.size(i)
+    sizes = [len(c) for c in torch.arange(size).chunk(count)]  # DTensor's parts are torch.chunk's
+    even = [len(c) for c in torch.arange(size).tensor_split(count)]
+    if len(sizes) != count:
+        raise CheckpointError(f"a DTensor of {size} rows along dim {dim} split over {count} ranks leaves a rank "
+                              "empty; cocoweave.checkpoint cannot place it")
+    return Shard(part, dim, size, mesh.get_local_rank(i), count, None if sizes == even else tuple(sizes))
+
+
 def _encode(value: Any, key: str, entries: dict[str, Any]) -> Any:
     """Add `value`'s leaves to `entries` (flat DCP keys joined with '/'); returns its skeleton: the nested
     structure (dict keys with their types, lists, tuples) with each leaf replaced by its kind and key."""
+    value = as_shard(value)
     if isinstance(value, Shard):
         entries[f"{key}.part-{value.index}-of-{value.count}"] = value.part.detach()
         entries[f"{key}.layout"] = json.dumps({"dim": value.dim, "total": value.total, "count": value.count,
@@ -368,7 +393,7 @@ def load(path: str | os.PathLike[str], state: Mapping[str, Any], *, group: Any =
         raise CheckpointError(f"checkpoint {p} has no entry `{missing[0]}`; it has: {', '.join(map(str, top))}")
     request: dict[str, Any] = {}
     shards: list[tuple[str, Shard]] = []
-    plan = _Planner(p, saved, request, shards, trusted)
+    plan = _Planner(p, saved, request, shards, trusted, records)
     tree = {k: plan.node(top[k], state[k], str(k)) for k in state}
     copies: list[tuple[torch.Tensor, torch.Tensor]] = []
     for name, shard in shards:  # read only the saved parts that overlap this rank's part
@@ -427,12 +452,21 @@ class _Planner:
     request: dict[str, Any]
     shards: list[tuple[str, Shard]]
     trusted: bool
+    layouts: Mapping[str, str]  # the saved split of every sliced tensor (JSON)
 
     def node(self, node: Any, template: Any, where: str) -> Any:
+        if is_dtensor(template):  # filled in place through its local tensor; the result holds the DTensor
+            plain = as_shard(template)
+            result = self.node(node, plain, where)
+            return template if result is plain else result
         if "s" in node:
             if template is _MISSING:
                 raise CheckpointError(f"checkpoint {self.p} holds sliced state `{where}` that the state to load into "
                                       "lacks (was it saved with a schedule that keeps other state sliced?)")
+            dim = json.loads(self.layouts[f"{node['s']}.layout"])["dim"]
+            if isinstance(template, torch.Tensor) and template.dim() > dim:  # a whole tensor: the one part of one
+                self.shards.append((node["s"], Shard(template.detach(), dim, template.shape[dim], 0, 1)))
+                return template
             if not isinstance(template, Shard):
                 raise CheckpointError(f"checkpoint {self.p}: `{where}` is sliced there; load it into a "
                                       "checkpoint.Shard of this rank's part")

@@ -53,6 +53,7 @@ from .cluster.planning.resize import (  # noqa: F401 - the planner's model of a 
 )
 from .errors import ElasticError
 from .ir.layout import split_sizes
+from .sharding import is_dtensor, local
 
 Mode = Literal["keep_global", "scale"]
 MODES = ("keep_global", "scale")
@@ -279,16 +280,35 @@ class ElasticSampler(Sampler[int]):
 def gradient_moments(grads: Sequence[torch.Tensor], group: Any = None) -> tuple[float, float]:
     """(sum over the ranks of |g_i|^2, |mean of the g_i|^2) of this rank's local gradients `grads` (before any
     reduction) and the other ranks' of `group`: every rank calls it. Costs one all-reduce of the gradients (and one
-    of a scalar), on top of the optimizer's own reduction."""
+    of a scalar), on top of the optimizer's own reduction. A tensor-parallel model's gradients (DTensors sharded over
+    another mesh dim) count their parts once each: the moments are the whole model's, the same on every rank."""
+    parts = [local(g).detach().reshape(-1).float() for g in grads]
     # none here: a zero where the group takes tensors (NCCL alone: this process's GPU)
-    flat = torch.cat([g.detach().reshape(-1).float() for g in grads]) if grads else torch.zeros(
+    flat = torch.cat(parts) if parts else torch.zeros(
         1, device=placement.metadata_device(group, placement.compute_device()))
-    local = flat.double().pow(2).sum().reshape(1)
     size = dist.get_world_size(group) if dist.is_available() and dist.is_initialized() else 1
+    squares = flat.double().pow(2)
     if size > 1:  # flat is a new tensor (torch.cat): reduced in place
         dist.all_reduce(flat, group=group)
-        dist.all_reduce(local, group=group)
-    return float(local), float((flat.double() / size).pow(2).sum())
+    means = (flat.double() / size).pow(2)
+    sums: dict[Any, torch.Tensor] = {}  # per mesh a sharded part spans (None: replicated or plain): [s, m]
+    start = 0
+    for g, part in zip(grads, parts):
+        end = start + part.numel()
+        sharded = is_dtensor(g) and g.device_mesh.size() > 1 and any(pl.is_shard() for pl in g.placements)
+        key = g.device_mesh if sharded else None
+        pair = torch.stack((squares[start:end].sum(), means[start:end].sum()))
+        sums[key] = sums[key] + pair if key in sums else pair
+        start = end
+    total = sums.pop(None, squares.new_zeros(2))
+    for mesh, pair in sums.items():  # a sharded part's moments summed over the ranks holding its other parts
+        dist.all_reduce(pair, group=mesh.get_group())
+        total = total + pair
+    if size > 1:  # the squares summed over the group's ranks (the means are the group's already)
+        square_sum = total[:1].clone()
+        dist.all_reduce(square_sum, group=group)
+        total = torch.cat((square_sum, total[1:]))
+    return float(total[0]), float(total[1])
 
 
 class AdaScale:

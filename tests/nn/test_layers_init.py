@@ -20,6 +20,7 @@ from cocoweave.nn import (
 )
 from cocoweave.nn import init as nn_init
 from cocoweave.nn.functional import part
+from cocoweave.sharding import local
 
 
 @settings(max_examples=25, deadline=None)
@@ -82,9 +83,9 @@ def init_case(rank: int, world_size: int, mesh: bool) -> dict[str, bool]:
         full = getattr(ref, name)
         w, b = full_linear_weights(full.in_features, full.out_features, True, 9 + i)
         layer = getattr(blk, name)
-        out[f"{name} = ReferenceBlock's part"] = torch.equal(layer.weight, part(full.weight, dim, t, r))
-        out[f"{name} = full_linear_weights' part"] = torch.equal(layer.weight, part(w, dim, t, r)) and \
-            torch.equal(layer.bias, part(b, 0, t, r) if dim == 0 else b)
+        out[f"{name} = ReferenceBlock's part"] = torch.equal(local(layer.weight), part(full.weight, dim, t, r))
+        out[f"{name} = full_linear_weights' part"] = torch.equal(local(layer.weight), part(w, dim, t, r)) and \
+            torch.equal(local(layer.bias), part(b, 0, t, r) if dim == 0 else b)
     meta = TransformerBlock(24, 4, dropout=0.1, seed=9, group=group, device="meta")
     out["meta has no data"] = meta.qkv.weight.is_meta
     meta.to_empty(device="cpu")
@@ -97,9 +98,10 @@ def init_case(rank: int, world_size: int, mesh: bool) -> dict[str, bool]:
     col = ColumnParallelLinear(10, 7, seed=4, group=group)  # 7 rows: uneven parts at tp 2 and 4
     row = RowParallelLinear(7, 10, seed=4, group=group)
     w, b = full_linear_weights(10, 7, True, 4)
-    out["uneven column parts"] = torch.equal(col.weight, part(w, 0, t, r)) and torch.equal(col.bias, part(b, 0, t, r))
+    out["uneven column parts"] = torch.equal(local(col.weight), part(w, 0, t, r)) and \
+        torch.equal(local(col.bias), part(b, 0, t, r))
     w, b = full_linear_weights(7, 10, True, 4)
-    out["uneven row parts"] = torch.equal(row.weight, part(w, 1, t, r)) and torch.equal(row.bias, b)
+    out["uneven row parts"] = torch.equal(local(row.weight), part(w, 1, t, r)) and torch.equal(local(row.bias), b)
     out["group from the mesh"] = (dist.get_world_size(col.group) if dist.is_initialized() else 1) == world_size
     return out
 

@@ -21,6 +21,7 @@ from cocoweave.nn import (
     new_group,
 )
 from cocoweave.nn.functional import part
+from cocoweave.sharding import local
 
 TOL = 1e-5
 
@@ -35,6 +36,7 @@ def _ref_dropout(y: torch.Tensor, p: float, seed: int, offset: int = 0) -> torch
 
 
 def _err(a: torch.Tensor, b: torch.Tensor) -> float:
+    a, b = local(a), local(b)  # a tensor-parallel parameter's gradient is a DTensor: this rank's part
     assert a.shape == b.shape, (a.shape, b.shape)
     return (a - b).abs().max().item()
 

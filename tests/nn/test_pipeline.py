@@ -16,6 +16,7 @@ from cocoweave.nn import ReferenceBlock, TransformerBlock, parallel_mesh
 from cocoweave.nn.functional import group_rank, part
 from cocoweave.nn.pipeline import Pipeline, stage_blocks
 from cocoweave.optim import DistributedAdamW
+from cocoweave.sharding import local
 
 V, D, H, T, BLOCKS = 11, 16, 4, 8, 4
 
@@ -102,7 +103,7 @@ def pipeline_case(rank: int, world_size: int, tp: int, pp: int, schedule: str, m
             if kind == "blocks":
                 j, _, rest = rest.partition(".")
                 k = f"block{blocks_of[int(j)]}.{rest}"
-            grads[k], params[k] = p.grad.clone(), p
+            grads[k], params[k] = local(p.grad).clone(), local(p)
             if dp > 1:  # the gradient the optimizer's step reduces to: the mean over the replicas
                 dist.all_reduce(grads[k], group=mesh.get_group("dp"))
                 grads[k] /= dp

@@ -20,6 +20,7 @@ from cocoweave.nn import ReferenceBlock, TransformerBlock
 from cocoweave.nn import programs as P
 from cocoweave.nn.compiled import ASYNC, ASYNC_SHM, schedules
 from cocoweave.nn.functional import part
+from cocoweave.sharding import local
 
 TOL = 2e-5
 BLOCK_SCHEDULES = [None, "auto", "MM-AR@shm-C", "MM-RS@shm-C-AG@shm", "MM-fuse(RS-C-AG)@shm", "MM-AR-C", ASYNC,
@@ -104,12 +105,12 @@ def block_case(rank: int, world_size: int, schedule: str | None, sp: bool, batch
         errs: dict[str, float | str] = {"out": (y - want).abs().max().item(),
                                         "x.grad": (xp.grad - want_grad).abs().max().item()}
         for name in ("ln1", "ln2"):
-            errs[name] = (getattr(blk, name).weight.grad - getattr(ref, name).weight.grad).abs().max().item()
+            errs[name] = (local(getattr(blk, name).weight.grad) - getattr(ref, name).weight.grad).abs().max().item()
         for name, dim in (("qkv", 0), ("proj", 1), ("fc1", 0), ("fc2", 1)):
             mine, full = getattr(blk, name), getattr(ref, name)
-            errs[name] = (mine.weight.grad - part(full.weight.grad, dim, world_size, rank)).abs().max().item()
+            errs[name] = (local(mine.weight.grad) - part(full.weight.grad, dim, world_size, rank)).abs().max().item()
             b = full.bias.grad if dim == 1 else part(full.bias.grad, 0, world_size, rank)
-            errs[f"{name}.b"] = (mine.bias.grad - b).abs().max().item()
+            errs[f"{name}.b"] = (local(mine.bias.grad) - b).abs().max().item()
         errs["repr"] = repr(blk)
         return errs
     finally:
@@ -221,6 +222,7 @@ def bf16_case(rank: int, world_size: int, schedule: str, sp: bool) -> dict[str, 
         y.float().square().sum().backward()
 
         def rel(a: torch.Tensor, b: torch.Tensor) -> float:
+            a = local(a)
             return ((a.float() - b.float()).abs().max() / b.float().abs().max()).item()
 
         return {"out": rel(y, want), "x.grad": rel(xp.grad, want_grad),

@@ -184,6 +184,33 @@ def test_buffers_start_every_forward_from_rank_0(local_world):
         assert diffs == [0.0, 0.0, 0.0]
 
 
+def _buffers_without_module(rank: int, world_size: int) -> dict[str, float]:
+    """A BatchNorm model trained without module=: after each step its running statistics are rank 0's on every
+    rank (DDP keeps them equal with broadcast_buffers=True, its default); with broadcast_buffers=False they drift."""
+    out = {}
+    for flag in (True, False):
+        torch.manual_seed(0)
+        model = torch.nn.Sequential(torch.nn.Linear(4, 6), torch.nn.BatchNorm1d(6), torch.nn.Linear(6, 2))
+        opt = DistributedSGD(model.parameters(), lr=0.1, broadcast_buffers=flag)
+        for step in range(3):
+            opt.zero_grad()
+            x = torch.randn(8, 4, generator=torch.Generator().manual_seed(10 * rank + step))
+            model(x).sum().backward()
+            opt.step()
+        worst = 0.0
+        for buf in model[1].buffers():
+            every = [torch.empty_like(buf) for _ in range(world_size)]
+            dist.all_gather(every, buf)
+            worst = max(worst, max(float((e - every[0]).abs().max()) for e in every))
+        out[str(flag)] = worst
+    return out
+
+
+def test_buffers_stay_equal_across_ranks_without_module(local_world):
+    for got in local_world(2).run(_buffers_without_module):
+        assert got["True"] == 0.0 and got["False"] > 0.0, got
+
+
 # -- arguments torch users pass ------------------------------------------------------------------------------------
 def test_torch_keyword_arguments_are_accepted_or_refused_with_a_sentence():
     params = _mlp().parameters

@@ -269,3 +269,44 @@ def test_bad_arguments_say_what_is_wrong():
         DistributedSGD(_mlp(dtype=torch.float64).parameters())
     with pytest.raises(OptimizerError, match="schedule 'no-such-schedule' is not available .* choose one of: auto"):
         DistributedAdamW(params(), schedule="no-such-schedule")
+
+
+# -- a world of one rank: no collective ------------------------------------------------------------------------------
+COLLECTIVES = ("all_reduce", "broadcast", "all_gather", "all_gather_into_tensor", "reduce_scatter",
+               "reduce_scatter_tensor", "reduce", "barrier", "all_to_all_single", "send", "recv", "isend", "irecv")
+
+
+def test_a_world_of_one_rank_issues_no_collective(monkeypatch):
+    """torch.distributed initialised with one rank: construction, steps (clipped) and zero_grad call no collective
+    of torch.distributed (counted by wrapping each entry point, and the ones the torch backend keeps)."""
+    from cocoweave.backends.torch import runtime
+
+    if dist.is_initialized():
+        pytest.skip("torch.distributed is already initialised in this process")
+    dist.init_process_group("gloo", store=dist.HashStore(), rank=0, world_size=1)
+    calls: list[str] = []
+
+    def counting(name, fn):
+        def wrapped(*args, **kwargs):
+            calls.append(name)
+            return fn(*args, **kwargs)
+        return wrapped
+
+    try:
+        for name in COLLECTIVES:
+            monkeypatch.setattr(dist, name, counting(name, getattr(dist, name)))
+        for name in ("_ALL_GATHER", "_REDUCE_SCATTER"):
+            monkeypatch.setattr(runtime, name, counting(name, getattr(runtime, name)))
+        model, ref = _mlp(), _mlp()
+        opt = DistributedAdamW(model.parameters(), lr=1e-2, max_grad_norm=0.1)
+        ref_opt = torch.optim.AdamW(ref.parameters(), lr=1e-2)
+        for step in range(3):
+            _backward_all((model, ref), step, 0, 1)
+            opt.step()
+            torch.nn.utils.clip_grad_norm_(ref.parameters(), 0.1)
+            ref_opt.step()
+            opt.zero_grad()
+        assert calls == []
+        assert _worst(model, ref) <= 1e-5  # and it trained as torch does
+    finally:
+        dist.destroy_process_group()

@@ -15,9 +15,12 @@ from .functional import (
 )
 from .groups import mesh_coords, new_group, parallel_groups, parallel_mesh
 from .layers import ColumnParallelLinear, RowParallelLinear, full_linear_weights, resolve_group
+from .llama import Llama, LlamaBlock, LlamaConfig, llama_plan
+from .parallelize import parallelize
 from .pipeline import Pipeline, PipelineBoundary, StageModule
 from .state import full_state_dict, sharded_optimizer_state_dict, sharded_state_dict, unshard
 from .transformer import ReferenceBlock, TransformerBlock, block_seeds, sequence_gather, sequence_slice
+from .vocab import VocabParallelEmbedding, vocab_parallel_cross_entropy
 
 __all__ = [
     "ColumnParallelLinear", "Pipeline", "PipelineBoundary", "ReferenceBlock", "RowParallelLinear", "StageModule",
@@ -26,4 +29,6 @@ __all__ = [
     "mesh_coords", "mix_seed", "new_group", "parallel_groups", "parallel_mesh", "reduce_from_parallel",
     "scatter_to_parallel", "sequence_gather", "sequence_slice",
 ]
+__all__ += ["VocabParallelEmbedding", "vocab_parallel_cross_entropy"]
+__all__ += ["Llama", "LlamaBlock", "LlamaConfig", "llama_plan", "parallelize"]
 __all__ += ["full_state_dict", "resolve_group", "sharded_optimizer_state_dict", "sharded_state_dict", "unshard"]

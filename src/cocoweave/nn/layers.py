@@ -31,6 +31,7 @@ from torch import nn
 
 from ..errors import ParallelConfigError
 from ..ir.layout import slice_bounds
+from ..sharding import is_dtensor, local, local_data, places_like_dtensor, replicate_parameter, shard_parameter, tp_mesh
 from .compiled import Programs, check_schedule
 from .functional import (
     Group,
@@ -112,18 +113,24 @@ class _ParallelLinear(nn.Module):
     def __init__(self, in_features: int, out_features: int, bias: bool, group: Group, seed: int,
                  device: Any, dtype: torch.dtype | None) -> None:
         super().__init__()
+        mesh = tp_mesh(group)
         group = resolve_group(group)
         self.in_features, self.out_features, self.group, self.init_seed = in_features, out_features, group, seed
         self.tp_size, self.tp_rank = group_size(group), group_rank(group)
         full = (out_features, in_features)[self.sliced_dim]
-        if full < self.tp_size:
-            raise ParallelConfigError(f"{type(self).__name__}: {full} features cannot be split over "
-                                      f"{self.tp_size} ranks")
+        if not places_like_dtensor(full, self.tp_size):
+            raise ParallelConfigError(f"{type(self).__name__}: {full} {('output', 'input')[self.sliced_dim]} "
+                                      f"features do not split over {self.tp_size} tensor-parallel ranks the way "
+                                      "DTensor places parts (torch.chunk); use a multiple of the group size")
         self.start, self.stop = slice_bounds(full, self.tp_size, self.tp_rank)
         shape = [out_features, in_features]
         shape[self.sliced_dim] = self.stop - self.start
-        self.weight = nn.Parameter(torch.empty(shape, device=device, dtype=dtype))
-        self.bias = nn.Parameter(torch.empty(self._bias_size(), device=device, dtype=dtype)) if bias else None
+        # DTensors on the group's mesh (cocoweave/sharding.py): DCP, clip_grad_norm_ and FSDP2 see the whole layer
+        self.weight = shard_parameter(torch.empty(shape, device=device, dtype=dtype), mesh, self.sliced_dim, full)
+        self.bias = None
+        if bias:
+            b = torch.empty(self._bias_size(), device=device, dtype=dtype)
+            self.bias = shard_parameter(b, mesh, 0, full) if self.sliced_dim == 0 else replicate_parameter(b, mesh)
         self.reset_parameters()
 
     def _programs(self, schedule: str | None, sequence_parallel: bool) -> None:
@@ -149,9 +156,9 @@ class _ParallelLinear(nn.Module):
         full = (self.out_features, self.in_features)
         start = (self.start, 0) if self.sliced_dim == 0 else (0, self.start)
         bound = _bound(self.in_features)
-        partitioned_uniform_(self.weight, full, start, bound, self.init_seed, WEIGHT)
+        partitioned_uniform_(local_data(self.weight), full, start, bound, self.init_seed, WEIGHT)
         if self.bias is not None:
-            partitioned_uniform_(self.bias, full[:1], start[:1], bound, self.init_seed, BIAS)
+            partitioned_uniform_(local_data(self.bias), full[:1], start[:1], bound, self.init_seed, BIAS)
 
     def sliced(self) -> dict[str, tuple[int, int]]:
         """The parameters split across the group: name -> (dim, whole size along it)."""
@@ -161,9 +168,17 @@ class _ParallelLinear(nn.Module):
         return out
 
     def _load_from_state_dict(self, state_dict: dict[str, Any], prefix: str, *args: Any, **kwargs: Any) -> None:
-        """Take this rank's part of full (unsharded) tensors, and the part of a checkpoint.Shard for this rank."""
+        """Take this rank's part of full (unsharded) tensors, of a checkpoint.Shard for this rank, and of DTensors
+        (torch.distributed.checkpoint's, at this or another tensor-parallel size)."""
         from ..checkpoint import Shard
 
+        for name in ("weight", "bias"):
+            value = state_dict.get(prefix + name)
+            if is_dtensor(value):  # the same placements: this rank's part; otherwise the whole tensor, cut below
+                param = getattr(self, name)
+                same = is_dtensor(param) and tuple(value.placements) == tuple(param.placements) \
+                    and value.device_mesh.size() == param.device_mesh.size()
+                state_dict[prefix + name] = value.to_local() if same else value.full_tensor()
         for name, (dim, total) in self.sliced().items():
             key = prefix + name
             value = state_dict.get(key)
@@ -173,7 +188,7 @@ class _ParallelLinear(nn.Module):
                                               f"{value.dim}, this rank holds part {self.tp_rank} of {self.tp_size} "
                                               f"along dim {dim}")
                 value = state_dict[key] = value.part
-            local = getattr(self, name)
+            local = local_data(getattr(self, name))
             if not isinstance(value, torch.Tensor) or tuple(value.shape) == tuple(local.shape):
                 continue
             whole = list(local.shape)
@@ -184,6 +199,11 @@ class _ParallelLinear(nn.Module):
                     f"{whole}; load the whole tensor, or a checkpoint saved at another tensor-parallel size through "
                     "cocoweave.nn.sharded_state_dict")
             state_dict[key] = value.narrow(dim, self.start, self.stop - self.start)
+        for name in ("weight", "bias"):  # this rank's part as a DTensor of the parameter's placements
+            param, value = getattr(self, name), state_dict.get(prefix + name)
+            if is_dtensor(param) and isinstance(value, torch.Tensor) and not is_dtensor(value):
+                state_dict[prefix + name] = type(param).from_local(value, param.device_mesh, param.placements,
+                                                                   run_check=False)
         super()._load_from_state_dict(state_dict, prefix, *args, **kwargs)
 
     @torch.no_grad()
@@ -192,11 +212,11 @@ class _ParallelLinear(nn.Module):
         if tuple(weight.shape) != (self.out_features, self.in_features):
             raise ParallelConfigError(f"{type(self).__name__}: full weight has shape {list(weight.shape)}, "
                                       f"expected [{self.out_features}, {self.in_features}]")
-        self.weight.copy_(weight.narrow(self.sliced_dim, self.start, self.stop - self.start))
+        local_data(self.weight).copy_(weight.narrow(self.sliced_dim, self.start, self.stop - self.start))
         if self.bias is not None:
             if bias is None:
                 raise ParallelConfigError(f"{type(self).__name__} has a bias and none was given")
-            self.bias.copy_(bias[self.start:self.stop] if self.sliced_dim == 0 else bias)
+            local_data(self.bias).copy_(bias[self.start:self.stop] if self.sliced_dim == 0 else bias)
 
     @classmethod
     def from_linear(cls, linear: nn.Linear, group: Group = None, **kwargs: Any) -> _ParallelLinear:
@@ -233,12 +253,12 @@ class ColumnParallelLinear(_ParallelLinear):
         """x Wᵀ + b. With sequence parallelism x is this rank's slice of the (tokens, in_features) input
         (torch.tensor_split rows) and `tokens` the whole count; the output is every token's slice of features."""
         if self.programs is None:
-            y = F.linear(copy_to_parallel(x, self.group), self.weight, self.bias)
+            y = F.linear(copy_to_parallel(x, self.group), local(self.weight), local(self.bias))
         else:
             if self.sequence_parallel and tokens is None:
                 raise ParallelConfigError("ColumnParallelLinear: with sequence_parallel=True, forward needs "
                                           "tokens= (the number of rows of the whole input)")
-            y = column_parallel(x, self.weight, self.bias, self.programs, self.out_features, tokens or 0,
+            y = column_parallel(x, local(self.weight), local(self.bias), self.programs, self.out_features, tokens or 0,
                                 self.sequence_parallel)
         return gather_from_parallel(y, -1, self.group) if self.gather_output else y
 
@@ -319,9 +339,10 @@ class RowParallelLinear(DropoutCounter, _ParallelLinear):
                 index_offset: int = 0) -> torch.Tensor:
         if not self.input_is_parallel:
             x = scatter_to_parallel(x, -1, self.group)
-        if x.shape[-1] != self.weight.shape[1]:
+        weight, bias = local(self.weight), local(self.bias)
+        if x.shape[-1] != weight.shape[1]:
             raise ParallelConfigError(f"RowParallelLinear: input has {x.shape[-1]} features on rank "
-                                      f"{self.tp_rank}, its weight part expects {self.weight.shape[1]}")
+                                      f"{self.tp_rank}, its weight part expects {weight.shape[1]}")
         want = (*x.shape[:-1], self.out_features)
         if self.sequence_parallel and residual is not None:
             want = (self.programs.part_rows(x.reshape(-1, x.shape[-1]).shape[0]), self.out_features)
@@ -334,9 +355,9 @@ class RowParallelLinear(DropoutCounter, _ParallelLinear):
             seed = mix_seed(self.seed, self.dropout_step)
             self.dropout_step += p > 0  # a fresh mask for the next training forward
         if self.programs is not None:
-            return row_parallel(x, self.weight, self.bias, residual, p, int(seed), int(index_offset), self.programs,
+            return row_parallel(x, weight, bias, residual, p, int(seed), int(index_offset), self.programs,
                                 self.in_features, self.sequence_parallel)
-        return _RowParallel.apply(x, self.weight, self.bias, residual, p, int(seed), int(index_offset),
+        return _RowParallel.apply(x, weight, bias, residual, p, int(seed), int(index_offset),
                                   self.overlap_chunks, self.group)
 
 

@@ -10,9 +10,10 @@
     optimizer.load_state_dict(unshard(loaded["optim"]))
 
 A parameter split across a tensor-parallel group (a ColumnParallelLinear's weight and bias, a RowParallelLinear's
-weight) and the optimizer state shaped like it become cocoweave.checkpoint.Shards: this rank's part, the dim and the
-whole size, so cocoweave.checkpoint stores each part once and reads back the overlapping parts for any group size.
-Everything else is replicated over the group and stored once. `full_state_dict` gathers the whole tensors instead
+weight) is a DTensor, and so is torch's optimizer state for it; cocoweave.checkpoint stores a DTensor as this rank's
+part with its dim and whole size (a checkpoint.Shard), each part once, and reads back the overlapping parts for any
+group size, into the DTensor in place. Plain optimizer state shaped like a part becomes a checkpoint.Shard. Everything
+else is replicated over the group and stored once. `full_state_dict` gathers the whole tensors instead
 (torch's `full_state_dict=True`): what a single-process model (ReferenceBlock, nn.Linear) loads, and what
 `load_state_dict` of a tensor-parallel model at any size takes directly.
 """
@@ -23,58 +24,47 @@ from collections.abc import Mapping
 from typing import Any
 
 import torch
-import torch.distributed as dist
 from torch import nn
 
 from ..errors import ParallelConfigError
-from .functional import group_size
-from .layers import _ParallelLinear
-
-
-def _sliced(model: nn.Module) -> dict[str, tuple[_ParallelLinear, str, int, int]]:
-    """State-dict key -> (layer, parameter name, dim, whole size) of every parameter split across a group."""
-    out = {}
-    for name, layer in model.named_modules():
-        if isinstance(layer, _ParallelLinear):
-            for pname, (dim, total) in layer.sliced().items():
-                out[f"{name}.{pname}" if name else pname] = (layer, pname, dim, total)
-    return out
+from ..sharding import is_dtensor, local_data
 
 
 def sharded_state_dict(model: nn.Module) -> dict[str, Any]:
-    """`model.state_dict()` with every tensor-parallel part as a checkpoint.Shard of it (the same tensors: a
-    checkpoint.load into it fills the model in place)."""
-    from ..checkpoint import Shard
-
-    sd = model.state_dict()
-    for key, (layer, _, dim, total) in _sliced(model).items():
-        sd[key] = Shard(sd[key], dim, total, layer.tp_rank, layer.tp_size)
-    return sd
+    """`model.state_dict()` for cocoweave.checkpoint: a tensor-parallel part is a DTensor, which the checkpoint
+    stores as its part and a load fills in place (through its local tensor), at any tensor-parallel size."""
+    return dict(model.state_dict())
 
 
 def sharded_optimizer_state_dict(model: nn.Module, optimizer: torch.optim.Optimizer) -> dict[str, Any]:
-    """`optimizer.state_dict()` with the state of every tensor-parallel part (the tensors shaped like it: Adam's
-    moments, fp32 master weights) as checkpoint.Shards. Every parameter of a sliced layer needs its state present
-    (cocoweave.optim's optimizers have it from construction; a torch optimizer after its first step)."""
-    from ..checkpoint import Shard
-
+    """`optimizer.state_dict()` for cocoweave.checkpoint: state held as DTensors (torch's optimizers over DTensor
+    parameters) stays as it is; plain state tensors shaped like a sharded parameter's part become checkpoint.Shards
+    like the parameter's. Every sharded parameter needs its state present (cocoweave.optim's optimizers have it from
+    construction; a torch optimizer after its first step)."""
     sd = optimizer.state_dict()
-    where = {id(getattr(layer, pname)): (key, layer, dim, total)
-             for key, (layer, pname, dim, total) in _sliced(model).items()}
+    names = {id(p): n for n, p in model.named_parameters()}
     params = [p for g in optimizer.param_groups for p in g["params"]]
     keys = [k for g in sd["param_groups"] for k in g["params"]]
     for p, k in zip(params, keys, strict=True):
-        if id(p) not in where:
+        if not is_dtensor(p) or not any(pl.is_shard() for pl in p.placements):
             continue
-        name, layer, dim, total = where[id(p)]
         entry = sd["state"].get(k)
         if entry is None:
-            raise ParallelConfigError(f"the optimizer has no state for {name} yet; take its sharded state dict after "
-                                      "a step (torch optimizers create their state in the first step)")
-        sd["state"][k] = {s: Shard(t, dim, total, layer.tp_rank, layer.tp_size)
-                          if isinstance(t, torch.Tensor) and t.dim() and tuple(t.shape) == tuple(p.shape) else t
-                          for s, t in entry.items()}
+            raise ParallelConfigError(f"the optimizer has no state for {names.get(id(p), k)} yet; take its sharded "
+                                      "state dict after a step (torch optimizers create their state in the first "
+                                      "step), or save optimizer.state_dict() with torch.distributed.checkpoint")
+        sd["state"][k] = {s: _state_shard(t, p) for s, t in entry.items()}
     return sd
+
+
+def _state_shard(t: Any, p: torch.Tensor) -> Any:
+    """A plain optimizer state tensor shaped like sharded parameter `p`'s part as a checkpoint.Shard like `p`'s."""
+    from ..checkpoint import Shard, as_shard
+
+    if not is_dtensor(t) and isinstance(t, torch.Tensor) and t.dim() and tuple(t.shape) == tuple(local_data(p).shape):
+        shard = as_shard(p.detach())
+        return Shard(t, shard.dim, shard.total, shard.index, shard.count, shard.shares)
+    return t
 
 
 def unshard(tree: Any) -> Any:
@@ -93,21 +83,4 @@ def unshard(tree: Any) -> Any:
 def full_state_dict(model: nn.Module) -> dict[str, torch.Tensor]:
     """`model.state_dict()` with every tensor-parallel part all-gathered into the whole tensor (a collective of
     each layer's group; every rank gets the whole)."""
-    sd = model.state_dict()
-    for key, (layer, _, dim, total) in _sliced(model).items():
-        sd[key] = _gather(sd[key], dim, total, layer)
-    return sd
-
-
-def _gather(part: torch.Tensor, dim: int, total: int, layer: _ParallelLinear) -> torch.Tensor:
-    """The whole tensor from every rank's part along `dim` (torch.tensor_split sizes: padded to the largest)."""
-    n = group_size(layer.group)
-    if n == 1:
-        return part
-    size = -(-total // n)
-    padded = torch.zeros(*part.shape[:dim], size, *part.shape[dim + 1:], dtype=part.dtype, device=part.device)
-    padded.narrow(dim, 0, part.shape[dim]).copy_(part)
-    parts = [torch.empty_like(padded) for _ in range(n)]
-    dist.all_gather(parts, padded.contiguous(), group=layer.group)
-    q, r = divmod(total, n)
-    return torch.cat([p.narrow(dim, 0, q + (i < r)) for i, p in enumerate(parts)], dim)
+    return {k: v.full_tensor() if is_dtensor(v) else v for k, v in model.state_dict().items()}

@@ -21,6 +21,7 @@ from torch import nn
 
 from .. import rng
 from ..errors import ParallelConfigError
+from ..sharding import local, local_data, replicate_parameters, tp_mesh
 from .functional import (
     Group,
     gather_from_parallel,
@@ -122,6 +123,7 @@ class TransformerBlock(DropoutCounter, nn.Module):
         or a dict by layer name ("qkv", "proj", "fc1", "fc2"). `sequence_parallel`: the block takes and returns
         this rank's token slice (see forward), its LayerNorms and epilogues work on slices (Megatron-SP)."""
         super().__init__()
+        mesh = tp_mesh(group)
         group = resolve_group(group)  # a DeviceMesh's "tp" dim
         tp = group_size(group)
         self.head_dim = _check_heads(d_model, n_heads, tp)
@@ -131,8 +133,8 @@ class TransformerBlock(DropoutCounter, nn.Module):
         self.sequence_parallel, self.d_model = bool(sequence_parallel), d_model
         per = schedule if isinstance(schedule, dict) else dict.fromkeys(LINEARS, schedule)
         kw: dict[str, Any] = {"group": group, "device": device, "dtype": dtype, "sequence_parallel": sequence_parallel}
-        self.ln1 = nn.LayerNorm(d_model, device=device, dtype=dtype)
-        self.ln2 = nn.LayerNorm(d_model, device=device, dtype=dtype)
+        self.ln1 = replicate_parameters(nn.LayerNorm(d_model, device=device, dtype=dtype), mesh)
+        self.ln2 = replicate_parameters(nn.LayerNorm(d_model, device=device, dtype=dtype), mesh)
         self.qkv = ColumnParallelLinear(d_model, 3 * d_model, seed=seed, schedule=per.get("qkv"), **kw)
         self.proj = RowParallelLinear(d_model, d_model, dropout=dropout, overlap_chunks=overlap_chunks,
                                       seed=seed + 1, schedule=per.get("proj"), **kw)
@@ -140,16 +142,21 @@ class TransformerBlock(DropoutCounter, nn.Module):
         self.fc2 = RowParallelLinear(d_ff, d_model, dropout=dropout, overlap_chunks=overlap_chunks,
                                      seed=seed + 3, schedule=per.get("fc2"), **kw)
 
+    @torch.no_grad()
     def reset_parameters(self) -> None:
         """LayerNorms to ones and zeros, each linear layer to its part of the weights ReferenceBlock(seed) holds."""
-        for module in (self.ln1, self.ln2, *(getattr(self, name) for name in LINEARS)):
-            module.reset_parameters()
+        for ln in (self.ln1, self.ln2):
+            local_data(ln.weight).fill_(1)
+            local_data(ln.bias).zero_()
+        for name in LINEARS:
+            getattr(self, name).reset_parameters()
 
     @torch.no_grad()
     def load_reference(self, ref: ReferenceBlock) -> TransformerBlock:
         """Take this rank's part of a single-process block's parameters (and its dropout seed); returns self."""
-        self.ln1.load_state_dict(ref.ln1.state_dict())
-        self.ln2.load_state_dict(ref.ln2.state_dict())
+        for mine, theirs in ((self.ln1, ref.ln1), (self.ln2, ref.ln2)):
+            local_data(mine.weight).copy_(theirs.weight)
+            local_data(mine.bias).copy_(theirs.bias)
         for name in LINEARS:
             full = getattr(ref, name)
             getattr(self, name).load_full(full.weight, full.bias)
@@ -163,9 +170,9 @@ class TransformerBlock(DropoutCounter, nn.Module):
         `batch_shape` (batch, seq), returning the output's slice."""
         s_attn, s_mlp = block_seeds(self.seed, _next_step(self, step))
         if not self.sequence_parallel:
-            a = _attend(self.qkv(self.ln1(x)), self.local_heads, self.head_dim, self.causal)
+            a = _attend(self.qkv(self._norm(self.ln1, x)), self.local_heads, self.head_dim, self.causal)
             x = self.proj(a, residual=x, dropout_seed=s_attn, index_offset=index_offset)
-            h = F.gelu(self.fc1(self.ln2(x)))
+            h = F.gelu(self.fc1(self._norm(self.ln2, x)))
             return self.fc2(h, residual=x, dropout_seed=s_mlp, index_offset=index_offset)
         if batch_shape is None:
             raise ParallelConfigError("TransformerBlock: with sequence_parallel=True, forward takes this rank's token "
@@ -183,10 +190,11 @@ class TransformerBlock(DropoutCounter, nn.Module):
         return self.fc2(h, residual=x, dropout_seed=s_mlp, index_offset=index_offset)
 
     def _norm(self, ln: nn.LayerNorm, x: torch.Tensor) -> torch.Tensor:
-        """LayerNorm of a token slice: its parameters' gradients are summed over the group (Megatron-SP), by the
-        programs of the layer after it."""
-        after = self.qkv if ln is self.ln1 else self.fc1
-        w, b = sum_grads(after.programs, ln.weight, ln.bias)
+        """LayerNorm on this rank's tensors of its (replicated) parameters; on a token slice its parameters'
+        gradients are summed over the group (Megatron-SP), by the programs of the layer after it."""
+        w, b = local(ln.weight), local(ln.bias)
+        if self.sequence_parallel:
+            w, b = sum_grads((self.qkv if ln is self.ln1 else self.fc1).programs, w, b)
         return F.layer_norm(x, ln.normalized_shape, w, b, ln.eps)
 
     def extra_repr(self) -> str:

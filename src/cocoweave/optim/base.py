@@ -61,7 +61,7 @@ class DistributedOptimizer(BucketSet, Stepping, Clipping, Masks, DDPBehaviours, 
     def __init__(self, params: Any, defaults: dict[str, Any], schedule: str = "auto", reduction: str = "avg",
                  max_grad_norm: float | None = None, process_group: Any = None, *, bucket_cap_mb: float = 25.0,
                  overlap: bool = True, gather: str = "auto", master_weights: bool = False,
-                 kernels: str | None = None, module: torch.nn.Module | None = None):
+                 kernels: str | None = None, module: torch.nn.Module | None = None, broadcast_buffers: bool = True):
         if reduction not in REDUCTION_MODES:
             raise OptimizerError(f"reduction must be one of {', '.join(REDUCTION_MODES)}, got {reduction!r}")
         if max_grad_norm is not None and not (isinstance(max_grad_norm, int | float) and max_grad_norm > 0):
@@ -93,13 +93,19 @@ class DistributedOptimizer(BucketSet, Stepping, Clipping, Masks, DDPBehaviours, 
         self._gathered: set[int] = set()  # buckets whose sliced state opt.state[p] gathered since its views were set
         self._options = {"schedule": schedule, "reduction": reduction, "process_group": process_group,
                          "bucket_cap_mb": bucket_cap_mb, "overlap": overlap, "gather": gather,
-                         "master_weights": master_weights, "kernels": kernels, "module": module}
+                         "master_weights": master_weights, "kernels": kernels, "module": module,
+                         "broadcast_buffers": broadcast_buffers}
+        self._buffer_modules: dict[int, torch.nn.Module] = {}  # modules whose buffers step() makes rank 0's
+        self._finder: Any = None
         super().__init__(params, defaults)
         self._check_same_model()  # before any collective: ranks with other models would hang or abort in them
         self._ensure_buckets()  # compile now, and start every rank from rank 0's parameters, as DDP does
         self._publish_steps()
-        if module is not None and world(process_group)[1] > 1:  # DDP's broadcast_buffers: rank 0's before forward
-            self._buffer_hook = module.register_forward_pre_hook(self._broadcast_buffers)
+        if broadcast_buffers and world(process_group)[1] > 1:  # DDP's broadcast_buffers (ddp.py)
+            if module is not None:  # rank 0's before each forward, as DDP
+                self._buffer_hook = module.register_forward_pre_hook(self._broadcast_buffers)
+            else:  # the modules the first forward runs that hold our parameters and buffers: rank 0's at each step
+                self._finder = torch.nn.modules.module.register_module_forward_pre_hook(self._find_buffers)
 
     def __deepcopy__(self, memo: dict[int, Any]) -> DistributedOptimizer:
         """copy.deepcopy(opt), as torch's: an optimizer of the same class over copies of the parameters, with the

@@ -9,6 +9,8 @@ from dataclasses import dataclass
 
 import torch
 
+from .placements import local, shard_key
+
 DDP_CAP_MB = 25.0  # DDP's bucket_cap_mb
 
 
@@ -28,8 +30,9 @@ class BucketPolicy:
         return cls(0 if reduction == "adasum" else int(bucket_cap_mb * 2**20), rows, world_size)
 
     def key(self, p: torch.Tensor) -> tuple:
-        """Parameters share a bucket only with the same key: dtype and device (rows: and size)."""
-        return (p.dtype, p.device) + ((p.numel(),) if self.rows else ())
+        """Parameters share a bucket only with the same key: dtype, device and the groups a DTensor parameter is split
+        over (clipping sums a bucket's squared norm over them); rows: and size."""
+        return (p.dtype, p.device, shard_key(p)) + ((local(p).numel(),) if self.rows else ())
 
     def partition(self, params: Iterable[torch.nn.Parameter]) -> list[list[torch.nn.Parameter]]:
         """The parameters that need gradients, by key, in reverse order of registration (the order backward produces
@@ -39,7 +42,7 @@ class BucketPolicy:
         sizes: dict[tuple, int] = {}
         for p in reversed([p for p in params if p.requires_grad]):
             key = self.key(p)
-            nbytes = p.numel() * p.element_size()
+            nbytes = local(p).numel() * p.element_size()
             if key in open_ and sizes[key] + nbytes > self.cap_bytes:
                 out.append(open_.pop(key))
                 sizes[key] = 0

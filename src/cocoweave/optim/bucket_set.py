@@ -13,12 +13,14 @@ import torch
 import torch.distributed as dist
 
 from ..compiler import compile as compile_schedule
-from ..errors import OptimizerError
+from ..errors import OptimizerError, ParallelConfigError
 from ..ir.graph import Program
 from ..ir.types import canonical_dtype
+from ..sharding import local_data
 from ..workloads.optimizer_contract import GIVEN, GRAD, WEIGHTS, model_weights
 from .bucket_policy import BucketPolicy
 from .buckets import Bucket, buckets_of
+from .placements import check_placement, set_grad
 from .ranks import one_host, world
 from .schedule_choice import norm_reduction, resolve_schedule
 
@@ -52,11 +54,23 @@ class BucketSet:
                 raise OptimizerError(f"{type(self).__name__}: parameters must be float32, bfloat16 or float16 (the "
                                      f"fused programs' types; float64 and complex are not supported), got {p.dtype} "
                                      f"of shape {list(p.shape)}")
-            if "DTensor" in (type(p).__name__, type(p.data).__name__):
-                raise OptimizerError(f"{type(self).__name__}: parameters sharded by FSDP2/DTensor are already "
-                                     "distributed; use cocoweave's optimizers on plain parameters instead of FSDP")
+            try:
+                check_placement(type(self).__name__, lambda p=p: self._param_name(p), p, self.process_group,
+                                self.rows)
+            except ParallelConfigError:
+                self.param_groups.pop()
+                raise
             if p.device != group["params"][0].device:
                 raise OptimizerError(f"{type(self).__name__}: the parameters of one group are on several devices")
+
+    def _param_name(self, p: torch.Tensor) -> str:
+        """How a sentence names parameter p: by its name in `module=`'s named_parameters, else by its index over
+        every group."""
+        module = self._options.get("module")
+        for name, q in module.named_parameters() if module is not None else ():
+            if q is p:
+                return f"parameter {name!r}"
+        return f"parameter {[q is p for g in self.param_groups for q in g['params']].index(True)}"
 
     def _check_hyperparameters(self, group: dict[str, Any]) -> None:
         """Raise OptimizerError for a hyperparameter of `group` the optimizer cannot use; one-element tensors
@@ -122,7 +136,7 @@ class BucketSet:
             src = dist.get_global_rank(self.process_group, 0) if self.process_group is not None else 0
             with torch.no_grad():
                 for p in b.params:
-                    dist.broadcast(p.data, src, group=self.process_group)
+                    dist.broadcast(local_data(p), src, group=self.process_group)
         self._place(b)
         self._reset_state(b, {})
         for i, p in enumerate(b.params):
@@ -201,7 +215,7 @@ class BucketSet:
             b.arrived.clear()
             b.zeroed = set(range(len(b.params)))
             for i, p in enumerate(b.params):  # as torch: a None gradient stays None either way
-                p.grad = None if set_to_none or p.grad is None else b.part(b.grad, i)
+                set_grad(p, None if set_to_none or p.grad is None else b.grads[i])
 
     @property
     def schedules(self) -> list[str]:

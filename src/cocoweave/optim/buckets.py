@@ -16,8 +16,10 @@ from typing import Any
 
 import torch
 
+from ..sharding import local_data
 from .bucket_policy import BucketPolicy, flat_size
 from .bucket_program import BucketProgram
+from .placements import local, local_grad, set_data, set_grad, shard_groups, shard_key
 
 
 @dataclass
@@ -44,16 +46,24 @@ class Bucket:
     in_slot: bool = False  # `grad` is the slot of a shared-memory reduction, which leaves this rank's part reduced
     stale: set[int] = field(default_factory=set)  # parameters whose gradient view still holds the last reduction
     started: bool = False  # SGD: the momentum buffer exists (torch's state has a momentum_buffer)
+    grads: list = field(default_factory=list)  # parameter i's view of `grad` (made once per buffer: host time)
+    weights: list = field(default_factory=list)  # parameter i's view of `data`
+    step_count: torch.Tensor | None = None  # `step`, the 0-d tensor every parameter's opt.state[p]["step"] is
+    shards: tuple = ()  # the global ranks of each group its (DTensor) parameters are split over (placements.py)
+    shard_groups: list = field(default_factory=list)  # those groups of more than one rank: clipping sums over them
 
     def __post_init__(self) -> None:
-        sizes = [p.numel() for p in self.params]
+        sizes = [local(p).numel() for p in self.params]
         self.offsets = [0] * len(sizes) if self.rows else [sum(sizes[:i]) for i in range(len(sizes))]
+        self.shards = shard_key(self.params[0])
+        self.shard_groups = [g for g, ranks in zip(shard_groups(self.params[0]), self.shards, strict=True)
+                             if len(ranks) > 1]
 
     @property
     def shape(self) -> tuple[int, ...]:
         if self.rows:
-            return (len(self.params), self.params[0].numel())
-        return (flat_size(sum(p.numel() for p in self.params), self.pad_to),)
+            return (len(self.params), local(self.params[0]).numel())
+        return (flat_size(sum(local(p).numel() for p in self.params), self.pad_to),)
 
     @property
     def numel(self) -> int:
@@ -72,7 +82,7 @@ class Bucket:
 
     def part(self, buf: torch.Tensor, i: int) -> torch.Tensor:
         """Parameter i's elements of a bucket-shaped buffer, in the parameter's shape (a view)."""
-        p = self.params[i]
+        p = local(self.params[i])
         flat = buf[i] if self.rows else buf[self.offsets[i]:self.offsets[i] + p.numel()]
         return flat.view(p.shape)
 
@@ -81,7 +91,7 @@ class Bucket:
         number for all of them, or None: left as it is); returns `buf`."""
         for i, v in enumerate(parts):
             if isinstance(v, torch.Tensor):
-                self.part(buf, i).copy_(v.reshape(self.params[i].shape))
+                self.part(buf, i).copy_(local(v).reshape(local(self.params[i]).shape))
             elif v is not None:
                 self.part(buf, i).fill_(v)
         return buf
@@ -96,14 +106,16 @@ class Bucket:
         data = data if data is not None else torch.empty(self.shape, dtype=self.dtype, device=self.device)
         with torch.no_grad():
             for i, p in enumerate(self.params):
-                self.part(data, i).copy_(p.data)
+                self.part(data, i).copy_(local_data(p))
             if not self.rows:  # the padding: zeros, which every update leaves zero
-                data[sum(p.numel() for p in self.params):].zero_()
+                data[sum(local(p).numel() for p in self.params):].zero_()
         old = self.grad if keep_grad else None
-        views = [old is not None and p.grad is not None and p.grad.data_ptr() == self.part(old, i).data_ptr()
+        views = [old is not None and p.grad is not None and local(p.grad).data_ptr() == self.part(old, i).data_ptr()
                  for i, p in enumerate(self.params)]
         self.data = data
         self.grad = grad if grad is not None else torch.empty(self.shape, dtype=self.dtype, device=self.device)
+        self.grads = [self.part(self.grad, i) for i in range(len(self.params))]
+        self.weights = [self.part(data, i) for i in range(len(self.params))]
         if old is None:
             self.grad.zero_()
             self.zeroed = set(range(len(self.params)))
@@ -112,20 +124,20 @@ class Bucket:
             if self.version is not None:  # still the gradients backward wrote: the check goes on from the copy
                 self.version = self.grad._version
         for i, p in enumerate(self.params):
-            p.data = self.part(data, i)
+            set_data(p, self.weights[i])
             if views[i]:
-                p.grad = self.part(self.grad, i)
+                set_grad(p, self.grads[i])
             elif old is None and p.grad is not None:
                 self.take(i)
 
     def take(self, i: int) -> None:
         """Parameter i's `.grad`, another tensor than its view (set by hand, or made by autograd outside the bucket),
         copied into the view (a sparse one densified), which becomes its `.grad`."""
-        p, view = self.params[i], self.part(self.grad, i)
-        g = p.grad.to_dense() if p.grad.layout != torch.strided else p.grad
+        p, view, g = self.params[i], self.grads[i], local_grad(self.params[i])
+        g = g.to_dense() if g.layout != torch.strided else g
         with torch.no_grad():
             view.copy_(g)
-        p.grad = view
+        set_grad(p, view)
         self.zeroed.discard(i)
         self.stale.discard(i)
 
@@ -135,27 +147,28 @@ class Bucket:
         the indices of the parameters without a gradient. (`copy=False`: the values are about to be zeroed.)"""
         missing = []
         for i, p in enumerate(self.params):
-            view = self.part(self.grad, i)
-            if p.grad is None:
+            view, g = self.grads[i], local_grad(p)
+            if g is None:
                 missing.append(i)
                 if i not in self.zeroed:
                     view.zero_()
                     self.zeroed.add(i)
                 self.stale.discard(i)
-            elif p.grad.layout != view.layout or p.grad.data_ptr() != view.data_ptr() or p.grad.shape != view.shape:
+            elif g.layout != view.layout or g.data_ptr() != view.data_ptr() or g.shape != view.shape:
                 if copy:
                     self.take(i)
                 else:
-                    p.grad = view
-            if p.data.data_ptr() != self.part(self.data, i).data_ptr():  # the user replaced the weights
-                self.part(self.data, i).copy_(p.data)
-                p.data = self.part(self.data, i)
+                    set_grad(p, view)
+            weights = local_data(p)
+            if weights.data_ptr() != self.weights[i].data_ptr():  # the user replaced the weights
+                self.weights[i].copy_(weights)
+                set_data(p, self.weights[i])
         return missing
 
     def grad_view(self, i: int) -> torch.Tensor:
         """Parameter i's gradient view, zeroed unless known to be zero: what backward accumulates into when the
         parameter has no `.grad` (after zero_grad(set_to_none=True) or model.zero_grad())."""
-        view = self.part(self.grad, i)
+        view = self.grads[i]
         if i not in self.zeroed:
             view.zero_()
         self.zeroed.discard(i)

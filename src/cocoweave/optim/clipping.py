@@ -47,22 +47,32 @@ class Clipping:
 
 
 def clip(opt: Any, runs: list[tuple[Bucket, Any, Iterator]], size: int) -> None:
-    """Clip by the global norm of the reduced gradient, as torch.nn.utils.clip_grad_norm_ after DDP: each
-    bucket's program stops before the all-reduce of its squared-norm partial (split and reorder put it there);
-    the partials of all buckets are summed and all-reduced once; every bucket then gets that total."""
-    partials, names = [], []
+    """Clip by the global norm of the reduced gradient of the whole model, as torch.nn.utils.clip_grad_norm_ after
+    DDP (and over DTensor parameters): each bucket's program stops before the all-reduce of its squared-norm partial
+    (split and reorder put it there); the partials are summed per set of groups their parameters are split over
+    (a bucket holds one set: bucket_policy), all-reduced once over the optimizer's group, then each sum of split
+    parameters once over its groups (replicated ones count once); every bucket then gets the total."""
+    sums: dict[tuple, list[torch.Tensor]] = {}  # in bucket order: the same on every rank of a group
+    groups: dict[tuple, list[Any]] = {}
+    names = []
     for b, exe, steps in runs:
         name = b.norm
         while True:
             index, reads = next(steps)
             if name in exe.stage_names(index):
                 break
-        partials.append(next(iter(reads.values())).double())
+        sums.setdefault(b.shards, []).append(next(iter(reads.values())).double())
+        groups[b.shards] = b.shard_groups
         names.append(name)
-    total = torch.stack(partials).sum() if partials else torch.zeros(
-        (), dtype=torch.float64, device=opt._buckets[0].device if opt._buckets else None)  # as partials
+    if not sums:
+        sums[()] = [torch.zeros((), dtype=torch.float64, device=opt._buckets[0].device if opt._buckets else None)]
+    parts = torch.stack([torch.stack(ps).sum() for ps in sums.values()])
     if size > 1:
-        dist.all_reduce(total, group=opt.process_group)
+        dist.all_reduce(parts, group=opt.process_group)
+    for j, key in enumerate(sums):
+        for group in groups.get(key, []):
+            dist.all_reduce(parts[j:j + 1], group=group)
+    total = parts.sum()
     for (_, exe, _), name in zip(runs, names, strict=True):
         exe.provide(name, total.to(torch.float32))
     opt._norm_sq = total  # read on demand (last_grad_norm): no device sync in the step

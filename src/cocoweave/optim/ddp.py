@@ -1,7 +1,7 @@
 """What DDP does that the distributed optimizers do too: check at construction that every rank passes the same
 parameters, start each bucket's gradient reduction from backward hooks (not under no_sync()), broadcast module
-buffers from rank 0 before forward, and leave the all-gathers of new weights in flight until a module that reads
-them runs forward (gather="forward")."""
+buffers from rank 0 (before each forward of `module=`, else at each step), and leave the all-gathers of new weights
+in flight until a module that reads them runs forward (gather="forward")."""
 
 from __future__ import annotations
 
@@ -19,6 +19,7 @@ from ..backends.torch import shm
 from ..errors import OptimizerError
 from ..workloads.optimizer_contract import GRAD
 from .buckets import Bucket
+from .placements import local, set_grad
 from .ranks import store_prefix, world
 
 
@@ -76,13 +77,13 @@ class DDPBehaviours:
 
         def hook(grad: torch.Tensor) -> None:
             if p.grad is None and grad.layout == torch.strided:
-                p.grad = b.grad_view(i)
+                set_grad(p, b.grad_view(i))
         return hook
 
     def _arrived(self, b: Bucket, i: int) -> Callable[[torch.Tensor], None]:
         def hook(p: torch.Tensor) -> None:
-            view = b.part(b.grad, i)
-            if p.grad.layout != view.layout or p.grad.data_ptr() != view.data_ptr():  # not the view: copied in
+            view, g = b.grads[i], local(p.grad)
+            if g.layout != view.layout or g.data_ptr() != view.data_ptr():  # not the view: copied in
                 b.take(i)
             b.version = b.grad._version  # any later in-place change of the gradients shows in this counter
             if not self._sync:  # accumulating under no_sync: the reduction waits for the backward outside it
@@ -118,16 +119,37 @@ class DDPBehaviours:
 
     def _broadcast_buffers(self, module: torch.nn.Module, args: Any) -> None:
         """Module buffers (BatchNorm's running statistics) become rank 0's before each forward, as DDP does."""
-        buffers = [b for b in module.buffers() if b.is_floating_point() or b.dtype == torch.int64]
-        if not buffers or not module.training:
+        if module.training:
+            self._broadcast(list(module.buffers()))
+
+    def _find_buffers(self, module: torch.nn.Module, args: Any) -> None:
+        """Without `module=`: remember each module the forwards before the first step run that holds one of the
+        optimizer's parameters and buffers of its own (a BatchNorm layer); step() broadcasts their buffers."""
+        if module._buffers and any(p is not None and id(p) in self._owner for p in module._parameters.values()):
+            self._buffer_modules.setdefault(id(module), module)
+
+    def _sync_buffers(self) -> None:
+        """At the end of a step: the found modules' buffers become rank 0's (the forwards of the first step found
+        them: every rank ran the same modules)."""
+        if self._finder is not None:
+            self._finder.remove()
+            self._finder = None
+        if self._buffer_modules:
+            self._broadcast([b for m in self._buffer_modules.values() for b in m.buffers(recurse=False)])
+
+    def _broadcast(self, buffers: list[torch.Tensor]) -> None:
+        """Broadcast floating-point and int64 `buffers` from rank 0 of the group (one broadcast per dtype)."""
+        buffers = [b for b in buffers if b.is_floating_point() or b.dtype == torch.int64]
+        if not buffers:
             return
         src = dist.get_global_rank(self.process_group, 0) if self.process_group is not None else 0
-        for dtype in sorted({b.dtype for b in buffers}, key=str):  # the same order on every rank
-            same = [b for b in buffers if b.dtype == dtype]
-            flat = torch.cat([b.reshape(-1) for b in same])
-            dist.broadcast(flat, src, group=self.process_group)
-            for b, part in zip(same, flat.split([b.numel() for b in same]), strict=True):
-                b.copy_(part.view_as(b))
+        with torch.no_grad():
+            for dtype in sorted({b.dtype for b in buffers}, key=str):  # the same order on every rank
+                same = [b for b in buffers if b.dtype == dtype]
+                flat = torch.cat([b.reshape(-1) for b in same])
+                dist.broadcast(flat, src, group=self.process_group)
+                for b, part in zip(same, flat.split([b.numel() for b in same]), strict=True):
+                    b.copy_(part.view_as(b))
 
     def _before_forward(self, module: torch.nn.Module, args: Any) -> None:
         """A module is about to run: the all-gathers of its parameters' buckets complete first."""

@@ -12,6 +12,7 @@ from ..backends.torch import shm
 from ..backends.torch.placement import metadata_device
 from ..errors import OptimizerError
 from .buckets import Bucket
+from .placements import local
 
 
 class Masks:
@@ -51,7 +52,7 @@ class Masks:
         if self.sparse_grads:
             return
         for p in b.params:
-            if p.grad is not None and p.grad.layout != torch.strided:
+            if p.grad is not None and local(p.grad).layout != torch.strided:
                 raise OptimizerError(f"{type(self).__name__} does not support sparse gradients (a parameter of shape "
                                      f"{list(p.shape)} has a {p.grad.layout} one), as torch's "
                                      f"{type(self).__name__.removeprefix('Distributed')} does not; use a dense "

@@ -30,6 +30,7 @@ class DistributedOptions(TypedDict, total=False):
     master_weights: bool
     kernels: str | None
     module: torch.nn.Module | None
+    broadcast_buffers: bool
 
 
 # torch.optim's implementation switches: one fused program runs every step here, so they change nothing; and its
@@ -117,8 +118,9 @@ class DistributedAdamW(_AdamLike):
     before a module that uses them runs: opt in only when nothing else reads the parameters between step() and the
     next forward, or call opt.wait() first) or "auto" (step); master_weights: fp32 master
     weights and state for bf16/fp16 parameters (default False: torch's own semantics, state in their dtype);
-    kernels: how the fused update runs ("auto", "compiled", "triton", "torch"); module: the model, to broadcast its
-    buffers (BatchNorm statistics) from rank 0 before each forward, as DDP does.
+    kernels: how the fused update runs ("auto", "compiled", "triton", "torch"); broadcast_buffers (default True, DDP's):
+    module buffers (BatchNorm statistics) become rank 0's: before each forward of `module` (the model) when given,
+    else at the end of each step, for the modules holding these parameters that ran forward before the first step.
     torch.optim's fused=, foreach=, capturable=False, differentiable=False and amsgrad=False are accepted.
     Clip with max_grad_norm= or opt.clip_grad_norm_(max_norm), never torch.nn.utils.clip_grad_norm_: gradients are
     reduced in step(), so between backward() and step() each rank holds its own (a change there is refused)."""
@@ -192,6 +194,6 @@ class DistributedSGD(DistributedOptimizer):
         b.started = b.started or group["momentum"] != 0
 
     def has_state(self, b: Bucket, whole: Mapping[str, torch.Tensor], i: int) -> bool:
-        if STARTED in whole and b.params[i].numel():
+        if STARTED in whole and b.part(whole[STARTED], i).numel():
             return bool(b.part(whole[STARTED], i).reshape(-1)[0] > 0.5)
         return b.started

@@ -17,6 +17,7 @@ from ..backends.torch import shm
 from ..errors import OptimizerError
 from ..workloads.optimizer_contract import PARAMS, STARTED, STEPS, WEIGHTS, model_weights
 from .buckets import Bucket
+from .placements import like, local
 from .ranks import world
 
 # torch.optim's implementation switches and flags its param_groups carry (a state dict may lack them)
@@ -32,12 +33,16 @@ class StateDicts:
 
     def _publish_steps(self) -> None:
         """`opt.state[p]["step"]` as torch users read it (so that torch's checkpoint helpers see an initialised
-        optimizer); the state views are set when a bucket's state is (`_publish_views`)."""
+        optimizer): one 0-d tensor per bucket, shared by its parameters; the state views are set when a bucket's
+        state is (`_publish_views`)."""
         if not self.has_step:
             return
         for b in self._buckets:
-            for p in b.params:
-                self.state[p].setdefault("step", torch.zeros(())).fill_(float(b.step))
+            if b.step_count is None:  # one tensor per bucket, made once: no per-parameter work per step
+                b.step_count = torch.zeros(())
+                for p in b.params:
+                    self.state[p]["step"] = b.step_count
+            b.step_count.fill_(float(b.step))
 
     def _publish_views(self, b: Bucket) -> None:
         """`opt.state[p]`'s exp_avg / exp_avg_sq / momentum_buffer: views of the bucket's state where this rank holds
@@ -118,13 +123,14 @@ class StateDicts:
         for b in buckets:  # every parameter, a fresh optimizer's at step 0 (a template DCP can fill)
             whole = self._gather_whole(b)
             for i, p in enumerate(b.params):
-                step = int(b.part(whole[STEPS], i).reshape(-1)[0]) if STEPS in whole and p.numel() else b.step
-                entry = {key: self.state_part(b, n, whole[n], i).detach().clone() for n, key in self.state_keys.items()
-                         if self.has_state(b, whole, i)}
+                steps = b.part(whole[STEPS], i) if STEPS in whole else None
+                step = int(steps.reshape(-1)[0]) if steps is not None and steps.numel() else b.step
+                entry = {key: like(p, self.state_part(b, n, whole[n], i).detach().clone())
+                         for n, key in self.state_keys.items() if self.has_state(b, whole, i)}
                 if self.has_step:
                     entry = {"step": torch.tensor(float(step))} | entry
                 if WEIGHTS in whole and model_weights(b.exe.tensor_inputs()) == PARAMS:
-                    entry["master_param"] = b.part(whole[WEIGHTS], i).detach().clone()
+                    entry["master_param"] = like(p, b.part(whole[WEIGHTS], i).detach().clone())
                 out["state"][index[id(p)]] = entry
         for post_hook in self._optimizer_state_dict_post_hooks.values():
             result = post_hook(self, out)
@@ -179,7 +185,7 @@ class StateDicts:
         # order of ours
         keys = [k for g in state_dict["param_groups"] for k in g["params"]]
         params = [p for g in self.param_groups for p in g["params"]]
-        entry_of = {id(p): saved.get(k, saved.get(str(k))) for p, k in zip(params, keys, strict=True)}
+        entry_of = {id(p): _local_entry(saved.get(k, saved.get(str(k)))) for p, k in zip(params, keys, strict=True)}
         plans = [self._loaded_state(b, [entry_of[id(p)] for p in b.params]) for b in self._ensure_buckets()]
         # nothing failed: from here on the optimizer changes
         self.param_groups[:] = groups
@@ -222,6 +228,12 @@ class StateDicts:
             raise OptimizerError(f"{type(self).__name__}.load_state_dict: the state of group {b.group} does not "
                                  f"match its parameters ({exc})") from None
         return max(steps), masked, state, master, any(has)
+
+
+def _local_entry(entry: Any) -> Any:
+    """A saved parameter's state with DTensors (a DCP checkpoint's, resharded to this rank) as their local tensors."""
+    return {k: local(v) if isinstance(v, torch.Tensor) else v for k, v in entry.items()} \
+        if isinstance(entry, dict) else entry
 
 
 _SLICED = object()  # opt.state[p]'s value of state the ranks keep sliced, until read

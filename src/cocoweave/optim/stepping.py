@@ -50,6 +50,7 @@ class Stepping:
             b.zeroed.clear()  # the reduction may have worked inside the gradient buffer
             b.version = None
         self._publish_steps()
+        self._sync_buffers()
         for b in buckets:
             if id(b) in self._gathered:  # opt.state[p] holds last step's gathered state: gather anew when read
                 self._publish_views(b)

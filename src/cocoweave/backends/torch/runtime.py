@@ -261,17 +261,18 @@ class RankContext:
         p = Pending(work, finish)
         return p if async_op else p.wait()
 
-    def _alone(self, x: torch.Tensor, out: Any, async_op: bool, into: torch.Tensor | None = None) -> Any | None:
+    def _alone(self, x: torch.Tensor, out: Any, async_op: bool, into: torch.Tensor | None = None,
+               group: Any = None) -> Any | None:
         """What a collective returns without communicating, or None: its result issued ahead of the step (launch),
-        a result the caller provided, or, in a world of one rank without torch.distributed, this rank's own tensor
-        (the identity; avg and adasum of one tensor are the tensor)."""
+        a result the caller provided, or, in a group of one rank (or a world of one without torch.distributed),
+        this rank's own tensor (the identity; avg and adasum of one tensor are the tensor): no collective runs."""
         early = self._early.pop(out, None)
         if early is not None:
             return early if async_op else early.wait()
         if out in self.provided:
             res = self.provided.pop(out)
             return self._done(None, lambda: res, async_op)
-        if dist.is_initialized():
+        if dist.is_initialized() and dist.get_world_size(group) > 1:
             return None
         res = into if into is not None else self.buffer(out, x.shape, x.dtype)
         res.copy_(x)
@@ -296,7 +297,7 @@ class RankContext:
             self.deferred.pop(0).wait()
 
     def all_reduce(self, x: torch.Tensor, op: str, group: Any, out: Any, async_op: bool = False) -> Any:
-        if (alone := self._alone(x, out, async_op)) is not None:
+        if (alone := self._alone(x, out, async_op, group=group)) is not None:
             return alone
         n = dist.get_world_size(group)
         if op == "adasum":  # synchronous: point-to-point rounds
@@ -328,7 +329,7 @@ class RankContext:
 
     def reduce_scatter(self, x: torch.Tensor, op: str, dim: int, group: Any, out: Any,
                        async_op: bool = False, shares: Sequence[int] | None = None) -> Any:
-        if (alone := self._alone(x, out, async_op)) is not None:
+        if (alone := self._alone(x, out, async_op, group=group)) is not None:
             return alone
         n, me = dist.get_world_size(group), dist.get_rank(group)
         size = x.shape[dim]
@@ -372,7 +373,7 @@ class RankContext:
         """Gather the ranks' parts (tensor_split sizes, or in proportion to `shares`) of a tensor whose whole size
         along `dim` is `total` (into `into`, when given: a state tensor the result becomes). A deferrable gather is
         left in flight while the executable defers (its result is only read after Executable.wait)."""
-        if (alone := self._alone(x, out, async_op, into)) is not None:
+        if (alone := self._alone(x, out, async_op, into, group)) is not None:
             return alone
         if deferrable and self.defer and not async_op:
             self.deferred.append(self.all_gather(x, dim, total, group, out, True, into, shares=shares))
@@ -402,7 +403,7 @@ class RankContext:
         return self._done(work if async_op else None, finish, async_op)
 
     def broadcast(self, x: torch.Tensor, root: int, group: Any, out: Any, async_op: bool = False) -> Any:
-        if (alone := self._alone(x, out, async_op)) is not None:
+        if (alone := self._alone(x, out, async_op, group=group)) is not None:
             return alone
         buf = self.buffer(out, x.shape, x.dtype)
         buf.copy_(x)
@@ -411,7 +412,7 @@ class RankContext:
         return self._done(work if async_op else None, lambda: buf, async_op)
 
     def reduce(self, x: torch.Tensor, op: str, root: int, group: Any, out: Any, async_op: bool = False) -> Any:
-        if (alone := self._alone(x, out, async_op)) is not None:
+        if (alone := self._alone(x, out, async_op, group=group)) is not None:
             return alone
         wire = self._wire(x)
         buf = self.buffer((out, "wire"), wire.shape, wire.dtype)
@@ -477,7 +478,7 @@ class RankContext:
         return [(start * row, (stop - start) * row) for start, stop in parts(rows, n, shares)]
 
     def shm_all_reduce(self, x: torch.Tensor, op: str, group: Any, out: Any, async_op: bool = False) -> Any:
-        if (alone := self._alone(x, out, async_op)) is not None:
+        if (alone := self._alone(x, out, async_op, group=group)) is not None:
             return alone
         g = self._shm_group(group, x) if op != "adasum" else None
         wire = self._wire(x).reshape(-1)
@@ -493,7 +494,7 @@ class RankContext:
 
     def shm_reduce_scatter(self, x: torch.Tensor, op: str, dim: int, group: Any, out: Any,
                            async_op: bool = False, shares: Sequence[int] | None = None) -> Any:
-        if (alone := self._alone(x, out, async_op)) is not None:
+        if (alone := self._alone(x, out, async_op, group=group)) is not None:
             return alone
         g = self._shm_group(group, x)
         wire = self._wire(x).movedim(dim, 0)
@@ -517,7 +518,7 @@ class RankContext:
     def shm_all_gather(self, x: torch.Tensor, dim: int, total: int, group: Any, out: Any,
                        async_op: bool = False, into: torch.Tensor | None = None, deferrable: bool = False,
                        shares: Sequence[int] | None = None) -> Any:
-        if (alone := self._alone(x, out, async_op, into)) is not None:
+        if (alone := self._alone(x, out, async_op, into, group)) is not None:
             return alone
         g = self._shm_group(group, x)
         if g is None:
@@ -574,7 +575,7 @@ class RankContext:
     # -- ring algorithms (ring.py): synchronous, point-to-point ---------------------------------
     def ring_all_reduce(self, x: torch.Tensor, op: str, group: Any, out: Any) -> torch.Tensor:
         """A ring reduce-scatter then a ring all-gather of the flattened tensor (balanced parts)."""
-        if (alone := self._alone(x, out, False)) is not None:
+        if (alone := self._alone(x, out, False, group=group)) is not None:
             return alone
         res = self.buffer(out, x.shape, x.dtype)
         flat = x.reshape(-1)
@@ -586,7 +587,7 @@ class RankContext:
 
     def ring_reduce_scatter(self, x: torch.Tensor, op: str, dim: int, group: Any, out: Any,
                             shares: Sequence[int] | None = None) -> torch.Tensor:
-        if (alone := self._alone(x, out, False)) is not None:
+        if (alone := self._alone(x, out, False, group=group)) is not None:
             return alone
         start, stop = parts(x.shape[dim], dist.get_world_size(group), shares)[dist.get_rank(group)]
         res = self.buffer(out, with_dim(x.shape, dim, stop - start), x.dtype)
@@ -596,7 +597,7 @@ class RankContext:
     def ring_all_gather(self, x: torch.Tensor, dim: int, total: int, group: Any, out: Any,
                         into: torch.Tensor | None = None, deferrable: bool = False,
                         shares: Sequence[int] | None = None) -> torch.Tensor:
-        if (alone := self._alone(x, out, False, into)) is not None:
+        if (alone := self._alone(x, out, False, into, group)) is not None:
             return alone
         res = into if into is not None else self.buffer(out, with_dim(x.shape, dim, total), x.dtype)
         ring.ring_all_gather(x, dim, group, res, shares)
