@@ -202,7 +202,8 @@ class Variant:
 
 def timings(rank: int, world_size: int, dim: int, dp: int, names: list[str], rounds: int, steps: int,
             warmup: int) -> dict[str, Any]:
-    from torch.distributed.device_mesh import init_device_mesh
+    import torch.distributed.tensor.parallel  # noqa: F401  every variant needs DTensor: its import (0.4-0.6 s)
+    from torch.distributed.device_mesh import init_device_mesh  # is paid here, not by the first variant timed
 
     from cocoweave.backends.torch.worker import timed_steps
 

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import os
+import tempfile
 from collections.abc import Callable, Iterator
 from typing import TYPE_CHECKING
 
@@ -12,6 +13,11 @@ import pytest
 # every schedule of every example at every world size would take most of the suite's time. The compiled route (the
 # CPU default for users) has its own equivalence tests: tests/backends/test_compiled_route.py.
 os.environ.setdefault("COCOWEAVE_KERNELS", "torch")
+
+# The tuning cache (where schedule="auto" also keeps its measured choices) is the session's own: no test reads a
+# developer's cache or a previous run's choices.
+os.environ.setdefault("COCOWEAVE_TUNE_CACHE", os.path.join(tempfile.mkdtemp(prefix="cocoweave-tests-"),
+                                                           "tune-cache.json"))
 
 # ---------------------------------------------------------------------------------------------------------
 # Local worlds of live rank processes (cocoweave.launch), shared by every test of the session.

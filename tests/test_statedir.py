@@ -15,6 +15,12 @@ from cocoweave.perf.store import MeasurementStore
 from cocoweave.tune.cache import TuneCache, cached_schedule
 
 
+@pytest.fixture(autouse=True)
+def _default_tuning_cache(monkeypatch):
+    """The tuning cache where a user's is by default: under the state folder (the suite points it elsewhere)."""
+    monkeypatch.delenv("COCOWEAVE_TUNE_CACHE", raising=False)
+
+
 def test_a_symlinked_state_folder_is_refused_and_nothing_is_written_through_it(tmp_path, monkeypatch):
     target = tmp_path / "someone-elses"
     target.mkdir()

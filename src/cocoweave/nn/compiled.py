@@ -31,7 +31,7 @@ import torch.distributed as dist
 from .. import collectives, settings
 from ..backends.torch import shm
 from ..compiler import compile as compile_schedule
-from ..errors import ParallelConfigError
+from ..errors import CocoweaveError, ParallelConfigError
 from ..ir.graph import Program
 from ..ir.layout import slice_bounds
 from ..schedule.enumerate import schedules_of, shm_offered
@@ -230,9 +230,29 @@ class Programs:
             found = cached_schedule(program, {}, size, "torch", device.type) if cached_schedule else None
         if found is None:
             options = candidates(program, shared)
-            found = options[0] if len(options) == 1 else self._measure(kind, program, options, inputs, device)
+            if len(options) == 1:
+                found = options[0]
+            else:
+                names = [o.name for o in options]
+                disk = (f"nn-auto|{_fingerprint(program)}|w{size}|{device.type}|{'shm' if shared else 'library'}|"
+                        + ",".join(names))
+                index = self._agreed(_recall(disk, names))
+                if index is None:
+                    found = self._measure(kind, program, options, inputs, device)
+                    _remember(disk, found.name)
+                else:
+                    found = options[index]
         _CHOSEN[key] = found.name
         return found
+
+    def _agreed(self, index: int) -> int | None:
+        """`index` (a remembered choice, -1 for none) when every rank of the group remembers the same, else None:
+        then every rank measures, together (ranks on other hosts may have other caches)."""
+        if self.size == 1:
+            return index if index >= 0 else None
+        t = torch.tensor([index, -index], dtype=torch.int64)
+        dist.all_reduce(t, op=dist.ReduceOp.MAX, group=self.group)
+        return int(t[0]) if int(t[0]) == -int(t[1]) and index >= 0 else None
 
     def _measure(self, kind: str, program: Program, options: list[Schedule], inputs: Mapping[str, Any],
                  device: torch.device) -> Schedule:
@@ -294,8 +314,36 @@ class Programs:
             return names[0]
         k = ("route", _fingerprint(program), self.size, device.type, tuple(names))
         if k not in _CHOSEN:
-            _CHOSEN[k] = names[self.fastest([routes[n] for n in names], device)]
+            disk = f"nn-route|{_fingerprint(program)}|w{self.size}|{device.type}|" + ",".join(names)
+            index = self._agreed(_recall(disk, names))
+            if index is None:
+                index = self.fastest([routes[n] for n in names], device)
+                _remember(disk, names[index])
+            _CHOSEN[k] = names[index]
         return _CHOSEN[k]
+
+
+def _recall(key: str, names: list[str]) -> int:
+    """The index in `names` of the choice "auto" measured for `key` in an earlier run (the tuning cache, shared by
+    the processes of this folder and across runs), -1 if none: the step's start-up then skips the measurement."""
+    try:
+        from ..tune.cache import TuneCache
+
+        entry = TuneCache().get(key)
+    except (ImportError, CocoweaveError):  # an unreadable cache is no memory; training goes on
+        return -1
+    choice = entry.get("schedule") if entry else None
+    return names.index(choice) if choice in names else -1
+
+
+def _remember(key: str, name: str) -> None:
+    """Keep "auto"'s measured choice for the next run (best effort: a cache that cannot be written is skipped)."""
+    try:
+        from ..tune.cache import TuneCache
+
+        TuneCache().put(key, {"schedule": name, "source": "cocoweave.nn schedule='auto', measured in a step"})
+    except (ImportError, CocoweaveError):
+        pass
 
 
 def kernels(program: Program, device: torch.device) -> str | None:
