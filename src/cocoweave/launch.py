@@ -321,7 +321,15 @@ def _send(conn: Connection, msg: Any) -> None:
 _PRELOAD = ["torch", "torch.distributed", "cocoweave.launch"]
 
 
-_SERVER_READY: list[bool] = []
+@functools.cache
+def _fork_server(wait_s: float) -> bool:
+    """Start the fork server with torch preloaded, once per process; whether it answered within `wait_s`."""
+    ctx = mp.get_context("forkserver")
+    ctx.set_forkserver_preload(_PRELOAD)
+    probe = ctx.Process(target=os.getpid, name="cocoweave-fork-server-probe", daemon=True)
+    probe.start()
+    probe.join(wait_s)
+    return probe.exitcode == 0
 
 
 def _rank_context(wait_s: float) -> Any:
@@ -330,14 +338,8 @@ def _rank_context(wait_s: float) -> Any:
     The first call waits (up to `wait_s`) for the server's imports, so they do not count against a world's start."""
     if "forkserver" not in mp.get_all_start_methods() or settings.SPAWN_RANKS.get():
         return mp.get_context("spawn")
-    ctx = mp.get_context("forkserver")
-    if not _SERVER_READY:
-        ctx.set_forkserver_preload(_PRELOAD)
-        probe = ctx.Process(target=os.getpid, name="cocoweave-fork-server-probe", daemon=True)
-        probe.start()
-        probe.join(wait_s)
-        _SERVER_READY.append(probe.exitcode == 0)
-    return ctx
+    _fork_server(wait_s)
+    return mp.get_context("forkserver")
 
 
 def _worker_main(rank: int, world_size: int, port: int, backend: str, device: str, timeout_s: float,
@@ -517,13 +519,14 @@ class LocalWorld:
             self._progress = [ctx.RawValue(faults.Progress) for _ in range(self.world_size)]
             for progress in self._progress:
                 progress.stage = -1  # no stage entered yet
+            env, cwd = environment(), os.getcwd()  # every rank starts with the starter's environment and folder
             for rank in range(self.world_size):
                 parent_end, child_end = ctx.Pipe(duplex=True)
                 conns.append(parent_end)
                 p = ctx.Process(target=_worker_main, name=f"cocoweave-rank-{rank}", daemon=False,
                                 args=(rank, self.world_size, self._store.port, self.backend, self.device,
                                       self.timeout_s, self.start_timeout_s, self.threads_per_rank, child_end,
-                                      self._progress[rank], environment(), os.getcwd()))
+                                      self._progress[rank], env, cwd))
                 try:
                     p.start()
                 finally:

@@ -82,6 +82,39 @@ def test_one_parallelize_call_trains_the_single_process_curve_with_clipping(loca
         assert r["drift"] == 0.0
 
 
+def dp_tp_case(rank: int, world_size: int, steps: int) -> list[float]:
+    """dp 2 x tp 2: parallelize over the mesh's "tp" dim, DistributedAdamW over its "dp" dim (clipping by the whole
+    model's norm), each dp replica on its half of the batch; the losses of the whole batch."""
+    import torch.distributed as dist
+    from torch.distributed.device_mesh import init_device_mesh
+
+    from cocoweave.optim import DistributedAdamW
+
+    mesh = init_device_mesh("cpu", (2, 2), mesh_dim_names=("dp", "tp"))
+    d, dp = mesh.get_local_rank("dp"), mesh.get_group("dp")
+    model = _model()
+    parallelize(model, mesh, llama_plan(model))
+    opt = DistributedAdamW(model.parameters(), lr=LR, weight_decay=0.01, max_grad_norm=CLIP, process_group=dp)
+    losses = []
+    for step in range(steps):
+        x, y = (t.chunk(2)[d] for t in _batch(step))
+        opt.zero_grad()
+        loss = F.cross_entropy(model(x).flatten(0, 1), y.flatten())
+        loss.backward()
+        opt.step()
+        whole = loss.detach().clone()
+        dist.all_reduce(whole, group=dp)
+        losses.append(float(whole) / 2)
+    return losses
+
+
+def test_dp2_x_tp2_with_distributed_adamw_over_dp_trains_the_single_process_curve(local_world):
+    steps = 6
+    ref, _ = _reference(range(steps))
+    for losses in local_world(4).run(dp_tp_case, steps):
+        assert max(abs(a - b) for a, b in zip(losses, ref)) < 1e-5, (losses, ref)
+
+
 def dcp_save_case(rank: int, world_size: int, path: str, steps: int) -> list[float]:
     import torch.distributed.checkpoint as dcp
     from torch.distributed.checkpoint.state_dict import get_state_dict
