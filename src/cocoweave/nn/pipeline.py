@@ -203,6 +203,11 @@ class Pipeline:
         from .pipeline_engine import CountingStage, check_schedule  # the engine, imported on first use
 
         cls, per_rank = check_schedule(schedule, microbatches, pp)
+        if dist.is_initialized() and mesh.size() == dist.get_world_size():  # every rank runs the same pipeline
+            from .layers import agree_on_layer
+
+            agree_on_layer(None, "Pipeline", schedule=schedule, microbatches=microbatches, n_blocks=n_blocks,
+                           sliced=sliced, sequence_parallel=sequence_parallel, mesh=dict(zip(names, mesh.shape)))
         self.mesh, self.microbatches, self.schedule_name = mesh, microbatches, schedule
         self.tp_group, self.pp_group, self.dp_group = (mesh.get_group(d) for d in ("tp", "pp", "dp"))
         self.pp_rank, self.pp_size = group_rank(self.pp_group), pp

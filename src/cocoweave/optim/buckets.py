@@ -16,7 +16,7 @@ from typing import Any
 
 import torch
 
-from ..sharding import local_data
+from ..sharding import is_dtensor, local_data
 from .bucket_policy import BucketPolicy, flat_size
 from .bucket_program import BucketProgram
 from .placements import local, local_grad, set_data, set_grad, shard_groups, shard_key
@@ -45,6 +45,7 @@ class Bucket:
     norm: str | None = None  # clipping: the scalar all-reduce of the program's squared-norm partials
     in_slot: bool = False  # `grad` is the slot of a shared-memory reduction, which leaves this rank's part reduced
     stale: set[int] = field(default_factory=set)  # parameters whose gradient view still holds the last reduction
+    plain: list = field(default_factory=list)  # parameter i is a plain tensor (not a DTensor)
     started: bool = False  # SGD: the momentum buffer exists (torch's state has a momentum_buffer)
     grads: list = field(default_factory=list)  # parameter i's view of `grad` (made once per buffer: host time)
     weights: list = field(default_factory=list)  # parameter i's view of `data`
@@ -116,6 +117,7 @@ class Bucket:
         self.grad = grad if grad is not None else torch.empty(self.shape, dtype=self.dtype, device=self.device)
         self.grads = [self.part(self.grad, i) for i in range(len(self.params))]
         self.weights = [self.part(data, i) for i in range(len(self.params))]
+        self.plain = [not is_dtensor(p) for p in self.params]  # a plain parameter's `.grad` is its view itself
         if old is None:
             self.grad.zero_()
             self.zeroed = set(range(len(self.params)))
@@ -147,8 +149,10 @@ class Bucket:
         the indices of the parameters without a gradient. (`copy=False`: the values are about to be zeroed.)"""
         missing = []
         for i, p in enumerate(self.params):
-            view, g = self.grads[i], local_grad(p)
-            if g is None:
+            view, g = self.grads[i], p.grad
+            if g is view:  # the common case, checked without a call: the plain parameter's own view
+                pass
+            elif (g := None if g is None else local(g)) is None:
                 missing.append(i)
                 if i not in self.zeroed:
                     view.zero_()
@@ -159,9 +163,8 @@ class Bucket:
                     self.take(i)
                 else:
                     set_grad(p, view)
-            weights = local_data(p)
-            if weights.data_ptr() != self.weights[i].data_ptr():  # the user replaced the weights
-                self.weights[i].copy_(weights)
+            if (p.data_ptr() if self.plain[i] else local_data(p).data_ptr()) != self.weights[i].data_ptr():
+                self.weights[i].copy_(local_data(p))  # the user replaced the weights
                 set_data(p, self.weights[i])
         return missing
 

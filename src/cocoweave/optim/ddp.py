@@ -82,9 +82,9 @@ class DDPBehaviours:
 
     def _arrived(self, b: Bucket, i: int) -> Callable[[torch.Tensor], None]:
         def hook(p: torch.Tensor) -> None:
-            view, g = b.grads[i], local(p.grad)
-            if g.layout != view.layout or g.data_ptr() != view.data_ptr():  # not the view: copied in
-                b.take(i)
+            view, g = b.grads[i], p.grad
+            if g is not view and ((g := local(g)).layout != view.layout or g.data_ptr() != view.data_ptr()):
+                b.take(i)  # not the view: copied in
             b.version = b.grad._version  # any later in-place change of the gradients shows in this counter
             if not self._sync:  # accumulating under no_sync: the reduction waits for the backward outside it
                 return
