@@ -302,6 +302,32 @@ def test_dcp_failures_become_checkpoint_errors(tmp_path, monkeypatch):
         ck.save(tmp_path / "d", {"w": torch.zeros(8)})
 
 
+def test_a_full_disk_is_named_however_deep_the_writer_wrapped_it(tmp_path, monkeypatch):
+    """DCP's writer threads wrap the OSError (and only one rank's failure is quoted): the sentence still says the disk
+    is full, and nothing of the checkpoint is left to load."""
+    import errno
+    import traceback
+
+    from torch.distributed.checkpoint.api import CheckpointException
+
+    def wrapped(*args, **kwargs):
+        try:
+            raise OSError(errno.ENOSPC, "No space left on device")
+        except OSError as exc:
+            raise RuntimeError("writer thread failed") from exc
+
+    def on_another_rank(*args, **kwargs):
+        raise CheckpointException("failed", {0: (RuntimeError("rank 0 stopped"), traceback.StackSummary()),
+                                             1: (OSError(errno.EDQUOT, "Disk quota exceeded"),
+                                                 traceback.StackSummary())})
+
+    for broken, words in ((wrapped, "No space left on device"), (on_another_rank, "Disk quota exceeded")):
+        monkeypatch.setattr(ck.dcp, "save", broken)
+        with pytest.raises(CheckpointError, match=rf"saving checkpoint .* failed: the disk is full \({words}\); "):
+            ck.save(tmp_path / "d", {"w": torch.zeros(8)})
+        assert not (tmp_path / "d").exists()  # nothing at the checkpoint's path (its .partial folder is not one)
+
+
 # -- missing or extra state ----------------------------------------------------------------------------------
 
 

@@ -35,6 +35,7 @@ several hosts need a filesystem they all see at `PATH`.
 from __future__ import annotations
 
 import ctypes
+import errno
 import hashlib
 import json
 import logging
@@ -185,7 +186,7 @@ def save(path: str | os.PathLike[str], state: Mapping[str, Any], *, step: int | 
             warnings.simplefilter("ignore", UserWarning)
             dcp.save(entries, checkpoint_id=str(tmp), process_group=group, no_dist=not _is_dist(group))
     except (Exception, dcp.api.CheckpointException) as exc:  # noqa: BLE001 - DCP's is a BaseException
-        raise CheckpointError(f"saving checkpoint {final} failed: {_describe(first_failure(exc))}") from None
+        raise CheckpointError(f"saving checkpoint {final} failed: {_describe(first_failure(exc), exc)}") from None
     faults.maybe_fault(dist.get_rank() if _is_dist(group) else 0, 1, "checkpoint")
     error = None
     if rank == 0:
@@ -214,9 +215,39 @@ def _prepare(tmp: Path, final: Path) -> str | None:
     return None
 
 
-def _describe(exc: BaseException) -> str:
+def _describe(exc: BaseException, behind: BaseException | None = None) -> str:
+    """One line for a failure, saying first that the disk is full when that is the cause anywhere behind it (or
+    behind `behind`, e.g. every rank's failure of a DCP CheckpointException): DCP's writer threads wrap the OSError
+    in their own exceptions, which alone do not say so."""
     text = str(exc).strip()
-    return f"{type(exc).__name__}: {text.splitlines()[0] if text else ''}"
+    line = f"{type(exc).__name__}: {text.splitlines()[0] if text else ''}"
+    full = _no_space(behind if behind is not None else exc)
+    return line if full is None or full in line else f"the disk is full ({full}); {line}"
+
+
+_FULL = {errno.ENOSPC: "No space left on device", errno.EDQUOT: "Disk quota exceeded"}
+
+
+def _no_space(exc: BaseException) -> str | None:
+    """The strerror of a no-space (or quota) OSError in `exc`'s causes, contexts or DCP failures, else None."""
+    stack, seen = [exc], set()
+    while stack:
+        e = stack.pop()
+        if id(e) in seen:
+            continue
+        seen.add(id(e))
+        if isinstance(e, OSError) and e.errno in _FULL:
+            return _FULL[e.errno]
+        text = str(e)
+        for code, words in _FULL.items():
+            if words in text or f"[Errno {code}]" in text:
+                return words
+        stack += [x for x in (e.__cause__, e.__context__) if x is not None]
+        failures = getattr(e, "failures", None)
+        if isinstance(failures, dict):
+            stack += [w[0] if isinstance(w, tuple) and w else w for w in failures.values()
+                      if isinstance(w[0] if isinstance(w, tuple) and w else w, BaseException)]
+    return None
 
 
 def _from_rank0(value: Any, group: Any) -> Any:
