@@ -4,9 +4,11 @@ given different schedules are told apart before any collective."""
 
 from __future__ import annotations
 
+import os
 from collections.abc import Iterator
 
 import pytest
+import torch.distributed as dist
 
 from cocoweave import faults
 from cocoweave.errors import BackendError, CocoweaveError
@@ -117,6 +119,24 @@ def test_rank_that_exits_at_a_stage_is_named_with_its_stage(world):
     assert msg.startswith("rank 1 exited with code 13 during run of `run_steps`"), msg
     assert "rank 1 at stage 1 (c)" in msg
     assert info.value.ranks == [1] and world.broken
+
+
+def run_then_die(rank: int, world_size: int, schedule: Schedule) -> int:
+    """Run a step of `schedule`, then (past its last stage: a pipeline's send, a data loader) rank 1 dies while rank
+    0 waits for it in a barrier."""
+    run_steps(rank, world_size, schedule, None, 1)
+    if rank == 1:
+        os._exit(13)
+    dist.barrier()
+    return 1
+
+
+def test_a_rank_that_dies_after_a_step_is_not_named_with_a_stale_stage(world):
+    with pytest.raises(BackendError) as info:
+        fresh(world).run(run_then_die, adam_schedule())
+    msg = str(info.value)
+    assert msg.startswith("rank 1 exited with code 13"), msg
+    assert "at stage" not in msg, msg  # before: "rank 1 at stage 2 (AG)", the last stage of a step long finished
 
 
 def test_rank_that_hangs_is_named_within_the_timeout(world):

@@ -14,7 +14,7 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
-from ... import settings
+from ... import faults, settings
 from ...codecache import write_source
 from ...errors import BackendError, InputError
 from ...ir.graph import Program, make_layout
@@ -242,6 +242,8 @@ class Executable:
             outputs = yield from (self._ranges(step) if torch.autograd._profiler_enabled() else step)
         finally:
             self.ctx.defer = False
+        if faults.ACTIVE:  # past its last stage: a rank that dies later (a pipeline's send) is at no stage of it
+            faults.reset_stage()
         state = {n: given[n] for n in self.plan.state if n in given}
         return RankResult(outputs=outputs, state=state)
 
