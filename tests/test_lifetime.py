@@ -39,6 +39,15 @@ def test_a_timed_out_command_leaves_no_process_of_its_session(tmp_path):
     assert all(_gone(int(p)) for p in pids.read_text().split())
 
 
+def test_a_command_that_ends_leaves_no_process_of_its_session_behind(tmp_path):
+    """A worker that hangs after the command's last step (a rank's data loader, its output not kept open) does not
+    outlive the command (`cocoweave profile` runs torchrun this way)."""
+    pids = tmp_path / "pids"
+    done = run_bounded(["sh", "-c", f"sleep 60 >/dev/null 2>&1 & echo $! > {pids}; exit 0"], dict(os.environ), 30.0)
+    assert done.returncode == 0
+    assert _gone(int(pids.read_text()))
+
+
 CHILD = """
 import subprocess, sys, time
 sys.path.insert(0, {src!r})

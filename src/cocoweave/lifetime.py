@@ -96,7 +96,8 @@ def sigterm_as_exit() -> Iterator[None]:
 def run_bounded(command: Sequence[str], env: Mapping[str, str], timeout_s: float) -> subprocess.CompletedProcess:
     """subprocess.run(command, capture_output=True, text=True) that never leaves a process behind: the command gets
     a session of its own and a parent-death signal; on the timeout (subprocess.TimeoutExpired), an error, Ctrl-C or
-    SIGTERM, its whole session is ended (`stop`) before this returns or raises."""
+    SIGTERM, its whole session is ended (`stop`) before this returns or raises, and once it has ended by itself,
+    whatever it left running in its session is killed."""
     # SIGTERM on this process's death: a launcher like torchrun then ends its own ranks
     proc = subprocess.Popen(with_parent_death(command), env=dict(env), stdin=subprocess.DEVNULL,
                             stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, start_new_session=True)
@@ -107,4 +108,8 @@ def run_bounded(command: Sequence[str], env: Mapping[str, str], timeout_s: float
         stop(proc)
         proc.communicate()
         raise
+    try:  # the command has ended: what is left of its session (a data-loader worker that hung) is an orphan
+        os.killpg(proc.pid, signal.SIGKILL)
+    except (ProcessLookupError, PermissionError):
+        pass
     return subprocess.CompletedProcess(proc.args, proc.returncode, out, err)
