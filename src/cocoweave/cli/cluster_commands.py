@@ -336,12 +336,13 @@ def _plan_llm_command(out, spec_path: Path, tokens: float | None, catalog: Path 
     from cocoweave.cluster.catalog import load_catalog
     from cocoweave.cluster.cmdare.tables import find_data_dir
     from cocoweave.cluster.planning.checkpoint_model import fit_checkpoint_model
-    from cocoweave.cluster.planning.llm.plan import plan_llm
+    from cocoweave.cluster.planning.llm.plan import check_max_gpus, plan_llm
     from cocoweave.cluster.planning.llm.spec import load_spec
     from cocoweave.cluster.planning.llm.system import STACKS
 
     if tokens is None:
         raise CocoweaveError("give --tokens N (the tokens to train) with --llm.")
+    check_max_gpus(max_gpus)  # before the checkpoint model is fitted (seconds) and the spec read
     if stack_name not in STACKS:
         raise CocoweaveError(f"unknown --stack {stack_name!r}; known: {', '.join(STACKS)}.")
     spec = load_spec(spec_path)

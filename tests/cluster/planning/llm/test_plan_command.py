@@ -95,3 +95,20 @@ def test_a_billion_layers_are_refused_in_one_sentence_not_searched(tmp_path, ret
     result = returns_within(lambda: runner.invoke(app, ["plan", "--llm", str(spec), "--tokens", "1e10", "--budget",
                                                         "100", "--catalog", str(_small_catalog(tmp_path))]))
     assert result.exit_code == 2 and "'layers'" in result.output and "10000" in result.output
+
+
+def test_a_gpu_bound_past_any_cluster_is_refused_before_any_work(tmp_path, returns_within, monkeypatch):
+    """#50 item 4's other half: --max-gpus 10^12 is one sentence before the checkpoint model is fitted (which took
+    over 60 s on a loaded host before the refusal came)."""
+    import cocoweave.cluster.planning.checkpoint_model as checkpoint_model
+
+    def fitted(*args, **kwargs):
+        raise AssertionError("the checkpoint model was fitted before --max-gpus was checked")
+
+    monkeypatch.setattr(checkpoint_model, "fit_checkpoint_model", fitted)
+    spec = tmp_path / "m.yaml"
+    spec.write_text(SPEC)
+    result = returns_within(lambda: runner.invoke(app, ["plan", "--llm", str(spec), "--tokens", "1e10", "--budget",
+                                                        "100", "--catalog", str(_small_catalog(tmp_path)),
+                                                        "--max-gpus", str(10**12)]), 10.0)
+    assert result.exit_code == 2 and "--max-gpus" in result.output and "1,048,576" in result.output

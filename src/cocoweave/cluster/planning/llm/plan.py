@@ -58,15 +58,20 @@ def checkpoint_seconds(spec: TransformerSpec, gpus: int, model: CheckpointModel)
     return model.duration_s(shard_mb)
 
 
+def check_max_gpus(max_gpus: int) -> None:
+    """Refuse a GPU bound past any physical cluster (the search would run for minutes), before any work."""
+    if not 1 <= max_gpus <= MAX_GPUS:
+        raise PlanningError(f"the most GPUs to consider (--max-gpus) must be between 1 and {MAX_GPUS:,}, got "
+                            f"{max_gpus}.")
+
+
 def plan_llm(spec: TransformerSpec, catalog: Catalog, tokens: float, stack: Stack, checkpoints: CheckpointModel,
              deadline_h: float | None = None, budget_usd: float | None = None, min_gpus: int = 1,
              max_gpus: int = 4096) -> LLMPlan:
     """Recommend machine, GPU count and layout for training `spec` on `tokens` tokens by a deadline or a budget."""
     if not (math.isfinite(tokens) and tokens > 0):
         raise PlanningError(f"the number of tokens to train must be positive, got {tokens}.")
-    if not 1 <= max_gpus <= MAX_GPUS:
-        raise PlanningError(f"the most GPUs to consider (--max-gpus) must be between 1 and {MAX_GPUS:,}, got "
-                            f"{max_gpus}.")
+    check_max_gpus(max_gpus)
     machines = [m for m in catalog.machines if modellable(m, catalog, spec.dtype)]
     if not machines:
         raise PlanningError(f"no machine of the catalog {catalog.source} has a GPU with {spec.dtype} figures and "
