@@ -87,3 +87,9 @@ def _measure_time_scale() -> float:
 def time_scale() -> float:
     """How many times slower than the quiet reference machine this one runs now (>= 1)."""
     return _measure_time_scale()
+
+
+@pytest.fixture(scope="session")
+def whole_time_scale(time_scale: float) -> int:
+    """`time_scale` as a whole factor (>= 1), for timeouts given in whole seconds."""
+    return max(1, round(time_scale))

@@ -223,10 +223,10 @@ def test_trace_of_a_world_has_one_track_per_rank_and_stream(world4, tmp_path):
 
 
 @pytest.fixture(scope="module")
-def fragile(time_scale):
-    """A world of 2 ranks with a 3 s timeout (times the machine's slowness, conftest.time_scale) that tests may
+def fragile(whole_time_scale):
+    """A world of 2 ranks with a 3 s timeout (times the machine's slowness, conftest.whole_time_scale) that tests may
     break (each test restarts it if needed). `fragile.scale` is that factor: the tests' time bounds use it."""
-    scale = max(1, round(time_scale))
+    scale = whole_time_scale
     world = LocalWorld(2, timeout_s=3 * scale)
     world.scale = scale
     world.run(_pid)  # the ranks import this module now, not inside a timed call
