@@ -261,7 +261,7 @@ class ColumnParallelLinear(_ParallelLinear):
 
     def __init__(self, in_features: int, out_features: int, bias: bool = True, *, group: Group = None,
                  gather_output: bool = False, seed: int = 0, device: Any = None,
-                 dtype: torch.dtype | None = None, schedule: str | None = None,
+                 dtype: torch.dtype | None = None, schedule: str | None = "auto",
                  sequence_parallel: bool = False) -> None:
         super().__init__(in_features, out_features, bias, group, seed, device, dtype)
         if gather_output and out_features % self.tp_size:
@@ -341,7 +341,7 @@ class RowParallelLinear(DropoutCounter, _ParallelLinear):
 
     def __init__(self, in_features: int, out_features: int, bias: bool = True, *, group: Group = None,
                  input_is_parallel: bool = True, dropout: float = 0.0, overlap_chunks: int = 1, seed: int = 0,
-                 device: Any = None, dtype: torch.dtype | None = None, schedule: str | None = None,
+                 device: Any = None, dtype: torch.dtype | None = None, schedule: str | None = "auto",
                  sequence_parallel: bool = False) -> None:
         super().__init__(in_features, out_features, bias, group, seed, device, dtype)
         if not 0.0 <= dropout < 1.0:

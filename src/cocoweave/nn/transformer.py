@@ -117,9 +117,10 @@ class TransformerBlock(DropoutCounter, nn.Module):
 
     def __init__(self, d_model: int, n_heads: int, d_ff: int | None = None, dropout: float = 0.0, *,
                  group: Group = None, causal: bool = True, overlap_chunks: int = 1, seed: int = 0,
-                 device: Any = None, dtype: torch.dtype | None = None, schedule: str | dict[str, str] | None = None,
+                 device: Any = None, dtype: torch.dtype | None = None, schedule: str | dict[str, str] | None = "auto",
                  sequence_parallel: bool = False) -> None:
-        """`schedule`: one for every layer (None / "as written": the hand-written path; "auto"; a schedule's name)
+        """`schedule`: one for every layer ("auto", the default: measured per layer, the fastest checked path; None /
+        "as written": the hand-written path; a schedule's name)
         or a dict by layer name ("qkv", "proj", "fc1", "fc2"). `sequence_parallel`: the block takes and returns
         this rank's token slice (see forward), its LayerNorms and epilogues work on slices (Megatron-SP)."""
         super().__init__()

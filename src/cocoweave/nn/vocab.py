@@ -119,7 +119,7 @@ class VocabParallelEmbedding(nn.Module):
     rank's rows."""
 
     def __init__(self, num_embeddings: int, embedding_dim: int, *, group: Any = None, padding_idx: int | None = None,
-                 seed: int = 0, device: Any = None, dtype: torch.dtype | None = None, schedule: str | None = None,
+                 seed: int = 0, device: Any = None, dtype: torch.dtype | None = None, schedule: str | None = "auto",
                  sequence_parallel: bool = False) -> None:
         super().__init__()
         for name, v in (("num_embeddings", num_embeddings), ("embedding_dim", embedding_dim)):
