@@ -50,6 +50,8 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 from tp_step import layouts  # noqa: E402  'tp2,dp2xtp2' -> (label, world size, dp), as tp_step reads it
 from train_step import machine  # noqa: E402  the house's machine/versions/date record
 
+from cocoweave.sharding import local  # noqa: E402  a DTensor's local tensor, a plain tensor as it is
+
 LAYERS, HEADS, KV_HEADS, VOCAB, BATCH, SEQ, MAX_NORM = 4, 8, 4, 2048, 4, 128, 1.0
 ADAMW = {"lr": 3e-4, "weight_decay": 0.1}
 VARIANTS = ("cocoweave", "torch-tp", "torch-tp-sp", "floor")
@@ -115,10 +117,6 @@ def floor_model(model: nn.Module, tp: int, rank: int) -> nn.Module:
             part.weight.copy_(w)
         _set(model, name, part)
     return model
-
-
-def local(t: torch.Tensor) -> torch.Tensor:
-    return t.to_local() if hasattr(t, "to_local") else t
 
 
 def is_sharded(t: torch.Tensor) -> bool:

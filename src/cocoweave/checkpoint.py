@@ -57,7 +57,7 @@ from . import faults
 from .errors import CheckpointError
 from .ir.layout import share_bounds
 from .safe_dcp import SafePlanner, SafeReader, UnsafeCheckpoint, first_failure
-from .sharding import is_dtensor
+from .sharding import is_dtensor, places_like_dtensor
 
 MARKER = "COMPLETE.json"
 PARTIAL = ".partial"
@@ -117,14 +117,15 @@ def as_shard(value: Any) -> Any:
         raise CheckpointError(f"a DTensor sharded on {len(sharded)} mesh dims ({list(value.placements)}) is not "
                               "supported by cocoweave.checkpoint; save it with torch.distributed.checkpoint")
     i, dim = sharded[0]
-    mesh, size = value.device_mesh, value.shape[sharded[0][1]]
+    mesh, size = value.device_mesh, value.shape[dim]
     count = mesh.size(i)
-    sizes = [len(c) for c in torch.arange(size).chunk(count)]  # DTensor's parts are torch.chunk's
-    even = [len(c) for c in torch.arange(size).tensor_split(count)]
+    if places_like_dtensor(size, count):  # DTensor's torch.chunk parts are the Shard's own tensor_split parts
+        return Shard(part, dim, size, mesh.get_local_rank(i), count)
+    sizes = [len(c) for c in torch.arange(size).chunk(count)]
     if len(sizes) != count:
         raise CheckpointError(f"a DTensor of {size} rows along dim {dim} split over {count} ranks leaves a rank "
                               "empty; cocoweave.checkpoint cannot place it")
-    return Shard(part, dim, size, mesh.get_local_rank(i), count, None if sizes == even else tuple(sizes))
+    return Shard(part, dim, size, mesh.get_local_rank(i), count, tuple(sizes))
 
 
 def _encode(value: Any, key: str, entries: dict[str, Any]) -> Any:

@@ -80,7 +80,7 @@ def shard_parameter(local_part: torch.Tensor, mesh: DeviceMesh | None, dim: int,
     api = dtensor_api()
     shape = list(local_part.shape)
     shape[dim] = shape[dim] * mesh.size() if total is None else total
-    stride = torch.empty(0).new_empty(shape, device="meta").stride()
+    stride = torch.empty(shape, device="meta").stride()  # contiguous, as the part is
     return nn.Parameter(api.DTensor.from_local(local_part, mesh, [api.Shard(dim)], run_check=False,
                                                shape=torch.Size(shape), stride=stride))
 

@@ -47,6 +47,7 @@ from .functional import (
     row_parallel,
     scatter_to_parallel,
 )
+from .groups import agree_on_build
 from .init import partitioned_uniform_
 
 try:
@@ -105,24 +106,6 @@ class DropoutCounter:
         super()._load_from_state_dict(state_dict, prefix, *args, **kwargs)  # type: ignore[misc]
 
 
-def agree_on_layer(group: Group, layer: str, **config: Any) -> None:
-    """Refuse, on every rank at once, a layer (or a Pipeline) its group's ranks build differently (another shape,
-    schedule, dtype or micro-batch count on one rank): one small all-gather at construction, before its first
-    collective, instead of a hang or an abort inside torch at the first step."""
-    if group_size(group) == 1 or not dist.is_initialized():
-        return
-    from ..backends.torch.agreement import agree  # the executables' own check, on the layer's configuration
-    from ..errors import BackendError
-
-    text = ", ".join(f"{k}={v!r}" for k, v in config.items())
-    try:
-        agree(f"{layer}({text})", f"a {'pipeline' if layer == 'Pipeline' else 'tensor-parallel layer'} (build the same "
-              "layers and pipelines, in the same order, with the same shapes, schedule=, micro-batches and dtype on "
-              "every rank of the group)", group=group, parts=config)
-    except BackendError as exc:
-        raise ParallelConfigError(str(exc)) from None
-
-
 class _ParallelLinear(nn.Module):
     """Shared parts: the group, this rank's slice of a dimension, loading from full weights."""
 
@@ -158,9 +141,9 @@ class _ParallelLinear(nn.Module):
             schedule = "auto"  # sequence parallelism is a program schedule
         self.sequence_parallel = bool(sequence_parallel)
         self.programs = Programs(schedule, self.group, self.tp_size, self.tp_rank) if schedule else None
-        agree_on_layer(self.group, type(self).__name__, in_features=self.in_features, out_features=self.out_features,
-                       bias=self.bias is not None, schedule=schedule, sequence_parallel=self.sequence_parallel,
-                       dtype=str(self.weight.dtype))
+        agree_on_build(self.group, "a tensor-parallel layer", type(self).__name__, in_features=self.in_features,
+                       out_features=self.out_features, bias=self.bias is not None, schedule=schedule,
+                       sequence_parallel=self.sequence_parallel, dtype=str(self.weight.dtype))
 
     @property
     def schedule(self) -> str:

@@ -29,6 +29,7 @@ from torch import nn
 from ..errors import ParallelConfigError
 from ..ir.layout import slice_bounds
 from .functional import Group, all_gather_cat, group_rank, group_size, part
+from .groups import agree_on_build
 from .transformer import sequence_gather, sequence_slice
 
 
@@ -204,10 +205,9 @@ class Pipeline:
 
         cls, per_rank = check_schedule(schedule, microbatches, pp)
         if dist.is_initialized() and mesh.size() == dist.get_world_size():  # every rank runs the same pipeline
-            from .layers import agree_on_layer
-
-            agree_on_layer(None, "Pipeline", schedule=schedule, microbatches=microbatches, n_blocks=n_blocks,
-                           sliced=sliced, sequence_parallel=sequence_parallel, mesh=dict(zip(names, mesh.shape)))
+            agree_on_build(None, "a pipeline", "Pipeline", schedule=schedule, microbatches=microbatches,
+                           n_blocks=n_blocks, sliced=sliced, sequence_parallel=sequence_parallel,
+                           mesh=dict(zip(names, mesh.shape)))
         self.mesh, self.microbatches, self.schedule_name = mesh, microbatches, schedule
         self.tp_group, self.pp_group, self.dp_group = (mesh.get_group(d) for d in ("tp", "pp", "dp"))
         self.pp_rank, self.pp_size = group_rank(self.pp_group), pp
