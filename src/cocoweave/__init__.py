@@ -15,6 +15,7 @@ from .ir.ops import (
     add,
     all_gather,
     all_reduce,
+    all_to_all,
     broadcast,
     cast,
     div,
@@ -67,7 +68,7 @@ def __getattr__(name: str):
 
 __all__ = [
     "WORLD", "Group", "Layout", "Local", "Mesh", "Program", "Replicated", "Sliced", "Value", "errors",
-    "abs", "add", "all_gather", "all_reduce", "broadcast", "cast", "div", "dropout", "eq", "exp", "ge", "gt",
-    "layer_norm", "le", "lt", "matmul", "max", "maximum", "min", "minimum", "mul", "ne", "neg", "norm", "pow",
+    "abs", "add", "all_gather", "all_reduce", "all_to_all", "broadcast", "cast", "div", "dropout", "eq", "exp", "ge",
+    "gt", "layer_norm", "le", "lt", "matmul", "max", "maximum", "min", "minimum", "mul", "ne", "neg", "norm", "pow",
     "recv", "reduce", "reduce_scatter", "rsqrt", "slice", "send", "sqrt", "sub", "sum", "update", "where",
 ]

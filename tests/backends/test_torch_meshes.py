@@ -4,7 +4,6 @@ gathered back; and random 2-D MLPs x random schedules equal the program as writt
 
 from __future__ import annotations
 
-import importlib.util
 from pathlib import Path
 
 from hypothesis import HealthCheck, given, settings
@@ -13,7 +12,7 @@ from hypothesis import strategies as st
 import cocoweave as cw
 from cocoweave import workloads
 from cocoweave.check import check_schedules, torch_runner
-from cocoweave.loader import load_example
+from cocoweave.loader import import_module_file, load_example
 from cocoweave.schedule.enumerate import enumerate_schedules
 from cocoweave.schedule.schedule import Schedule
 
@@ -90,15 +89,8 @@ def test_fused_stages_of_mesh_programs_fall_back_from_triton_to_torch_ops(world4
 
 
 # -- properties: the 2-D example on the torch backend ---------------------------------------------------------------
-def _schedules_strategy():
-    path = Path(__file__).parents[1] / "schedule" / "test_mesh_schedules.py"
-    spec = importlib.util.spec_from_file_location("_mesh_generators", path)
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    return module.mesh_schedules
-
-
-mesh_schedules = _schedules_strategy()
+mesh_schedules = import_module_file("_mesh_generators", str(Path(__file__).parents[1] / "schedule" /
+                                                           "test_mesh_schedules.py")).mesh_schedules
 
 
 @settings(max_examples=10, deadline=None, suppress_health_check=list(HealthCheck))

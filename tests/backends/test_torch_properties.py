@@ -4,25 +4,18 @@ tests/schedule/test_equivalence_properties.py, which checks the reference backen
 
 from __future__ import annotations
 
-import importlib.util
 from pathlib import Path
 
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from cocoweave.check import check_schedules, torch_runner
+from cocoweave.loader import import_module_file
 
-
-def _generators():
-    """programs() and schedules() of the reference-backend property tests (tests are not a package)."""
-    path = Path(__file__).parents[1] / "schedule" / "test_equivalence_properties.py"
-    spec = importlib.util.spec_from_file_location("_equivalence_generators", path)
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    return module.programs, module.schedules
-
-
-programs, schedules = _generators()
+# programs() and schedules() of the reference-backend property tests (tests are not a package)
+_generators = import_module_file("_equivalence_generators", str(Path(__file__).parents[1] / "schedule" /
+                                                                "test_equivalence_properties.py"))
+programs, schedules = _generators.programs, _generators.schedules
 
 
 @settings(max_examples=25, deadline=None, suppress_health_check=list(HealthCheck))

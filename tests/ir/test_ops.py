@@ -282,3 +282,31 @@ def test_values_of_another_program_are_refused():
     b = cw.Program("b").tensor("y", (4,), "float32")
     with pytest.raises(ProgramError, match="belongs to program `a`, not `b`"):
         b + a
+
+
+def test_all_to_all_moves_the_slicing_to_another_dimension():
+    p = prog()
+    x = p.tensor("x", (8, 6, 3), "float32", cw.Sliced(0))
+    y = cw.all_to_all(x, 1)
+    assert y.layout == cw.Sliced(1) and y.shape == x.shape and y.dtype == "float32"
+    assert cw.all_to_all(x, -1, shares=(1, 2)).layout == cw.Sliced(2, shares=(1, 2))
+    with pytest.raises(ProgramError, match=r"all_to_all\(`x`.*is already sliced along dimension 0"):
+        cw.all_to_all(x, 0)
+    with pytest.raises(ProgramError, match="needs a Sliced operand .* got Local; slice a Replicated one"):
+        cw.all_to_all(p.tensor("g", (4, 4), "float32", cw.Local), 1)
+    with pytest.raises(ProgramError, match="dimension 3 is out of range for a 3-dim tensor"):
+        cw.all_to_all(x, 3)
+
+
+def test_all_to_all_on_a_mesh_runs_along_one_axis():
+    p = prog()
+    p.mesh(ep=2, dp=2)
+    x = p.tensor("x", (8, 6, 4), "float32", cw.Layout(ep=cw.Sliced(0), dp=cw.Sliced(2)))
+    y = cw.all_to_all(x, 1, axis="ep")
+    assert y.layout == cw.Layout(ep=cw.Sliced(1), dp=cw.Sliced(2))
+    with pytest.raises(ProgramError, match="say which mesh axis it runs over"):
+        cw.all_to_all(x, 1)
+    with pytest.raises(ProgramError, match=r"shares \(1, 2, 3\) name 3 ranks, the axis has 2"):
+        cw.all_to_all(x, 1, axis="ep", shares=(1, 2, 3))
+    with pytest.raises(ProgramError, match="dimension 2 is also sliced by axis `dp`, after axis `ep`"):
+        cw.all_to_all(x, 2, axis="ep")

@@ -92,3 +92,16 @@ def test_calibration_round_trips_through_json_and_bad_files_are_one_sentence(tmp
     path.write_text(json.dumps({"backend": "torch"}))
     with pytest.raises(CocoweaveError, match="not a valid calibration file"):
         load_calibration("torch", "cpu", 4, tmp_path)
+
+
+def test_all_to_all_is_priced_by_the_part_each_rank_sends_away():
+    import cocoweave as cw
+    from cocoweave.schedule.schedule import Schedule
+
+    p = cw.Program("a2a")
+    x = p.tensor("x", (8, 64, 16), "float32", cw.Sliced(0))
+    p.output(cw.all_to_all(x, 1), "y")
+    pred = predict_plan(lower(Schedule(p)), {}, 4, _cal({"all_to_all/library": AlphaBeta(1.0, 10.0)}))
+    moved = 3 / 4 * 4 * (8 // 4) * 64 * 16  # (p-1)/p of this rank's fp32 part [2, 64, 16]
+    assert pred.stage_ms["0:A2A"] == pytest.approx(1.0 + 10.0 * moved / 1e6)
+    assert pred.features["comm_mb"] == pytest.approx(moved / 1e6)

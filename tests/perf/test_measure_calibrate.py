@@ -27,7 +27,8 @@ def test_calibration_microbenchmarks_fit_every_term(local_world):
                 dtypes=("float32",), iters=2, warmup=1)
     rows = combine(world.run(microbench, spec))
     cal = fit(rows, "torch", "cpu", 2)
-    assert {"all_reduce/library", "reduce_scatter/ring", "all_gather/ring", "p2p/library"} <= set(cal.collectives)
+    assert {"all_reduce/library", "all_to_all/library", "reduce_scatter/ring", "all_gather/ring",
+            "p2p/library"} <= set(cal.collectives)
     assert set(cal.kernels) == {"float32"} and set(cal.matmuls) == {"float32"}
     for line in [*cal.collectives.values(), *cal.kernels.values(), *cal.matmuls.values()]:
         assert line.alpha_ms >= 0 and line.beta_ms_per_mb >= 0 and line(1e6) > 0

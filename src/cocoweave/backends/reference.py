@@ -66,11 +66,19 @@ def _scatter(v: Value, parts: list[torch.Tensor]) -> list[torch.Tensor]:
     return [part.clone() for part in whole.split(sizes, v.attrs["dim"])]
 
 
+def _all_to_all(v: Value, parts: list[torch.Tensor]) -> list[torch.Tensor]:
+    """The ranks' parts along the operand's sliced dimension, joined, then cut into the parts along v's."""
+    whole = torch.cat(parts, dim=v.args[0].along(v.attrs["axis"]).dim)
+    sizes = split_sizes(whole.shape[v.attrs["dim"]], v.attrs.get("shares") or len(parts))
+    return [part.clone() for part in whole.split(sizes, v.attrs["dim"])]
+
+
 # communication operation -> (value, the operands of the ranks it runs over) -> result per rank
 COLLECTIVES: dict[str, Callable[[Value, list[torch.Tensor]], list[torch.Tensor]]] = {
     "all_reduce": lambda v, parts: [combine(v.attrs["op"], parts, v.attrs.get("weights"))] * len(parts),
     "reduce_scatter": _scatter,
     "all_gather": lambda v, parts: [torch.cat(parts, dim=v.attrs["dim"])] * len(parts),
+    "all_to_all": _all_to_all,
     "broadcast": lambda v, parts: [parts[_root(v, len(parts))]] * len(parts),
     "reduce": _reduce,
     "send": lambda v, parts: list(parts),

@@ -177,7 +177,7 @@ def choose(schedules: Sequence[S], device: str, shared_host: bool) -> list[S]:
 
 ORDERED = ("sum", "avg", "max", "min")  # the reductions that combine piece by piece in any order of ranks
 LIBRARY = register(Algorithm(
-    DEFAULT, ("all_reduce", "reduce_scatter", "all_gather", "broadcast", "reduce", "send"), overlaps=True,
+    DEFAULT, ("all_reduce", "reduce_scatter", "all_gather", "all_to_all", "broadcast", "reduce", "send"), overlaps=True,
     priced_as=None, doc="torch.distributed's call (NCCL, Gloo): asynchronous, chunked under overlap"))
 RING = register(Algorithm(
     "ring", ("all_reduce", "reduce_scatter", "all_gather", FUSED), ORDERED, fuses=True,

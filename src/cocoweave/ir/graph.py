@@ -15,7 +15,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from ..errors import ProgramError
-from .layout import Layout, MeshLayout, Position, Replicated, Sliced, placements
+from .layout import Layout, MeshLayout, Placement, Position, Replicated, Sliced, placements
 from .mesh import Mesh
 from .printer import fingerprint, format_program
 from .registry import apply
@@ -144,6 +144,11 @@ class Value:
     def is_scalar(self) -> bool:
         """True for runtime scalars, constants and arithmetic on them only (no tensor involved)."""
         return self.group is None
+
+    def along(self, axis: str | None) -> Placement:
+        """Its placement along mesh axis `axis` (a collective's `axis` attribute; None: the only axis)."""
+        axes = self.axes
+        return placements(self.layout, len(axes))[axes.index(axis) if axis is not None else 0]
 
     def position(self, rank: int, world_size: int) -> Position:
         """Where world rank `rank` sits in this value's process group (its mesh coordinates)."""

@@ -609,6 +609,31 @@ def all_gather(x: Value, dim: int | None = None, axis: str | None = None) -> Val
                           _with(x, i, Replicated), x.group)
 
 
+@operation("all_to_all", R.COLLECTIVE, ("dim", "axis", "shares"),
+           rebuild=lambda p, args, a: all_to_all(args[0], a["dim"], a["axis"], a["shares"]))
+def all_to_all(x: Value, dim: int, axis: str | None = None, shares: Sequence[int] | None = None) -> Value:
+    """Move the slicing of a tensor Sliced along one dimension across the ranks of `axis` to dimension `dim`
+    (Sliced(dim, shares): equal parts, or in proportion to `shares`): each rank sends every other rank the piece of
+    its part that rank keeps. The whole tensor is unchanged. This is MoE's dispatch and combine (a tensor of
+    [source rank, expert, ...] sliced by source becomes sliced by expert) and DTensor's Shard(a) -> Shard(b)."""
+    x = _tensor_operand("all_to_all", x)
+    i, ax = _axis("all_to_all", x, axis)
+    p = _at(x, i, len(_axes(x.group)))
+    if not p.is_sliced:
+        got = f"{x.layout!r}" if ax is None else f"{p!r} along axis `{ax}`"
+        raise _fail("all_to_all", (x,), f"needs a Sliced operand (each rank's part along one dimension), got {got}; "
+                                        "slice a Replicated one, reduce_scatter a Local one")
+    d = _norm_dims("all_to_all", x, dim)[0]
+    if d == p.dim:
+        raise _fail("all_to_all", (x,), f"`{x.name}` is already sliced along dimension {d}; all_to_all moves the "
+                                        "slicing to another dimension")
+    _innermost("all_to_all", x, i, p.dim, "gather")
+    _innermost("all_to_all", x, i, d, "slice")
+    out = Sliced(d, _counts("all_to_all", x, shares, i, "shares"))
+    return x.program._add("all_to_all", (x,), {"dim": d, "axis": ax, "shares": out.shares}, x.dtype, x.shape,
+                          _with(x, i, out), x.group)
+
+
 @operation("broadcast", R.COLLECTIVE, ("root", "axis"),
            rebuild=lambda p, args, a: broadcast(args[0], a["root"], a["axis"]))
 def broadcast(x: Value, root: int = 0, axis: str | None = None) -> Value:

@@ -30,7 +30,7 @@ REDUCTION = "reduction"  # sum, max, min, norm over dimensions
 MATMUL = "matmul"
 NORMALISATION = "normalisation"  # layer_norm
 LAYOUT = "layout"  # slice: a local re-layout without communication
-COLLECTIVE = "collective"  # all_reduce, reduce_scatter, all_gather, broadcast, reduce
+COLLECTIVE = "collective"  # all_reduce, reduce_scatter, all_gather, all_to_all, broadcast, reduce
 P2P = "p2p"  # send (and its receiving end)
 STATE = "state"  # update
 

@@ -54,11 +54,13 @@ def _collectives(world_size: int, rank: int, n: int, dev: torch.device) -> dict[
     x = torch.randn(n, device=dev)
     part = torch.empty(n // p, device=dev)
     full = torch.empty(n // p * p, device=dev)
+    exchanged = torch.empty(n, device=dev)  # all_to_all: n is a multiple of p (microbench rounds it)
     whole = 4 * n
     calls: dict[str, Callable[[], Any]] = {
         "all_reduce/library": lambda: dist.all_reduce(x),
         "reduce_scatter/library": lambda: dist.reduce_scatter_tensor(part, x[: n // p * p]),
         "all_gather/library": lambda: dist.all_gather_into_tensor(full, part),
+        "all_to_all/library": lambda: dist.all_to_all_single(exchanged, x),
         "broadcast/library": lambda: dist.broadcast(x, 0),
         "reduce/library": lambda: dist.reduce(x, 0),
         "reduce_scatter/ring": lambda: ring_reduce_scatter(x, 0, "sum", None, part),

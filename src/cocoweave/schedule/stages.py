@@ -24,7 +24,8 @@ from .rewrite import axis_of, on_axis
 
 COMPUTE_OPS = R.names(*R.COMPUTE_GROUPS)
 ELEMENTWISE_OPS = R.names(*R.ELEMENTWISE_GROUPS)
-TOKENS = {"all_reduce": "AR", "reduce_scatter": "RS", "all_gather": "AG", "broadcast": "BC", "reduce": "R"}
+TOKENS = {"all_reduce": "AR", "reduce_scatter": "RS", "all_gather": "AG", "all_to_all": "A2A", "broadcast": "BC",
+          "reduce": "R"}
 CHUNKABLE_COMM = ("all_reduce", "reduce_scatter", "all_gather", "send")
 # How a communication stage moves its data, and where each way is legal: the table of collective algorithms
 # (cocoweave.collectives).

@@ -10,7 +10,8 @@ from .runtime import RankContext
 BACKEND = "torch"
 
 collectives.implement(BACKEND, "library", all_reduce=RankContext.all_reduce, reduce_scatter=RankContext.reduce_scatter,
-                      all_gather=RankContext.all_gather, broadcast=RankContext.broadcast, reduce=RankContext.reduce,
+                      all_gather=RankContext.all_gather, all_to_all=RankContext.all_to_all,
+                      broadcast=RankContext.broadcast, reduce=RankContext.reduce,
                       send=RankContext.send_recv)
 collectives.implement(BACKEND, "ring", all_reduce=RankContext.ring_all_reduce,
                       reduce_scatter=RankContext.ring_reduce_scatter, all_gather=RankContext.ring_all_gather,

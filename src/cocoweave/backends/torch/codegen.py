@@ -15,7 +15,7 @@ from typing import Any
 from ... import collectives, rng
 from ...ir import registry as R
 from ...ir.graph import Value
-from ...ir.layout import placements, slice_bounds
+from ...ir.layout import slice_bounds
 from ...ir.printer import operand
 from ...ir.semantics import local_rank
 from ...ir.types import bind_shape
@@ -197,16 +197,18 @@ class Emitter:
         return f'ctx.group("{axis if axis is not None else v.args[0].group.name}")'
 
     def shares(self, v: Value) -> tuple[int, ...] | None:
-        """The shares of the parts a reduce_scatter or all_gather splits (None: equal parts)."""
-        if v.op == "reduce_scatter":
+        """The shares of the parts a reduce_scatter, all_gather or all_to_all splits (None: equal parts)."""
+        if v.op in ("reduce_scatter", "all_to_all"):
             return v.attrs.get("shares")
         if v.op == "all_gather":
-            x = v.args[0]
-            mesh = x.group.mesh
-            per = placements(x.layout, len(mesh.axes) if mesh is not None else 1)
-            i = mesh.index(v.attrs["axis"]) if v.attrs.get("axis") is not None else 0
-            return per[i].shares
+            return v.args[0].along(v.attrs.get("axis")).shares
         return None
+
+    def all_to_all(self, v: Value, x: str, g: str, tail: str) -> str:
+        src = v.args[0].along(v.attrs.get("axis"))
+        more = f", src_shares={src.shares}" if src.shares is not None else ""
+        return (f"ctx.{self.method(v)}({x}, {src.dim}, {v.attrs['dim']}, {self.view.local_shape(v)[src.dim]}, "
+                f"{g}{more}{tail})")
 
     def send(self, v: Value, x: str, tail: str) -> str:
         src = v.args[0].group.ranks(self.view.world_size)
@@ -303,6 +305,7 @@ COMM: dict[str, Callable[[Emitter, Value, str, str, str], str]] = {
         f"ctx.{em.method(v)}({x}, {em.op(v)!r}, {v.attrs['dim']}, {g}{t})",
     "all_gather": lambda em, v, x, g, t:
         f"ctx.{em.method(v)}({x}, {v.attrs['dim']}, {em.view.local_shape(v)[v.attrs['dim']]}, {g}{t})",
+    "all_to_all": lambda em, v, x, g, t: em.all_to_all(v, x, g, t),
     "broadcast": lambda em, v, x, g, t: f"ctx.{em.method(v)}({x}, {v.attrs['root']}, {g}{t})",
     "reduce": lambda em, v, x, g, t: f"ctx.{em.method(v)}({x}, {v.attrs['op']!r}, {v.attrs['root']}, {g}{t})",
     "send": lambda em, v, x, g, t: em.send(v, x, t),

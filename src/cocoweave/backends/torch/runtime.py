@@ -402,6 +402,40 @@ class RankContext:
 
         return self._done(work if async_op else None, finish, async_op)
 
+    def all_to_all(self, x: torch.Tensor, src_dim: int, dim: int, total: int, group: Any, out: Any,
+                   async_op: bool = False, src_shares: Sequence[int] | None = None,
+                   shares: Sequence[int] | None = None) -> Any:
+        """Move the slicing of a tensor from `src_dim` (whose whole size is `total`; this rank holds its part, in
+        tensor_split sizes or in proportion to `src_shares`) to `dim` (parts likewise by `shares`): one
+        all_to_all_single, each rank sending every other the piece of its part that rank keeps."""
+        if (alone := self._alone(x, out, async_op, group=group)) is not None:
+            return alone
+        n, me = dist.get_world_size(group), dist.get_rank(group)
+        sent = parts(x.shape[dim], n, shares)
+        came = parts(total, n, src_shares)
+        mine = sent[me][1] - sent[me][0]
+        host = self.backend == "gloo" and x.device.type != "cpu"  # Gloo's all-to-all takes host tensors
+        wire = x.detach().to("cpu") if host else x
+        inp = self.buffer((out, "in"), (wire.numel(),), wire.dtype, wire.device)
+        at = 0
+        for start, stop in sent:  # the piece each rank keeps, one after the other
+            piece = wire.narrow(dim, start, stop - start)
+            inp[at:at + piece.numel()].view(piece.shape).copy_(piece)
+            at += piece.numel()
+        shapes = [with_dim(with_dim(x.shape, src_dim, stop - start), dim, mine) for start, stop in came]
+        counts = [math.prod(sh) for sh in shapes]
+        got = self.buffer((out, "got"), (sum(counts),), wire.dtype, wire.device)
+        pieces = [math.prod(with_dim(wire.shape, dim, stop - start)) for start, stop in sent]
+        work = dist.all_to_all_single(got, inp, counts, pieces, group=group, async_op=async_op)
+
+        def finish() -> torch.Tensor:
+            res = self.buffer(out, with_dim(with_dim(x.shape, src_dim, total), dim, mine), x.dtype)
+            for (start, stop), piece, shape in zip(came, got.split(counts), shapes):
+                res.narrow(src_dim, start, stop - start).copy_(piece.view(shape))
+            return res
+
+        return self._done(work if async_op else None, finish, async_op)
+
     def broadcast(self, x: torch.Tensor, root: int, group: Any, out: Any, async_op: bool = False) -> Any:
         if (alone := self._alone(x, out, async_op, group=group)) is not None:
             return alone

@@ -49,8 +49,8 @@ COUNTED_STEP = 1  # the untimed step whose operations are counted (step 0 has no
 COLLECTIVES: dict[str, tuple[int, bool]] = {
     "all_reduce": (0, False), "reduce_scatter_tensor": (1, False), "reduce_scatter_single": (1, False),
     "all_gather_into_tensor": (0, False), "all_gather_single": (0, False), "all_gather": (1, True),
-    "broadcast": (0, False), "reduce": (0, False), "send": (0, False), "recv": (0, False),
-    "batch_isend_irecv": (0, False),
+    "all_to_all_single": (1, False), "broadcast": (0, False), "reduce": (0, False), "send": (0, False),
+    "recv": (0, False), "batch_isend_irecv": (0, False),
 }
 # cocoweave's shared-memory collectives (backends/torch/shm.py; the optimizers' default on one host): name ->
 # (kind, index of the tensor whose bytes count, whether it holds one rank's part). Their first argument is the group.
@@ -61,7 +61,8 @@ SHM_COLLECTIVES: dict[str, tuple[str, int, bool]] = {
     "open_all_reduce": ("all_reduce", 4, False),  # split in two (the TP layers' MM-AR@shm||MMw): bytes, no wall time
 }
 KIND = {"reduce_scatter_tensor": "reduce_scatter", "reduce_scatter_single": "reduce_scatter",
-        "all_gather_into_tensor": "all_gather", "all_gather_single": "all_gather", "batch_isend_irecv": "p2p"}
+        "all_gather_into_tensor": "all_gather", "all_gather_single": "all_gather", "all_to_all_single": "all_to_all",
+        "batch_isend_irecv": "p2p"}
 
 
 def _nbytes(t: Any) -> int:
