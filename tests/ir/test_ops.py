@@ -310,3 +310,22 @@ def test_all_to_all_on_a_mesh_runs_along_one_axis():
         cw.all_to_all(x, 1, axis="ep", shares=(1, 2, 3))
     with pytest.raises(ProgramError, match="dimension 2 is also sliced by axis `dp`, after axis `ep`"):
         cw.all_to_all(x, 2, axis="ep")
+
+
+def test_batched_matmul_applies_one_matrix_per_batch_index():
+    p = prog()
+    x = p.tensor("x", (2, 4, 6, 5), "float32", cw.Sliced(1))
+    w = p.tensor("w", (4, 5, 3), "float32", cw.Sliced(0))
+    y = cw.matmul(x, w)
+    assert y.shape == (2, 4, 6, 3) and y.layout == cw.Sliced(1)
+    whole = p.tensor("ww", (4, 5, 3), "float32")
+    with pytest.raises(ProgramError, match="sliced along batch dimension 1 but `ww` is whole; slice `ww` along its "
+                                           "dimension 0 too"):
+        cw.matmul(x, whole)
+    assert cw.matmul(p.tensor("r", (2, 4, 6, 5), "float32", cw.Sliced(2)), whole).layout == cw.Sliced(2)
+    with pytest.raises(ProgramError, match=r"the batch dimensions differ \(\[4\] vs \[3\]\)"):
+        cw.matmul(x, p.tensor("w3", (3, 5, 3), "float32"))
+    with pytest.raises(ProgramError, match="needs a tensor of shape"):
+        cw.matmul(p.tensor("v", (5,), "float32"), whole)
+    with pytest.raises(ProgramError, match="batch dimension is sliced in different shares"):
+        cw.matmul(x, p.tensor("w4", (4, 5, 3), "float32", cw.Sliced(0, shares=(1, 3))))

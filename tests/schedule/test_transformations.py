@@ -160,7 +160,7 @@ def test_overlap_refusals():
     ar, comp = lamb.stages
     with pytest.raises(ScheduleError, match=r"reduces across the chunks"):
         lamb.overlap(ar, comp, chunks=2)
-    with pytest.raises(ScheduleError, match="`b` does not read what `a` makes"):
+    with pytest.raises(ScheduleError, match="`b` does not read what `a` or a stage before it makes"):
         Schedule(two_independent_collectives()).overlap("a", "b", chunks=2)
 
 

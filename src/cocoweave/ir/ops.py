@@ -418,39 +418,61 @@ def norm(x: Value, dim: int | Sequence[int] | None = None, keepdim: bool = False
 
 
 # -- matmul and layer norm --------------------------------------------------------------------
-MATMUL_RULES = ("Sliced(last) x Sliced(0) -> Local; Replicated x Sliced(1) -> Sliced(last); "
-                "Sliced(d != last) x Replicated -> Sliced(d); Local or Replicated x Replicated -> left layout")
+MATMUL_RULES = ("Sliced(last) x Sliced(K) -> Local; Replicated x Sliced(last) -> Sliced(last); "
+                "Sliced(d) x Replicated -> Sliced(d) where b has no dimension d; Sliced(d) x Sliced(d) along a batch "
+                "dimension both have -> Sliced(d); Local or Replicated x Replicated -> left layout")
 
 
 @operation("matmul", R.MATMUL)
 def matmul(a: Value, b: Value) -> Value:
-    """a @ b for a of shape [..., K] and a 2-dim b of shape [K, N]."""
+    """a @ b for a of shape [..., K] and b of shape [K, N]; or, batched, b of shape [*B, K, N] and a of shape
+    [..., *B, M, K] (one [K, N] matrix per index of the batch dimensions B, which a has as its last ones before
+    [M, K]: each expert's weights applied to that expert's tokens)."""
     program = _program_of(a, b)
     a, b = lift(a, program), lift(b, program)
     vals = (a, b)
-    if a.is_scalar or b.is_scalar or b.ndim != 2 or a.ndim < 1:
-        raise _fail("matmul", vals, "needs a tensor of shape [..., K] and a 2-dim tensor of shape [K, N]")
-    if a.shape[-1] != b.shape[0]:
-        raise _fail("matmul", vals, f"inner dimensions differ ({a.shape[-1]} vs {b.shape[0]})")
+    if a.is_scalar or b.is_scalar or b.ndim < 2 or a.ndim < b.ndim - 1 or (b.ndim > 2 and a.ndim < b.ndim):
+        raise _fail("matmul", vals, "needs a tensor of shape [..., K] and one of shape [K, N], or a tensor of shape "
+                                    "[..., *B, M, K] and one of shape [*B, K, N]")
+    if a.shape[-1] != b.shape[-2]:
+        raise _fail("matmul", vals, f"inner dimensions differ ({a.shape[-1]} vs {b.shape[-2]})")
+    if b.ndim > 2 and tuple(a.shape[a.ndim - b.ndim:-2]) != tuple(b.shape[:-2]):
+        raise _fail("matmul", vals, f"the batch dimensions differ ({list(a.shape[a.ndim - b.ndim:-2])} vs "
+                                    f"{list(b.shape[:-2])})")
     _float_only("matmul", vals)
     group = _common_group("matmul", vals)
     axes = _axes(group)
     per = [_matmul_placement(vals, _at(a, i, len(axes)), _at(b, i, len(axes)), axes[i]) for i in range(len(axes))]
     layout = make_layout(group, per)
-    shape = tuple(a.shape[:-1]) + (b.shape[1],)
+    shape = tuple(a.shape[:-1]) + (b.shape[-1],)
     return program._add("matmul", vals, {}, promote(a.dtype, b.dtype), shape, layout, group)
 
 
+def batch_dims(v: Value) -> range:
+    """The dimensions of matmul `v` (and of its left operand) that index its right operand's batch of matrices."""
+    a, b = v.args
+    return range(a.ndim - b.ndim, a.ndim - 2) if b.ndim > 2 else range(0)
+
+
 def _matmul_placement(vals: tuple[Value, Value], la: Placement, lb: Placement, axis: str | None) -> Placement:
-    a = vals[0]
-    last, out_ndim = a.ndim - 1, a.ndim
-    if la.is_sliced and la.dim == last and lb.is_sliced and lb.dim == 0:
+    a, b = vals
+    last, off = a.ndim - 1, a.ndim - b.ndim
+    if la.is_sliced and la.dim == last and lb.is_sliced and lb.dim == b.ndim - 2:
         if la.shares != lb.shares:
             raise _fail("matmul", vals, f"the inner dimension is sliced in different shares{_along(axis)} "
                                         f"({la!r} x {lb!r})")
         return Local
-    if la.is_replicated and lb.is_sliced and lb.dim == 1:
-        return Sliced(out_ndim - 1, lb.shares)
+    if la.is_replicated and lb.is_sliced and lb.dim == b.ndim - 1:
+        return Sliced(last, lb.shares)
+    batched = b.ndim > 2 and la.is_sliced and off <= la.dim < last - 1
+    if batched and lb.is_sliced and lb.dim == la.dim - off:
+        if la.shares != lb.shares:
+            raise _fail("matmul", vals, f"the batch dimension is sliced in different shares{_along(axis)} "
+                                        f"({la!r} x {lb!r})")
+        return la
+    if batched and lb.is_replicated:
+        raise _fail("matmul", vals, f"`{a.name}` is sliced along batch dimension {la.dim}{_along(axis)} but "
+                                    f"`{b.name}` is whole; slice `{b.name}` along its dimension {la.dim - off} too")
     if la.is_sliced and la.dim != last and lb.is_replicated:
         return la
     if (la.is_local or la.is_replicated) and lb.is_replicated:

@@ -4,8 +4,9 @@
 2. Rewrites: none; split every AllReduce; split + reorder; + as_slice of the internal state
    (state whose new value other computations read, like Adam's m and v) and of all sliceable state.
 3. Groupings on each rewrite: fuse every computation stage into one kernel (`C`); fuse
-   ReduceScatter + computation + AllGather; overlap matmul -> collective (-> epilogue) chains and
-   collective -> computation -> send chains with 2, 4 or 8 chunks.
+   ReduceScatter + computation + AllGather; overlap matmul -> collective (-> epilogue) chains,
+   collective -> computation -> send chains and all_to_all -> matmul (-> ... -> collective) chains with 2, 4 or 8
+   chunks.
 4. Algorithms, as the table of collective algorithms (cocoweave.collectives) says for each one offered on the
    device: the program as written with its AllReduces on the ring (`AR@ring`), every fused
    ReduceScatter + computation + AllGather on CoCoNet's fused ring (`fuse(RS-C-AG)@ring`), and every fused
@@ -122,10 +123,18 @@ def _rs_c_ag(s: Schedule, stages: list[Stage], i: int) -> list[Stage] | None:
 
 
 def _chains(s: Schedule) -> list[list[Stage]]:
-    """Producer/consumer chains worth overlapping: MM -> collective (-> C), and
-    collective -> C -> P2P."""
+    """Producer/consumer chains worth overlapping: MM -> collective (-> C), collective -> C -> P2P, and an
+    all_to_all -> MM chain through the matmuls and computations after it, up to and with the next collective (MoE's
+    dispatch -> experts -> combine: the experts of one chunk of tokens run while the next chunk moves)."""
     st, out = s.stages, []
     for i, x in enumerate(st):
+        if getattr(x, "op", None) == "all_to_all" and i + 1 < len(st) and st[i + 1].kind == "matmul":
+            out.append(st[i:i + 2])
+            j = i + 1
+            while j < len(st) and st[j].kind in ("matmul", "compute"):
+                j += 1
+            if j < len(st) and st[j].kind == "collective":
+                out.append(st[i:j + 1])
         if x.kind == "matmul" and i + 1 < len(st) and st[i + 1].kind in ("collective", "fused"):
             out.append(st[i:i + 2])
             if i + 2 < len(st) and st[i + 2].kind == "compute":

@@ -20,13 +20,14 @@ from ..errors import ScheduleError
 from ..ir import registry as R
 from ..ir.graph import Program, Value
 from ..ir.layout import placements
+from ..ir.ops import batch_dims
 from .rewrite import axis_of, on_axis
 
 COMPUTE_OPS = R.names(*R.COMPUTE_GROUPS)
 ELEMENTWISE_OPS = R.names(*R.ELEMENTWISE_GROUPS)
 TOKENS = {"all_reduce": "AR", "reduce_scatter": "RS", "all_gather": "AG", "all_to_all": "A2A", "broadcast": "BC",
           "reduce": "R"}
-CHUNKABLE_COMM = ("all_reduce", "reduce_scatter", "all_gather", "send")
+CHUNKABLE_COMM = ("all_reduce", "reduce_scatter", "all_gather", "all_to_all", "send")
 # How a communication stage moves its data, and where each way is legal: the table of collective algorithms
 # (cocoweave.collectives).
 
@@ -279,8 +280,8 @@ def _fused_collective(program: Program, group: list[Stage]) -> Stage:
 
 
 def overlap(program: Program, stages: list[Stage], refs: tuple[str | Stage, ...], chunks: int) -> list[Stage]:
-    """Run a producer/consumer chain of consecutive stages in `chunks` chunks so that chunk i's
-    communication overlaps chunk i+1's computation."""
+    """Run a producer/consumer chain of consecutive stages (each reading what one before it makes) in `chunks`
+    chunks so that chunk i's communication overlaps chunk i+1's computation."""
     if not isinstance(chunks, int) or not 2 <= chunks <= 64:
         raise ScheduleError(f"overlap needs 2 to 64 chunks, got {chunks!r}")
     idx = _consecutive(stages, refs, "overlap")
@@ -289,9 +290,11 @@ def overlap(program: Program, stages: list[Stage], refs: tuple[str | Stage, ...]
     names = "-".join(s.label for s in group)
     if len(group) < 2:
         raise ScheduleError(f"cannot overlap {names}: overlap needs a chain of at least two stages")
-    for prev, nxt in zip(group, group[1:]):
-        if not any(a.name in prev.names for n in nxt.names for a in value(program, n).args):
-            raise ScheduleError(f"cannot overlap {names}: `{nxt.anchor}` does not read what `{prev.anchor}` makes")
+    for k, nxt in enumerate(group[1:], 1):  # each stage reads what one before it in the chain makes
+        made = {m for s in group[:k] for m in s.names}
+        if not any(a.name in made for n in nxt.names for a in value(program, n).args):
+            raise ScheduleError(f"cannot overlap {names}: `{nxt.anchor}` does not read what `{group[k - 1].anchor}` "
+                                "or a stage before it makes")
     members = [n for s in group for n in s.names]
     dim = chunk_dim(program, members, names)
     return stages[:idx[0]] + [Overlap(tuple(members), parts=tuple(group), chunks=chunks, chunk_dim=dim)] + \
@@ -375,6 +378,7 @@ def chunk_dim(program: Program, members: list[str], names: str) -> int:
             raise ScheduleError(f"cannot overlap {names}: `{v.name}` has {v.ndim} dimensions, the chain has {nd}")
         if v.op == "matmul":
             banned.add(nd - 1)
+            banned |= set(batch_dims(v))  # its right operand is not cut into chunks
         for t in [v, *v.args]:
             if not t.is_scalar and t.ndim == nd:
                 banned |= {p.dim for p in placements(t.layout, _axis_count(t)) if p.is_sliced}

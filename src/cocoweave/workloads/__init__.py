@@ -1,6 +1,7 @@
 """The paper's workloads as DSL programs: data-parallel optimizers (SGD with momentum, Adam, AdamW,
-LAMB), the Megatron-style model-parallel block, the pipeline-parallel stage boundary, and a transformer
-MLP block in 1-D, 2-D and 3-D tensor parallelism (meshes.py).
+LAMB), the Megatron-style model-parallel block, the pipeline-parallel stage boundary, a transformer
+MLP block in 1-D, 2-D and 3-D tensor parallelism (meshes.py), and the experts of an expert-parallel MoE layer
+(experts.py).
 
 Every optimizer program takes the same options, so that `cocoweave.optim` can build the variant it
 needs and a user can print, check or tune any of them:
@@ -14,9 +15,10 @@ needs and a user can print, check or tune any of them:
   can keep the masters sliced and all-gather only the half-size parameters.
 """
 
+from .experts import moe_experts
 from .meshes import mlp_1d, mlp_2d, mlp_3d, mlp_torch
 from .optimizers import GRADS, adam, adamw, lamb, reduce_gradient, sgd
 from .parallel import boundary, layer
 
 __all__ = ["GRADS", "adam", "adamw", "boundary", "lamb", "layer", "mlp_1d", "mlp_2d", "mlp_3d", "mlp_torch",
-           "reduce_gradient", "sgd"]
+           "moe_experts", "reduce_gradient", "sgd"]
