@@ -307,8 +307,8 @@ class Programs:
             # needs (one core per rank): alone it measured faster (the other rank's core idle), in the step slower
             # (tp_step d512: 468 ms against 410 for MM-AR@shm-C). It is a choice where the wait is the network's.
             # ASYNC_SHM comes first, so the program as written must be AUTO_MARGIN faster alone to be kept: alone the
-            # two do the same work; in a step ASYNC_SHM absorbs the ranks' skew (tp_step d512: -1% to -2%, README's
-            # tensor-parallel section)
+            # two do the same work; in a step ASYNC_SHM absorbs the ranks' skew (tp_step d512: -1% to -2%, docs/perf.md,
+            # "Tensor-parallel training step")
             names = [ASYNC_SHM, first] if ASYNC_SHM in routes else [first]
         if len(names) == 1:
             return names[0]

@@ -4,7 +4,7 @@ Every record is validated against `SCHEMA` before anything is written; a part is
 temporary name in the store folder and renamed into place, so a crash never leaves a half-written
 part that `load` would read. A part that cannot be read (damaged on disk) is moved into the store's
 `quarantine/` folder with a warning and the others load: one bad file never hides the rest, and no
-file is ever deleted. Schema documented in docs/perf.md.
+file is ever deleted. Schema documented in docs/profiling.md.
 """
 
 from __future__ import annotations

@@ -28,7 +28,7 @@ Fitted on the worlds `cocoweave profile` measured (`worlds.WorldRun`), per rank 
   time to each other even with a core each; it is the K-rank world's step over a rank's measured CPU time there
   (so the formula taken at K meets the step within the cores where the model's CPU time is the measured one; the
   model's own step at K when no K-rank world was fitted), together with the evenly spread oversubscribed worlds'
-  (p a multiple of K: the stored 4-rank worlds on 2 cores show the K-rank ratio, docs/perf.md). An uneven spread
+  (p a multiple of K: the stored 4-rank worlds on 2 cores show the K-rank ratio, docs/profiling.md). An uneven spread
   leaves the cores with fewer ranks idle while the busiest finishes, partly recovered by the scheduler moving
   ranks: mu (>= 0) is fitted on the unevenly spread oversubscribed worlds (step over p x measured CPU / K, over
   eta_bal). Beyond the cores a rank's CPU time is the model's times shared_cpu, the oversubscribed worlds' measured

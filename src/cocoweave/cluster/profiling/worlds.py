@@ -171,7 +171,7 @@ def slowest_rank_step(per_rank_ms: Sequence[float]) -> float:
     """A world's step from each rank's median step time: the slowest rank's. Ranks that meet every step take as long
     per step over a run (the run's pace); taking the slowest rank's time per step before the median (the definition
     until late 2026-11-27) adds the spread of when each rank's step boundary falls: 2-8% at 3 ranks on 2 cores
-    (docs/perf.md)."""
+    (docs/profiling.md)."""
     return max(per_rank_ms)
 
 

@@ -11,7 +11,7 @@ from cocoweave.errors import PlanningError
 
 @dataclass(frozen=True)
 class Efficiency:
-    """Fractions of spec-sheet peaks one software stack reaches in training (docs/perf.md, "Planning at scale", says
+    """Fractions of spec-sheet peaks one software stack reaches in training (docs/planning.md, "Planning at scale", says
     where each comes from). GEMM efficiency depends on the GEMM's shape: gemm_max x d / (d + gemm_half), d its
     smallest dimension. Fields marked calibrated are fitted by `calibrate.py` on the calibration rows of
     `published.py` and frozen here; the network fractions are nccl-tests' typical bus bandwidths, not fitted."""
