@@ -42,7 +42,7 @@ Reading schedule names: the stages in the order they run, joined by '-'.
   c              computation as eager torch ops, one at a time
   C              computation fused into one generated kernel
   MM             a matmul
-  AR, RS, AG     all_reduce, reduce_scatter, all_gather (BC: broadcast, R: reduce); repeats written once
+  AR, RS, AG     all_reduce, reduce_scatter, all_gather (A2A: all_to_all, BC: broadcast, R: reduce); repeats once
   P2P            send/recv between process groups (pipeline stages)
   fuse(RS-C-AG)  the stages inside run as one stage (here one fused collective)
   ol(MM,AR,C,4)  the stages inside run in 4 chunks: a chunk's communication overlaps the next's computation
