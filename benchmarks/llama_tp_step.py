@@ -19,6 +19,8 @@ DTensor and plain parameters, which torch's TP leaves), torch.optim.AdamW (forea
                  the sequence, the attention and feed-forward inputs gathered (PrepareModuleInput), the row outputs
                  reduce-scattered, the output projection's input gathered
   cocoweave      cocoweave.nn.parallelize(model, mesh, llama_plan(model)), its defaults (schedule="auto")
+  cocoweave-sp   cocoweave.nn.parallelize(model, mesh, llama_plan(model, sequence_parallel=True)): torchtitan's
+                 sequence-parallel plan (the one torch-tp-sp runs) on cocoweave's layers (nn/sequence.py)
   floor          each planned nn.Linear replaced by this rank's part of it with no collective at all: the same
                  sharded compute, a limit and not a peer (it computes partial sums)
 
@@ -54,7 +56,7 @@ from cocoweave.sharding import local  # noqa: E402  a DTensor's local tensor, a 
 
 LAYERS, HEADS, KV_HEADS, VOCAB, BATCH, SEQ, MAX_NORM = 4, 8, 4, 2048, 4, 128, 1.0
 ADAMW = {"lr": 3e-4, "weight_decay": 0.1}
-VARIANTS = ("cocoweave", "torch-tp", "torch-tp-sp", "floor")
+VARIANTS = ("cocoweave", "cocoweave-sp", "torch-tp", "torch-tp-sp", "floor")
 PEERS = ("torch-tp", "torch-tp-sp")
 
 
@@ -170,6 +172,8 @@ class Variant:
         model = build(dim)
         if name == "cocoweave":
             parallelize(model, tp_mesh, llama_plan(model))
+        elif name == "cocoweave-sp":
+            parallelize(model, tp_mesh, llama_plan(model, sequence_parallel=True))
         elif name == "torch-tp":
             parallelize_module(model, tp_mesh, llama_plan(model))
         elif name == "torch-tp-sp":

@@ -12,6 +12,7 @@ attends over its own heads without any change to the model's code.
 
 from __future__ import annotations
 
+import inspect
 from dataclasses import dataclass
 from typing import Any
 
@@ -169,11 +170,14 @@ _BLOCKS = {
 _HEADS = {"torchtitan": ("tok_embeddings", ("output", "lm_head")), "huggingface": ("model.embed_tokens", ("lm_head",))}
 
 
-def llama_plan(model: nn.Module, *, vocab_parallel: bool = False, loss_parallel: bool = False) -> dict[str, Any]:
+def llama_plan(model: nn.Module, *, vocab_parallel: bool = False, loss_parallel: bool = False,
+               sequence_parallel: bool = False) -> dict[str, Any]:
     """Megatron's split of a Llama-family model in torch's vocabulary: q/k/v and gate/up column-parallel, the
     attention output and down projections row-parallel. `vocab_parallel`: the embedding's vocabulary split too.
     `loss_parallel`: the output projection column-parallel with its logits left split on the vocabulary (for
-    `vocab_parallel_cross_entropy`); without it the output projection is replicated and the logits whole."""
+    `vocab_parallel_cross_entropy`); without it the output projection is replicated and the logits whole.
+    `sequence_parallel`: torchtitan's plan with sequence parallelism (norms and residuals on sequence slices; it
+    splits the embedding's vocabulary, and the output projection's features); torchtitan's module names only."""
     from torch.distributed.tensor import Replicate  # imported here: DTensor costs 0.4 s to import
     from torch.distributed.tensor.parallel import ColwiseParallel, RowwiseParallel
 
@@ -186,18 +190,69 @@ def llama_plan(model: nn.Module, *, vocab_parallel: bool = False, loss_parallel:
             continue
         plan: dict[str, Any] = {p: ColwiseParallel() if p in cols else RowwiseParallel() for p in present}
         embedding, outputs = _HEADS[scheme]
+        head = next((o for o in outputs if o in names), None)
+        if loss_parallel and head is None:
+            raise ParallelConfigError(f"llama_plan: {type(model).__name__} has no output projection named "
+                                      f"{' or '.join(outputs)} to split for loss_parallel")
+        if sequence_parallel:
+            return _sequence_plan(model, scheme, plan, names, head, loss_parallel)
         if vocab_parallel and embedding in names:
             plan[embedding] = RowwiseParallel(input_layouts=Replicate())
         if loss_parallel:
-            head = next((o for o in outputs if o in names), None)
-            if head is None:
-                raise ParallelConfigError(f"llama_plan: {type(model).__name__} has no output projection named "
-                                          f"{' or '.join(outputs)} to split for loss_parallel")
             plan[head] = ColwiseParallel()
         return plan
     raise ParallelConfigError(f"llama_plan: {type(model).__name__} has neither torchtitan's (layers.N.attention.wq) "
                               "nor Hugging Face's (model.layers.N.self_attn.q_proj) module names; write the plan "
                               "by hand")
+
+
+def _matches_any(pattern: str, name: str) -> bool:
+    from .parallelize import _matches
+
+    return _matches(pattern, name)
+
+
+def _positional_inputs(module: nn.Module) -> int:
+    """How many positional inputs `module.forward` takes (torch's PrepareModuleInput wants one layout for each)."""
+    kinds = (inspect.Parameter.POSITIONAL_ONLY, inspect.Parameter.POSITIONAL_OR_KEYWORD)
+    return sum(p.kind in kinds for p in inspect.signature(module.forward).parameters.values())
+
+
+def _sequence_plan(model: nn.Module, scheme: str, plan: dict[str, Any], names: list[str], head: str | None,
+                   loss_parallel: bool) -> dict[str, Any]:
+    """torchtitan's tensor + sequence parallel plan (torchtitan/models/llama3/parallelize.py, apply_tp)."""
+    from torch.distributed.tensor import Replicate, Shard
+    from torch.distributed.tensor.parallel import (
+        ColwiseParallel,
+        PrepareModuleInput,
+        RowwiseParallel,
+        SequenceParallel,
+    )
+
+    if scheme != "torchtitan":
+        raise ParallelConfigError(f"llama_plan: sequence parallelism is planned for torchtitan's module names only; "
+                                  f"{type(model).__name__} computes positions and masks from the embedding's output "
+                                  "length, which sequence parallelism splits")
+    needed = ("tok_embeddings", "norm")
+    missing = [n for n in needed if n not in names] + ([] if head else ["output"])
+    if missing:
+        raise ParallelConfigError(f"llama_plan: sequence parallelism needs {type(model).__name__}'s "
+                                  f"{', '.join(missing)}, which it does not have")
+    plan = {p: (RowwiseParallel(output_layouts=Shard(1)) if isinstance(s, RowwiseParallel) else s)
+            for p, s in plan.items()}
+    attention = next(m for n, m in model.named_modules() if _matches_any("layers.*.attention", n))
+    rest = (None,) * (_positional_inputs(attention) - 1)  # (x, freqs_cis), or (x, cos, sin) in cocoweave's Llama
+    plan.update({
+        "tok_embeddings": RowwiseParallel(input_layouts=Replicate(), output_layouts=Shard(1)),
+        "norm": SequenceParallel(),
+        head: ColwiseParallel(input_layouts=Shard(1), output_layouts=Shard(-1) if loss_parallel else Replicate()),
+        "layers.*.attention_norm": SequenceParallel(),
+        "layers.*.attention": PrepareModuleInput(input_layouts=(Shard(1), *rest), desired_input_layouts=(Replicate(),
+                                                                                                          *rest)),
+        "layers.*.ffn_norm": SequenceParallel(),
+        "layers.*.feed_forward": PrepareModuleInput(input_layouts=(Shard(1),), desired_input_layouts=(Replicate(),)),
+    })
+    return plan
 
 
 __all__ = ["Attention", "FeedForward", "Llama", "LlamaBlock", "LlamaConfig", "apply_rope", "llama_plan",

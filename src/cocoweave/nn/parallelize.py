@@ -17,9 +17,15 @@ What a plan may say (anything else is refused with a sentence naming the module)
 - RowwiseParallel() on an nn.Linear: input features split (the input is the slice a ColwiseParallel produced), the
   partial products summed.
 - RowwiseParallel() on an nn.Embedding: the vocabulary split (a VocabParallelEmbedding), where cocoweave has one.
-- PrepareModuleInput / PrepareModuleOutput whose layouts are already what the module gets (no-ops), and
-  SequenceParallel / layouts sharded on the sequence: refused for now (cocoweave's own TransformerBlock has
-  sequence parallelism; `parallelize` does not yet).
+- Sequence parallelism as torchtitan plans it (nn/sequence.py): SequenceParallel() on the norms (they run on this
+  rank's slice of the sequence, their gradients summed), PrepareModuleInput from Shard(1) to Replicate() on the
+  modules that need the whole sequence (attention, feed-forward: one all-gather, whose backward reduce-scatters the
+  partial input gradients of every column-parallel projection inside), RowwiseParallel(output_layouts=Shard(1))
+  (the partial sums reduce-scattered into the next slice), RowwiseParallel(input_layouts=Replicate(),
+  output_layouts=Shard(1)) on the embedding and ColwiseParallel(input_layouts=Shard(1)) on the output projection.
+  A module whose input the plan gathers must read it only through its planned column-parallel projections (as
+  torchtitan's attention and feed-forward do); sequences must split evenly over the group.
+- PrepareModuleInput / PrepareModuleOutput whose layouts are already what the module gets: no-ops.
 Attention heads are checked up front: a module with `n_heads` / `n_kv_heads` (torchtitan) or `num_heads` /
 `num_key_value_heads` (Hugging Face) whose projections are planned must have head counts the group size divides.
 """
@@ -37,6 +43,7 @@ from ..errors import ParallelConfigError
 from ..sharding import is_dtensor, local, replicate_parameters, tp_mesh
 from .functional import group_size
 from .layers import ColumnParallelLinear, RowParallelLinear, _ParallelLinear, resolve_group
+from .sequence import SequenceColumnLinear, SequenceRowLinear, gather_inputs, on_sequence_slices, scatter_output
 
 
 def parallelize(model: nn.Module, mesh: Any, plan: Mapping[str, Any], *, schedule: str | None = "auto"
@@ -60,8 +67,9 @@ def parallelize(model: nn.Module, mesh: Any, plan: Mapping[str, Any], *, schedul
         for name in hits:
             chosen[name] = style
     _check_heads(modules, chosen, tp)
+    gathered = _gathered(chosen)
     for name, style in chosen.items():
-        new = _replacement(name, modules[name], style, mesh, schedule)
+        new = _replacement(name, modules[name], style, mesh, schedule, gathered)
         if new is not None:
             _set(model, name, new)
     _replicate_the_rest(model, tp_mesh(mesh))
@@ -83,8 +91,11 @@ def _is(layouts: tuple[Any, ...], kind: type, dim: int | None = None) -> bool:
     return len(layouts) == 1 and isinstance(layouts[0], kind) and (dim is None or layouts[0].dim in (dim, -1))
 
 
-def _replacement(name: str, module: nn.Module, style: Any, mesh: Any, schedule: str | None) -> nn.Module | None:
-    """The cocoweave module that does what `style` asks of `module` (None: nothing to replace)."""
+def _replacement(name: str, module: nn.Module, style: Any, mesh: Any, schedule: str | None,
+                 gathered: frozenset[str]) -> nn.Module | None:
+    """The cocoweave module that does what `style` asks of `module` (None: nothing to replace; a module that only
+    changes what its forward does is changed in place). `gathered`: the modules whose inputs the plan gathers from
+    sequence slices (their column-parallel projections leave the input gradient to the gather)."""
     from torch.distributed.tensor import Replicate, Shard  # imported here: DTensor costs 0.4 s to import
     from torch.distributed.tensor.parallel import (
         ColwiseParallel,
@@ -95,46 +106,98 @@ def _replacement(name: str, module: nn.Module, style: Any, mesh: Any, schedule: 
     )
 
     what = f"parallelize: {name} ({type(module).__name__}) with {type(style).__name__}"
+    group = resolve_group(mesh)
     if isinstance(module, _ParallelLinear):
         raise ParallelConfigError(f"{what}: the module is already tensor-parallel")
     if isinstance(style, ColwiseParallel):
         if not isinstance(module, nn.Linear):
             raise ParallelConfigError(f"{what}: cocoweave splits only nn.Linear output features")
-        if not _is(_layouts(style, "input_layouts"), Replicate):
-            raise ParallelConfigError(f"{what}: a sequence-sharded input (sequence parallelism) is not supported "
-                                      "by parallelize yet; use Replicate() inputs")
-        out = _layouts(style, "output_layouts")
+        inp, out = _layouts(style, "input_layouts"), _layouts(style, "output_layouts")
+        if not (_is(inp, Replicate) or _is(inp, Shard, 1)):
+            raise ParallelConfigError(f"{what}: input layouts {list(inp)} are not supported (Replicate() or, for "
+                                      "sequence parallelism, Shard(1))")
         if not (_is(out, Shard, -1) or _is(out, Replicate)):
             raise ParallelConfigError(f"{what}: output layouts {list(out)} are not supported (Shard(-1) or "
                                       "Replicate())")
+        under = _inside(name, gathered)
+        if _is(inp, Shard, 1) or under:
+            return _linear(SequenceColumnLinear, module, mesh, None, gather_output=_is(out, Replicate),
+                           gather_input=_is(inp, Shard, 1) and not under)
         return _linear(ColumnParallelLinear, module, mesh, schedule, gather_output=_is(out, Replicate))
     if isinstance(style, RowwiseParallel):
+        out = _layouts(style, "output_layouts")
+        if not (_is(out, Replicate) or _is(out, Shard, 1)):
+            raise ParallelConfigError(f"{what}: output layouts {list(out)} are not supported (Replicate() or, for "
+                                      "sequence parallelism, Shard(1))")
         if isinstance(module, nn.Embedding):
-            return _vocab_embedding(what, module, mesh)
+            embedding = _vocab_embedding(what, module, mesh)
+            if _is(out, Shard, 1):
+                scatter_output(embedding, group)
+            return embedding
         if not isinstance(module, nn.Linear):
             raise ParallelConfigError(f"{what}: cocoweave splits only nn.Linear input features or nn.Embedding "
                                       "vocabularies")
-        if not _is(_layouts(style, "output_layouts"), Replicate):
-            raise ParallelConfigError(f"{what}: a sequence-sharded output (sequence parallelism) is not supported "
-                                      "by parallelize yet; use Replicate() outputs")
         inp = _layouts(style, "input_layouts")
         if not (_is(inp, Shard, -1) or _is(inp, Replicate)):
             raise ParallelConfigError(f"{what}: input layouts {list(inp)} are not supported (Shard(-1) or "
                                       "Replicate())")
+        if _is(out, Shard, 1):
+            return _linear(SequenceRowLinear, module, mesh, None, input_is_parallel=_is(inp, Shard, -1))
         return _linear(RowParallelLinear, module, mesh, schedule, input_is_parallel=_is(inp, Shard, -1))
-    if isinstance(style, PrepareModuleInput | PrepareModuleOutput):
-        given = _layouts(style, "input_layouts" if isinstance(style, PrepareModuleInput) else "output_layouts")
-        wanted = _layouts(style, "desired_input_layouts" if isinstance(style, PrepareModuleInput)
-                          else "desired_output_layouts")
-        if all(a is None or b is None or a == b for a, b in zip(given, wanted)):
+    if isinstance(style, PrepareModuleInput):
+        positions, names = _sequence_gathers(what, style)
+        if positions or names:
+            gather_inputs(module, positions, names, group)
+        return None
+    if isinstance(style, PrepareModuleOutput):
+        if all(a is None or b is None or a == b for a, b in zip(_layouts(style, "output_layouts"),
+                                                                 _layouts(style, "desired_output_layouts"))):
             return None
-        raise ParallelConfigError(f"{what}: converting {list(given)} to {list(wanted)} (sequence parallelism) is "
-                                  "not supported by parallelize yet")
+        raise ParallelConfigError(f"{what}: converting outputs {list(_layouts(style, 'output_layouts'))} to "
+                                  f"{list(_layouts(style, 'desired_output_layouts'))} is not supported")
     if isinstance(style, SequenceParallel):
-        raise ParallelConfigError(f"{what}: sequence parallelism is not supported by parallelize yet; leave the "
-                                  "norms out of the plan (their parameters are replicated)")
+        if _layouts(style, "sequence_sharding") not in ((Shard(1),), (None,)):
+            raise ParallelConfigError(f"{what}: only the sequence dimension 1 can be sharded")
+        on_sequence_slices(module, tp_mesh(mesh), group)
+        return None
     raise ParallelConfigError(f"{what}: not a style cocoweave knows (ColwiseParallel, RowwiseParallel, "
-                              "PrepareModuleInput/Output)")
+                              "SequenceParallel, PrepareModuleInput/Output)")
+
+
+def _sequence_gathers(what: str, style: Any) -> tuple[tuple[int, ...], tuple[str, ...]]:
+    """The positional and keyword inputs a PrepareModuleInput gathers from sequence slices (Shard(1) ->
+    Replicate()); any other change of layout is refused."""
+    from torch.distributed.tensor import Replicate, Shard
+
+    def gathers(given: Any, wanted: Any, where: str) -> bool:
+        if given is None or wanted is None or given == wanted:
+            return False
+        if given == Shard(1) and wanted == Replicate():
+            return True
+        raise ParallelConfigError(f"{what}: converting {where} from {given} to {wanted} is not supported (only "
+                                  "Shard(1) -> Replicate(), sequence parallelism's gather)")
+
+    given, wanted = _layouts(style, "input_layouts"), _layouts(style, "desired_input_layouts")
+    positions = tuple(i for i, (a, b) in enumerate(zip(given, wanted)) if gathers(a, b, f"input {i}"))
+    kw_given = getattr(style, "input_kwarg_layouts", None) or {}
+    kw_wanted = getattr(style, "desired_input_kwarg_layouts", None) or {}
+    names = tuple(k for k in kw_given if gathers(kw_given[k], kw_wanted.get(k), f"input {k!r}"))
+    return positions, names
+
+
+def _inside(name: str, parents: frozenset[str]) -> bool:
+    return any(name.startswith(p + ".") for p in parents)
+
+
+def _gathered(chosen: dict[str, Any]) -> frozenset[str]:
+    """The modules whose inputs `chosen` gathers from sequence slices (PrepareModuleInput Shard(1) -> Replicate())."""
+    from torch.distributed.tensor.parallel import PrepareModuleInput
+
+    out = set()
+    for name, style in chosen.items():
+        if isinstance(style, PrepareModuleInput) and any(_sequence_gathers(name, style)):
+            out.add(name)
+    return frozenset(out)
 
 
 def _linear(cls: type[_ParallelLinear], module: nn.Linear, mesh: Any, schedule: str | None, **kwargs: Any
