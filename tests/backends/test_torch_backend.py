@@ -196,3 +196,16 @@ def test_an_output_naming_a_state_input_is_its_value_before_the_update():
         assert torch.equal(res.outputs["old"], inputs[0]["s"]), sched.name
         state = {n: (exe.kept[n] if n in exe.plan.sliced_state else t) for n, t in res.state.items()}
         assert compare_results(p, [RankResult(dict(res.outputs), state)], expected).ok, sched.name
+
+
+def test_nccl_averages_in_the_collective_and_gloo_divides_after():
+    import torch.distributed as dist
+
+    from cocoweave.backends.torch.runtime import RankContext
+
+    x, ids = torch.ones(4), torch.ones(4, dtype=torch.int64)
+    assert RankContext(0, 2, {}, torch.device("cpu"), {}, "nccl")._reduce_op("avg", x) == (dist.ReduceOp.AVG, False)
+    assert RankContext(0, 2, {}, torch.device("cpu"), {}, "nccl")._reduce_op("avg", ids) == (dist.ReduceOp.SUM, True)
+    mixed = RankContext(0, 2, {}, torch.device("cpu"), {}, "cpu:gloo,cuda:nccl")
+    assert mixed._reduce_op("avg", x) == (dist.ReduceOp.SUM, True)  # a CPU tensor goes to Gloo, which has no AVG
+    assert RankContext(0, 2, {}, torch.device("cpu"), {}, "gloo")._reduce_op("sum", x) == (dist.ReduceOp.SUM, False)

@@ -310,3 +310,42 @@ def test_a_world_of_one_rank_issues_no_collective(monkeypatch):
         assert _worst(model, ref) <= 1e-5  # and it trained as torch does
     finally:
         dist.destroy_process_group()
+
+
+def plain_nccl_case(rank: int, world_size: int) -> dict:
+    """The world as plain `init_process_group("nccl")` makes it (its config says cuda:nccl, no CPU backend; faked on
+    Gloo ranks) and ranks on two hosts (no shared memory): the used-parameter flags of every step are all-reduced on
+    a Gloo group beside it, as CPU tensors, so reading them back syncs no GPU; the step trains as DDP + AdamW."""
+    from cocoweave.backends.torch import placement, shm
+
+    real_config, real_group_for, real_all_reduce = dist.get_backend_config, shm.group_for, dist.all_reduce
+    flag_groups = []
+
+    def spy(t, *args, group=None, **kwargs):
+        if t.dtype == torch.int32:
+            flag_groups.append((group, t.device.type))
+        return real_all_reduce(t, *args, group=group, **kwargs)
+
+    dist.get_backend_config, shm.group_for, dist.all_reduce = (lambda group=None: "cuda:nccl"), (lambda g: None), spy
+    try:
+        model, ref = _mlp(), _mlp()
+        opt = DistributedAdamW(model.parameters(), lr=1e-2)
+        ref_opt = torch.optim.AdamW(ref.parameters(), lr=1e-2)
+        for step in range(3):
+            _backward_all((model, ref), step, rank, world_size)
+            _ddp_average(ref.parameters())
+            opt.step()
+            ref_opt.step()
+        side = placement.cpu_group(None)
+        return {"flags on the side group, as CPU tensors": [g is side and dev == "cpu" for g, dev in flag_groups],
+                "side is the world": side is dist.group.WORLD, "side backend": str(real_config(side)),
+                "worst": _worst(model, ref)}
+    finally:
+        dist.get_backend_config, shm.group_for, dist.all_reduce = real_config, real_group_for, real_all_reduce
+
+
+def test_under_plain_nccl_the_flags_go_through_a_cpu_group_beside_it(local_world):
+    for r in local_world(2).run(plain_nccl_case):
+        assert r["flags on the side group, as CPU tensors"] == [True] * 3  # one all-reduce of flags per step
+        assert not r["side is the world"] and "gloo" in r["side backend"]
+        assert r["worst"] <= 1e-5

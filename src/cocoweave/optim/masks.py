@@ -9,7 +9,7 @@ import torch
 import torch.distributed as dist
 
 from ..backends.torch import shm
-from ..backends.torch.placement import metadata_device
+from ..backends.torch.placement import cpu_group
 from ..errors import OptimizerError
 from .buckets import Bucket
 from .placements import local
@@ -67,9 +67,8 @@ def agree(opt: Any, flags: list[int], size: int) -> list[int]:
         return flags
     t = torch.tensor(flags, dtype=torch.int32)
     g = shm.group_for(opt.process_group)
-    if g is None:  # NCCL alone takes no CPU tensor: the flags go where the group takes them
-        t = t.to(metadata_device(opt.process_group, opt._buckets[0].device))
-        dist.all_reduce(t, op=dist.ReduceOp.MAX, group=opt.process_group)
+    if g is None:  # on the CPU side of the group (a Gloo group beside plain NCCL): reading them back syncs no GPU
+        dist.all_reduce(t, op=dist.ReduceOp.MAX, group=cpu_group(opt.process_group))
         return t.tolist()
     if opt._flag_slots is None or opt._flag_slots[0].numel() != t.numel():
         opt._flag_slots = g.slots("optim-flags", t.numel(), torch.int32)

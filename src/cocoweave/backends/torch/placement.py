@@ -3,8 +3,9 @@ group made with `init_process_group("cpu:gloo,cuda:nccl")` sends each tensor to 
 
 Data (gradients, weights) stays where it is. Small metadata of a step (the ranks' used-parameter flags, a
 gradient norm, gradient statistics) goes on the CPU when the group has a CPU backend, so reading it back costs no
-device synchronisation, and on the data's device otherwise. cocoweave's launchers make NCCL worlds with Gloo
-beside it for CPU tensors (`group_backend`).
+device synchronisation, and on the data's device otherwise; or through `cpu_group`, a Gloo group beside a group
+that takes no CPU tensor. cocoweave's launchers make NCCL worlds with Gloo beside it for CPU tensors
+(`group_backend`).
 """
 
 from __future__ import annotations
@@ -33,6 +34,23 @@ def metadata_device(group: Any, device: torch.device | str) -> torch.device:
     if not (dist.is_available() and dist.is_initialized()):
         return CPU
     return CPU if "cpu" in backend_devices(str(dist.get_backend_config(group))) else torch.device(device)
+
+
+_CPU_SIDE: dict[Any, Any] = {}  # process group -> a Gloo group over the same ranks (groups that take no CPU tensor)
+
+
+def cpu_group(group: Any) -> Any:
+    """A process group over `group`'s ranks (None: the default group) that takes CPU tensors: the group itself when it
+    does, else a Gloo group beside it, made once by the group's members (a world made with plain
+    `init_process_group("nccl")`): the step's metadata then never goes through the GPU and back."""
+    if "cpu" in backend_devices(str(dist.get_backend_config(group))):
+        return group
+    group = group if group is not None else dist.group.WORLD  # a new world is a new key
+    side = _CPU_SIDE.get(group)
+    if side is None:
+        side = _CPU_SIDE[group] = dist.new_group(dist.get_process_group_ranks(group), backend="gloo",
+                                                 use_local_synchronization=True)
+    return side
 
 
 def compute_device() -> torch.device:

@@ -307,10 +307,11 @@ class RankContext:
         key = (out, "wire") if wire is not x else out
         buf = self.buffer(key, wire.shape, wire.dtype)
         buf.copy_(wire)
-        work = dist.all_reduce(buf, _REDUCE[op], group=group, async_op=async_op)
+        reduce_op, divide = self._reduce_op(op, buf)
+        work = dist.all_reduce(buf, reduce_op, group=group, async_op=async_op)
 
         def finish() -> torch.Tensor:
-            if op == "avg":
+            if divide:
                 buf.div_(n)
             if buf.dtype == x.dtype:
                 return buf
@@ -319,6 +320,14 @@ class RankContext:
             return res
 
         return self._done(work if async_op else None, finish, async_op)
+
+    def _reduce_op(self, op: str, t: torch.Tensor) -> tuple[Any, bool]:
+        """torch's reduction for `op` on tensor `t`, and whether the result must still be divided by the group size:
+        NCCL averages floating-point tensors itself (ReduceOp.AVG, no separate division kernel); Gloo sums."""
+        if op == "avg" and t.is_floating_point() and (self.backend == "nccl" or
+                                                      (t.device.type == "cuda" and "cuda:nccl" in self.backend)):
+            return dist.ReduceOp.AVG, False
+        return _REDUCE[op], op == "avg"
 
     def _adasum(self, x: torch.Tensor, group: Any, out: Any) -> torch.Tensor:
         """Adasum by vector-halving, distance-doubling over P2P (backends/torch/adasum.py): bandwidth
@@ -350,9 +359,11 @@ class RankContext:
             for r, (start, stop) in enumerate(bounds):
                 inp[r * c:r * c + stop - start].copy_(wire[start:stop])
         part = self.buffer((out, "part"), (c, *rest), wire.dtype)
-        work = _REDUCE_SCATTER(part, inp, op=_REDUCE[op], group=group, async_op=async_op)
+        reduce_op, divide = self._reduce_op(op, part)
+        work = _REDUCE_SCATTER(part, inp, op=reduce_op, group=group, async_op=async_op)
 
-        return self._done(work if async_op else None, self._scattered(x, dim, mine, part, op, n, out), async_op)
+        return self._done(work if async_op else None,
+                          self._scattered(x, dim, mine, part, "avg" if divide else "sum", n, out), async_op)
 
     def _scattered(self, x: torch.Tensor, dim: int, mine: int, part: torch.Tensor, op: str, n: int,
                    out: Any) -> Callable[[], torch.Tensor]:
