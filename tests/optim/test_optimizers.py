@@ -349,3 +349,29 @@ def test_under_plain_nccl_the_flags_go_through_a_cpu_group_beside_it(local_world
         assert r["flags on the side group, as CPU tensors"] == [True] * 3  # one all-reduce of flags per step
         assert not r["side is the world"] and "gloo" in r["side backend"]
         assert r["worst"] <= 1e-5
+
+
+def master_view_case(rank: int, world_size: int) -> list:
+    """Half parameters with fp32 master weights at 3 ranks (uneven slices): opt.state[p] shows the same keys and
+    master weights as state_dict() (the fp32 weights the half parameter is the rounding of)."""
+    from cocoweave.optim import DistributedLAMB
+
+    model = _mlp(dtype=torch.float16)
+    opt = DistributedLAMB(model.parameters(), lr=1e-2, master_weights=True)
+    for step in range(2):
+        _backward(model, step, rank, world_size)
+        opt.step()
+        opt.zero_grad()
+    sd = opt.state_dict()
+    out = []
+    for i, p in enumerate(model.parameters()):
+        view, saved = opt.state[p], sd["state"][i]
+        out.append((sorted(view) == sorted(saved), view["master_param"].dtype == torch.float32,
+                    torch.equal(view["master_param"], saved["master_param"]),
+                    torch.equal(view["master_param"].half(), p.detach())))
+    return out
+
+
+def test_half_parameters_show_their_fp32_masters_in_opt_state_as_in_the_state_dict(local_world):
+    for rows in local_world(3).run(master_view_case):
+        assert rows and all(all(r) for r in rows), rows

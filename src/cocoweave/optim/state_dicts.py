@@ -54,12 +54,23 @@ class StateDicts:
             if not isinstance(entry, _ParamState):
                 entry = self.state[p] = _ParamState(entry)
             entry.gather = None
-            for n, key in self.state_keys.items():
+            for n, key in self._view_keys(b):
                 if n in b.state:
-                    dict.__setitem__(entry, key, self.state_part(b, n, b.state[n], i))
+                    dict.__setitem__(entry, key, self._view_part(b, n, b.state[n], i))
                 elif n in b.exe.sliced_state:
                     dict.__setitem__(entry, key, _SLICED)
                     entry.gather = lambda b=b: self._gather_views(b)
+
+    def _view_keys(self, b: Bucket) -> list[tuple[str, str]]:
+        """(state tensor, torch's key) of what `opt.state[p]` shows: the moments, and the fp32 master weights as
+        'master_param' where the parameters are half (as state_dict() names them)."""
+        keys = list(self.state_keys.items())
+        if model_weights(b.exe.tensor_inputs()) == PARAMS:
+            keys.append((WEIGHTS, "master_param"))
+        return keys
+
+    def _view_part(self, b: Bucket, n: str, whole: torch.Tensor, i: int) -> torch.Tensor:
+        return b.part(whole, i) if n == WEIGHTS else self.state_part(b, n, whole, i)
 
     def _gather_views(self, b: Bucket) -> None:
         """Gather bucket b's sliced state into its parameters' `opt.state[p]` (until the next step)."""
@@ -69,9 +80,9 @@ class StateDicts:
         self._gathered.add(id(b))
         for i, p in enumerate(b.params):
             entry = self.state[p]
-            for n, key in self.state_keys.items():
+            for n, key in self._view_keys(b):
                 if n in b.exe.sliced_state:
-                    dict.__setitem__(entry, key, self.state_part(b, n, whole[n], i))
+                    dict.__setitem__(entry, key, self._view_part(b, n, whole[n], i))
             entry.gather = None
 
     def _meet(self, what: str) -> None:
