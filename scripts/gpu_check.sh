@@ -4,6 +4,8 @@
 #
 #     scripts/gpu_check.sh                # results in $OUT when set (the device tool), else runs/gpu_check-<time>/
 #     GPU_CHECK_STEPS="tests demo" scripts/gpu_check.sh    # only those steps
+#     GPU_CHECK_DRY=1 scripts/gpu_check.sh       # dry mode, on a machine without a GPU: every step on the CPU over
+#                                                # Gloo with the smallest sizes (the plumbing, not the figures)
 #
 # Python packages the GPU machine lacks (pydantic there: its image has every other dependency) travel as wheels in
 # .whl/ (git-ignored; `pip download --no-deps` them for its Python) and are installed into a temporary folder.
@@ -33,6 +35,10 @@ export PYTHONPATH=$ROOT/src${PYTHONPATH:+:$PYTHONPATH} PYTHONUNBUFFERED=1
 WORK=$(mktemp -d)
 trap 'rm -rf "$WORK"' EXIT
 TOTAL=${GPU_CHECK_SECONDS:-570}  # seconds for every step together, under the device tool's 600
+DEV=cuda NCCL=nccl PIN=--pin-memory KERNELS= TEST_MODE=0 STEP_MODELS=small,large ROUNDS=3 STEPS_EACH=8
+if [ -n "${GPU_CHECK_DRY:-}" ]; then  # the CPU stands in for the GPU, Gloo for NCCL; sizes as small as they go
+    DEV=cpu NCCL=gloo PIN= KERNELS=--smoke TEST_MODE=1 STEP_MODELS=small ROUNDS=1 STEPS_EACH=2
+fi
 START=$(date +%s)
 STEPS=()
 
@@ -61,21 +67,21 @@ if [ -d .whl ] && ! "$PY" -c "import pydantic" 2>/dev/null; then  # the GPU imag
 fi
 nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv,noheader >"$WORK/gpu.txt" 2>&1 || true
 
-step tests 75 bash -c "TRITON_INTERPRET=0 $PY -m pytest -q -p no:cacheprovider tests/kernels/test_cuda.py \
+step tests 75 bash -c "TRITON_INTERPRET=$TEST_MODE $PY -m pytest -q -p no:cacheprovider tests/kernels/test_cuda.py \
     tests/kernels/test_sm90_compile.py -rs && TRITON_INTERPRET=1 $PY -m pytest -q -p no:cacheprovider \
     tests/backends/test_placement.py tests/optim/test_device_routes.py tests/test_launch.py -k 'torchrun or nccl'"
-step step-nccl 90 "$PY" benchmarks/train_step.py --device cuda --backend nccl --worlds 1 --models small,large \
-    --rounds 3 --steps 8 --out "$WORK/nccl"
-step step-gloo 75 "$PY" benchmarks/train_step.py --device cuda --backend gloo --worlds 2 --models small \
-    --optimizers adamw --rounds 2 --steps 4 --out "$WORK/gloo"
+step step-nccl 90 "$PY" benchmarks/train_step.py --device $DEV --backend $NCCL --worlds 1 --models $STEP_MODELS \
+    --rounds $ROUNDS --steps $STEPS_EACH --out "$WORK/nccl"
+step step-gloo 75 "$PY" benchmarks/train_step.py --device $DEV --backend gloo --worlds 2 --models small \
+    --optimizers adamw --rounds $ROUNDS --steps $(( STEPS_EACH / 2 )) --out "$WORK/gloo"
 step train-gpt 60 "$PY" -m torch.distributed.run --standalone --nproc-per-node 1 examples/train_gpt.py \
     --steps 20 --tensor-parallel 1 --batch 8 --out "$WORK/gpt"
 PROFILE="$PY -m cocoweave profile examples/slow_input.py -n 1,2 --no-check --steps 6 --warmup 2 --rounds 1 \
     --timeout 40 --store $WORK/store"
-step profile-io 90 bash -c "$PROFILE --json $WORK/profile-pinned.json -- --device cuda --pin-memory \
-    --ckpt-every 3 && $PROFILE --json $WORK/profile-pageable.json -- --device cuda --ckpt-every 3"
-step demo 150 "$PY" -m cocoweave demo --device cuda --out "$WORK/demo" --json "$RESULTS/demo.json"
-step kernels 120 env OUT="$RESULTS" "$PY" benchmarks/kernels.py
+step profile-io 90 bash -c "$PROFILE --json $WORK/profile-pinned.json -- --device $DEV $PIN \
+    --ckpt-every 3 && $PROFILE --json $WORK/profile-pageable.json -- --device $DEV --ckpt-every 3"
+step demo 150 "$PY" -m cocoweave demo --device $DEV --out "$WORK/demo" --json "$RESULTS/demo.json"
+step kernels 120 env OUT="$RESULTS" TRITON_INTERPRET=$TEST_MODE "$PY" benchmarks/kernels.py $KERNELS
 
 for kind in nccl gloo; do  # train_step names its file by its options and date: one name here
     f=$(ls "$WORK/$kind"/train_step-*.json 2>/dev/null | head -n 1)

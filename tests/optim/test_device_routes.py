@@ -1,6 +1,6 @@
 """What the optimizers decide for a CUDA run, checked without a GPU: metadata of their collectives on a device the
-group takes (NCCL: the bucket's), new weights in place when step() returns unless deferring is asked for, and
-buckets padded to a multiple of the world size with a zero tail."""
+group takes (NCCL: the bucket's, or the CPU through a Gloo group beside it), new weights in place when step()
+returns unless deferring is asked for, and buckets padded to a multiple of the world size with a zero tail."""
 
 from __future__ import annotations
 
@@ -10,6 +10,7 @@ import pytest
 import torch
 import torch.distributed as dist
 
+from cocoweave.backends.torch import placement
 from cocoweave.optim import DistributedAdamW, base
 from cocoweave.optim.buckets import Bucket, make_buckets
 
@@ -40,10 +41,23 @@ def _optimizer_on(device: str) -> SimpleNamespace:
     return SimpleNamespace(process_group=None, _set_to_none=True, _buckets=[bucket], _flag_slots=None)
 
 
-def test_used_parameter_flags_go_on_the_buckets_device_over_nccl(nccl_world):
-    with pytest.raises(_Reduced):
-        DistributedAdamW._agree(_optimizer_on("meta"), [1, 0, 1])
-    assert [d.type for d in nccl_world] == ["meta"]
+def test_used_parameter_flags_go_through_a_cpu_group_beside_nccl(nccl_world, monkeypatch):
+    """Over a group that takes no CPU tensor the flags go on the CPU through a Gloo group beside it (made once):
+    reading them back syncs no GPU."""
+    side, made, used = object(), [], []
+    monkeypatch.setattr(placement, "_CPU_SIDE", {})
+    monkeypatch.setattr(dist, "get_process_group_ranks", lambda group: [0, 1])
+    monkeypatch.setattr(dist, "new_group", lambda ranks, backend=None, **kw: made.append((ranks, backend)) or side)
+
+    def all_reduce(t, op=None, group=None):
+        used.append((t.device.type, group))
+        raise _Reduced
+
+    monkeypatch.setattr(dist, "all_reduce", all_reduce)
+    for _ in range(2):
+        with pytest.raises(_Reduced):
+            DistributedAdamW._agree(_optimizer_on("meta"), [1, 0, 1])
+    assert used == [("cpu", side)] * 2 and made == [([0, 1], "gloo")]
 
 
 def test_clipping_without_partials_reduces_a_zero_on_the_buckets_device(nccl_world):
