@@ -19,7 +19,7 @@ def test_llama_tp_step_quick_times_every_variant_doing_the_same_work(tmp_path: P
     doc = json.loads(next(tmp_path.glob("llama_tp_step-*.json")).read_text())
     assert {"cpu", "torch", "cocoweave", "date", "load_average"} <= doc["machine"].keys()
     rows = {r["variant"]: r for r in doc["rows"]}
-    assert rows.keys() == {"cocoweave", "torch-tp", "torch-tp-sp", "floor"}
+    assert rows.keys() == {"cocoweave", "cocoweave-sp", "torch-tp", "torch-tp-sp", "floor"}
     for v, r in rows.items():
         assert r["median_ms"] > 0 and r["first5_ms"] > 0
         assert (r["same_work_abs_diff"] is None) == (v == "floor")
