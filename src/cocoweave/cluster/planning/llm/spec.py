@@ -19,12 +19,15 @@ from cocoweave.cluster.schema import Strict, validate
 from cocoweave.cluster.yamlio import load_yaml
 from cocoweave.errors import PlanningError
 
-DTYPE_BYTES = {"float32": 4, "bfloat16": 2, "float16": 2, "float8": 1}
+# Bytes of a stored or communicated value. float8 trains as Transformer Engine and torchao do: the linear layers'
+# GEMMs run on FP8 inputs (`step.py` prices them at the GPU's FP8 peak), while weights, activations kept for
+# backward and the collectives stay 16-bit (both keep bf16 weights and activations; FP8 copies are transient).
+DTYPE_BYTES = {"float32": 4, "bfloat16": 2, "float16": 2, "float8": 2}
 # Sane physical limits of a spec, each far beyond any published model (the largest: 128-200 layers, hidden 25,600-
 # 53,248, vocabularies of 256K, 10M-token contexts): a value past one is refused with the field and its limit, so
 # that no input makes the planner run for minutes or overflow its arithmetic.
 LIMITS = {"layers": 10_000, "hidden": 2**20, "heads": 2**16, "ffn": 2**22, "vocab": 2**24, "seq_len": 2**27,
-          "global_batch": 2**24, "experts": 2**16}
+          "global_batch": 2**24, "experts": 2**16, "cp": 2**10}
 
 
 class TransformerSpec(Strict):
@@ -43,6 +46,12 @@ class TransformerSpec(Strict):
     dtype: Literal["bfloat16", "float16", "float32", "float8"] = "bfloat16"
     experts: int = Field(default=1, gt=0, le=LIMITS["experts"])  # MoE: experts per layer (1: dense)
     experts_per_token: int = Field(default=1, gt=0, le=LIMITS["experts"])
+    # expert-parallel degree: each rank of an ep group holds experts / ep experts and tokens reach them by two
+    # all-to-alls per MoE layer each way (None: the layout search picks it)
+    expert_parallel: int | None = Field(default=None, gt=0, le=LIMITS["experts"])
+    # context-parallel degree: each rank holds seq_len / cp tokens of every sequence, attention exchanges keys
+    # and values around a ring (None: the layout search picks it)
+    context_parallel: int | None = Field(default=None, gt=0, le=LIMITS["cp"])
     flash_attention: bool = True  # fused attention: no s x s scores stored, causal half of the work done
     tied_embeddings: bool = False
 
@@ -54,6 +63,11 @@ class TransformerSpec(Strict):
             raise ValueError(f"heads {self.heads} is not a multiple of kv_heads {self.kv}")
         if self.experts_per_token > self.experts:
             raise ValueError(f"experts_per_token {self.experts_per_token} exceeds experts {self.experts}")
+        if self.expert_parallel is not None and self.experts % self.expert_parallel:
+            raise ValueError(f"expert_parallel {self.expert_parallel} does not divide experts {self.experts}")
+        if self.context_parallel is not None and self.seq_len % (2 * self.context_parallel):
+            raise ValueError(f"context_parallel {self.context_parallel} needs seq_len {self.seq_len} to be a multiple "
+                             f"of 2 x {self.context_parallel} (each rank holds two chunks, for causal balance)")
         return self
 
     @property
@@ -85,6 +99,12 @@ class TransformerSpec(Strict):
     def layer_params(self) -> int:
         """Weights of one layer (biases and norms included; all experts)."""
         return _layer_params(self)
+
+    def expert_params(self) -> int:
+        """Weights of one layer's experts (all of them; 0 for a dense model): what expert parallelism shards."""
+        if self.experts == 1:
+            return 0
+        return self.experts * (self.mlp_matrices * self.hidden * self.ffn_size + self.ffn_size + self.hidden)
 
     def embedding_params(self) -> int:
         """Input embedding plus (untied) output projection."""
