@@ -380,8 +380,9 @@ def _plan_llm_command(out, spec_path: Path, tokens: float | None, catalog: Path 
 
 
 def _terms(step) -> dict[str, float]:
-    return {"compute": step.compute_s, "tp exposed": step.tp_comm_s, "pp p2p": step.pp_comm_s,
-            "bubble": step.bubble_s, "dp exposed": step.dp_exposed_s, "optimizer": step.optimizer_s}
+    return {"compute": step.compute_s, "tp exposed": step.tp_comm_s, "cp exposed": step.cp_comm_s,
+            "ep all-to-all": step.ep_comm_s, "pp p2p": step.pp_comm_s, "bubble": step.bubble_s,
+            "dp exposed": step.dp_exposed_s, "optimizer": step.optimizer_s}
 
 
 def _memory(step) -> dict[str, float]:
@@ -394,7 +395,8 @@ def _llm_option_json(result, opt) -> dict:
     chosen = result.layout(opt)
     cfg, step = chosen.cfg, chosen.step
     return _option_json(opt) | {
-        "layout": {"tp": cfg.tp, "pp": cfg.pp, "vp": cfg.vp, "dp": cfg.dp, "micro_batch": cfg.micro_batch,
+        "layout": {"tp": cfg.tp, "cp": cfg.cp, "pp": cfg.pp, "vp": cfg.vp, "dp": cfg.dp, "ep": cfg.ep,
+                   "micro_batch": cfg.micro_batch,
                    "zero": cfg.zero, "sequence_parallel": cfg.sp, "recompute": cfg.recompute},
         "mfu": step.mfu, "terms_s": _terms(step), "memory_bytes": _memory(step),
         "memory_per_gpu_bytes": step.memory.total}

@@ -14,7 +14,7 @@ from cocoweave.cluster.planning.llm.validate import groups, main, table
 
 CATALOG = load_catalog()
 # measured 2026-12-05 (`python -m cocoweave.cluster.planning.llm.validate`): H100 held-out 22 rows, mean 8.23 %,
-# max 20.19 %; before Hopper constants 27.05 % / 53.24 %. The bound leaves room for refits, not for regressions.
+# max 20.19 %; before Hopper constants 19.01 % / 53.33 %. The bound leaves room for refits, not for regressions.
 H100_HELD_OUT_MEAN, H100_HELD_OUT_MAX = 9.0, 22.0
 
 

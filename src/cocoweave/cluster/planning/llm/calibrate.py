@@ -55,6 +55,8 @@ def calibrate(runs: list[PublishedRun], catalog: Catalog, stacks: dict[str, Effi
     best = dict(stacks)
     for _ in range(rounds):
         for names, field, low, high in FREE:
+            if not set(names) <= set(best):
+                continue  # constants not asked for (e.g. A100 stacks only)
             candidates = []
             for value in np.linspace(low, high, points):
                 trial = best | {n: replace(best[n], **{field: float(value)}) for n in names}

@@ -55,29 +55,34 @@ class Stack:
 HOPPER = "hopper"
 
 
+# A100 constants (calibrated); the stacks calibrated on Hopper only take the nearest A100 stack's on an A100:
+# Megatron-core's those of Megatron 2022, torchtitan with torch.compile's and llm-foundry's those of eager FSDP2
+MEGATRON_2022 = Efficiency(gemm_max=0.78, elementwise_passes=2.094)
+TORCHTITAN_2024 = Efficiency(gemm_max=0.78, elementwise_passes=8.788)
+
 # The software stacks the published runs used, with their calibrated constants (`calibrate.py` refits them);
 # `DEFAULT_STACK` is what `cocoweave plan` assumes for a new job.
 STACKS: dict[str, Stack] = {s.name: s for s in (
     # SC'21's runs: "local" DDP all-reduces after the pipeline flush; no distributed optimizer yet
     Stack("megatron-2021", Efficiency(gemm_max=0.70, elementwise_passes=2.094), (0,), False, ("none", "full"), False),
     # Korthikanti's runs: sequence parallelism, selective recomputation, distributed optimizer (ZeRO-1)
-    Stack("megatron-2022", Efficiency(gemm_max=0.78, elementwise_passes=2.094), (0, 1), False),
+    Stack("megatron-2022", MEGATRON_2022, (0, 1), False),
     # eager PyTorch (unfused norms, RoPE, SwiGLU): FSDP2 overlapping its gathers and reductions
-    Stack("torchtitan-2024", Efficiency(gemm_max=0.78, elementwise_passes=8.788), (0, 1, 3), True),
+    Stack("torchtitan-2024", TORCHTITAN_2024, (0, 1, 3), True),
     # Megatron-core with Transformer Engine (NeMo 24.07, Megatron-Bridge 25.11): fused kernels, FP8, TP
     # communication overlapped by userbuffers, distributed optimizer overlapping its reduce-scatter with backward
     # and its all-gather with the next forward; Megatron FSDP. Hopper constants fitted on NeMo's H100 rows
-    Stack("megatron-core-2024", Efficiency(gemm_max=0.76), (0, 1, 3), True,
+    Stack("megatron-core-2024", MEGATRON_2022, (0, 1, 3), True,
           families=((HOPPER, Efficiency(gemm_max=0.595, gemm_half=100.0, fp8_max=0.59, elementwise_passes=1.963,
                                         flash=0.76)),),
           tp_overlap=True, gather_overlap=True),
     # torchtitan with torch.compile (fused elementwise), FSDP2, float8 and async TP: fitted on its H100 tables
-    Stack("torchtitan-compile-2024", Efficiency(gemm_max=0.76, elementwise_passes=9.03), (0, 1, 3), True,
+    Stack("torchtitan-compile-2024", TORCHTITAN_2024, (0, 1, 3), True,
           families=((HOPPER, Efficiency(gemm_max=0.595, gemm_half=100.0, fp8_max=0.45, elementwise_passes=4.4,
                                         flash=0.69, tp_overlap=0.5625)),),
           tp_overlap=True),
     # MosaicML llm-foundry / Composer: FSDP (FULL_SHARD), FlashAttention, bf16: fitted on its H100 table
-    Stack("llm-foundry-2023", Efficiency(gemm_max=0.76), (3,), True,
+    Stack("llm-foundry-2023", TORCHTITAN_2024, (3,), True,
           families=((HOPPER, Efficiency(gemm_max=0.595, gemm_half=100.0, elementwise_passes=2.694, flash=0.61)),),
           sequence_parallel=False),
 )}

@@ -73,14 +73,14 @@ def main(argv: list[str] | None = None) -> None:
     catalog = load_catalog()
     runs, after, before = table(catalog)
     if args.markdown:
-        print("| run | role | stack | layout | published s | predicted s | error | before (spec sheet) |")
-        print("| --- | --- | --- | --- | ---: | ---: | ---: | ---: |")
+        print("| run | role | stack | dtype | layout | published s | predicted s | error | before (spec sheet) |")
+        print("| --- | --- | --- | --- | --- | ---: | ---: | ---: | ---: |")
     for run, a, b in zip(runs, after, before, strict=True):
         predicted = run.time_s * (1 + a / 100)
         prior = f"{b:+.1f}%" if is_h100(run, catalog) else ""
         if args.markdown:
-            print(f"| {run.name} | {run.role} | {run.stack} | {run.cfg.describe()} | {run.time_s:.3f} | "
-                  f"{predicted:.3f} | {a:+.1f}% | {prior} |")
+            print(f"| {run.name} | {run.role} | {run.stack} | {run.spec.dtype} | {run.cfg.describe()} | "
+                  f"{run.time_s:.3f} | {predicted:.3f} | {a:+.1f}% | {prior} |")
         else:
             print(f"{run.name:48} {run.role:11} {run.cfg.describe():42} {run.time_s:9.3f} {predicted:9.3f} "
                   f"{a:+6.1f}% {prior:>7}")
