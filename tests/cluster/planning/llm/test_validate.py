@@ -13,20 +13,20 @@ from cocoweave.cluster.planning.llm.system import stack_efficiencies
 from cocoweave.cluster.planning.llm.validate import groups, main, table
 
 CATALOG = load_catalog()
-# measured 2026-12-05 (`python -m cocoweave.cluster.planning.llm.validate`): H100 held-out 22 rows, mean 8.23 %,
-# max 20.19 %; before Hopper constants 19.01 % / 53.33 %. The bound leaves room for refits, not for regressions.
-H100_HELD_OUT_MEAN, H100_HELD_OUT_MAX = 9.0, 22.0
+# measured 2026-12-05 (`python -m cocoweave.cluster.planning.llm.validate`): H100/H200 held-out 24 rows, mean
+# 7.54 %, max 21.33 %; before Hopper constants 16.06 % / 44.04 %. The bound leaves room for refits, not regressions.
+H100_HELD_OUT_MEAN, H100_HELD_OUT_MAX = 8.5, 23.0
 
 
 def test_h100_held_out_rows_within_the_bound_and_far_better_than_the_spec_sheet():
     runs, after, before = table(CATALOG)
     now = {g.name: g for g in groups(runs, after, CATALOG)}
     then = {g.name: g for g in groups(runs, before, CATALOG)}
-    held = now["H100 held-out"]
+    held = now["H100/H200 held-out"]
     assert held.rows >= 20 and {r.stack for r in h100_runs() if r.role == "held-out"} >= {
         "megatron-core-2024", "torchtitan-compile-2024", "llm-foundry-2023"}
     assert held.mean <= H100_HELD_OUT_MEAN and held.max <= H100_HELD_OUT_MAX
-    assert held.mean < then["H100 held-out"].mean / 2 and held.max < then["H100 held-out"].max / 2
+    assert held.mean < 0.6 * then["H100/H200 held-out"].mean and held.max < then["H100/H200 held-out"].max
     assert now["A100 held-out"].mean <= 3.5 and now["A100 held-out"].max <= 9.0
     assert now["A100 calibration"].mean <= 3.5 and now["A100 calibration"].max <= 9.0
 
@@ -54,4 +54,4 @@ def test_shipped_constants_are_what_calibration_fits():
 def test_the_command_prints_the_groups(capsys):
     main([])
     out = capsys.readouterr().out
-    assert "H100 held-out" in out and "before, one spec-sheet efficiency" in out and "NeMo 24.07" in out
+    assert "H100/H200 held-out" in out and "before, one spec-sheet efficiency" in out and "NeMo 24.07" in out

@@ -28,9 +28,11 @@ H100 (Hopper) sources, each row's step = global batch x sequence / (tokens/s/GPU
   stack's constants: they say how far a year of Megatron / TE releases moved the step.
 - torchtitan H100: pytorch/torchtitan benchmarks/llama3_h100_202412_torchtitan.md at commit 31a17bfd, Tables 1-4
   (torch.compile, float8, async TP, context parallelism), Llama 3.1 8B/70B, seq 8192. Ran on Grand Teton: H100
-  96 GB HBM2e at 500 W (peak "between SXM and NVL", its footnote 2), 400 Gb/s RDMA per GPU; priced as our
-  `h100-roce-8x` (SXM5 figures), so the stack's Hopper constants absorb the 500 W clocks. Tables 5-6 (FSDP with
-  pipeline parallelism) are not modelled.
+  96 GB HBM2e at 500 W (peak "between SXM and NVL", its footnote 2), 400 Gb/s RDMA per GPU: our
+  `grand-teton-h100` (the NVL peaks ASSUMED, the lower bound). Tables 5-6 (FSDP with pipeline parallelism) are
+  not modelled.
+- torchtitan H200: pytorch/torchtitan benchmarks/llama3_8b_h200_2025-06_torchtitan.md at commit bcdeaa37 (Trainy,
+  June 2025): Llama 3.1 8B on 4 and 8 nodes of 8 H200, float8, torch.compile; held out (no H200 row calibrates).
 - llm-foundry H100: mosaicml/llm-foundry scripts/train/benchmarking/README.md at commit 8c8dd48f, "H100 80GB
   BF16" (Composer FSDP FULL_SHARD, FlashAttention, bf16 with fp32 gradient reduction, MPT shapes from
   scripts/train/yamls/pretrain/mpt-*.yaml: head dim 128, vocab 50368, tied embeddings, GELU MLP); the rows whose
@@ -248,8 +250,8 @@ def _torchtitan_h100_runs() -> list[PublishedRun]:
         runs.append(PublishedRun(
             f"torchtitan {model} {what}, {gpus} H100", spec, cfg, _step(dp * local, seq, tps, gpus),
             f"pytorch/torchtitan benchmarks/llama3_h100_202412_torchtitan.md @31a17bfd, Table {table}: {tps} "
-            "TPS/GPU (torch.compile); Grand Teton H100 at 500 W priced as h100-roce-8x",
-            "calibration" if calib else "held-out", "torchtitan-compile-2024", "h100-roce-8x"))
+            "TPS/GPU (torch.compile); Grand Teton H100 at 500 W, NVL peaks ASSUMED",
+            "calibration" if calib else "held-out", "torchtitan-compile-2024", "grand-teton-h100"))
     return runs
 
 
@@ -285,9 +287,30 @@ def _foundry_h100_runs() -> list[PublishedRun]:
     return runs
 
 
+# torchtitan on H200 (Trainy, June 2025): (nodes, tokens/s/GPU); Llama 3.1 8B, its llama3_8b.toml (seq 8192,
+# selective op recomputation) with local batch 2, torch.compile, float8 with float8 FSDP all-gathers
+TORCHTITAN_H200 = ((4, 10938), (8, 10753))
+
+
+def _torchtitan_h200_runs() -> list[PublishedRun]:
+    runs = []
+    for nodes, tps in TORCHTITAN_H200:
+        dp = 8 * nodes
+        layers, hidden, heads, ffn = LLAMA31["8B"]
+        spec = TransformerSpec(name="Llama 3.1 8B", layers=layers, hidden=hidden, heads=heads, kv_heads=8, ffn=ffn,
+                               gated_mlp=True, vocab=128256, seq_len=8192, global_batch=2 * dp, dtype="float8")
+        runs.append(PublishedRun(
+            f"torchtitan 8B float8, {dp} H200", spec,
+            ParallelConfig(dp=dp, micro_batch=2, zero=3, recompute="selective"), _step(2 * dp, 8192, tps, dp),
+            f"pytorch/torchtitan benchmarks/llama3_8b_h200_2025-06_torchtitan.md @bcdeaa37: {tps} TPS/GPU on "
+            f"{nodes} nodes of 8 H200 with 400 Gb/s CX-7 per GPU (priced as dgx-h200); a GPU the constants were "
+            "not fitted on", "held-out", "torchtitan-compile-2024", "dgx-h200"))
+    return runs
+
+
 def h100_runs() -> list[PublishedRun]:
-    """The Hopper rows: NeMo / Megatron-Bridge, torchtitan and llm-foundry on H100."""
-    return _h100_megatron_runs() + _torchtitan_h100_runs() + _foundry_h100_runs()
+    """The Hopper rows: NeMo / Megatron-Bridge, torchtitan and llm-foundry on H100, torchtitan on H200."""
+    return _h100_megatron_runs() + _torchtitan_h100_runs() + _foundry_h100_runs() + _torchtitan_h200_runs()
 
 
 def published_runs() -> list[PublishedRun]:

@@ -73,17 +73,18 @@ STACKS: dict[str, Stack] = {s.name: s for s in (
     # communication overlapped by userbuffers, distributed optimizer overlapping its reduce-scatter with backward
     # and its all-gather with the next forward; Megatron FSDP. Hopper constants fitted on NeMo's H100 rows
     Stack("megatron-core-2024", MEGATRON_2022, (0, 1, 3), True,
-          families=((HOPPER, Efficiency(gemm_max=0.595, gemm_half=100.0, fp8_max=0.59, elementwise_passes=1.963,
-                                        flash=0.76)),),
+          families=((HOPPER, Efficiency(gemm_max=0.61, gemm_half=55.0, fp8_max=0.62, elementwise_passes=3.181,
+                                        flash=0.68, tp_overlap=1.0)),),
           tp_overlap=True, gather_overlap=True),
     # torchtitan with torch.compile (fused elementwise), FSDP2, float8 and async TP: fitted on its H100 tables
     Stack("torchtitan-compile-2024", TORCHTITAN_2024, (0, 1, 3), True,
-          families=((HOPPER, Efficiency(gemm_max=0.595, gemm_half=100.0, fp8_max=0.45, elementwise_passes=4.4,
-                                        flash=0.69, tp_overlap=0.5625)),),
+          families=((HOPPER, Efficiency(gemm_max=0.61, gemm_half=55.0, fp8_max=0.5, elementwise_passes=2.694,
+                                        flash=0.65, tp_overlap=0.6)),),
           tp_overlap=True),
     # MosaicML llm-foundry / Composer: FSDP (FULL_SHARD), FlashAttention, bf16: fitted on its H100 table
     Stack("llm-foundry-2023", TORCHTITAN_2024, (3,), True,
-          families=((HOPPER, Efficiency(gemm_max=0.595, gemm_half=100.0, elementwise_passes=2.694, flash=0.61)),),
+          families=((HOPPER, Efficiency(gemm_max=0.61, gemm_half=55.0, elementwise_passes=2.938, flash=0.47,
+                                        tp_overlap=0.5)),),  # fp8_max, tp_overlap: not fitted (no such row)
           sequence_parallel=False),
 )}
 DEFAULT_STACK = "megatron-2022"

@@ -1,7 +1,7 @@
 """The validation table of the LLM step model: every published run of `published.py` predicted with its stack's
-calibrated constants, grouped A100 / H100 and calibration / held-out, beside the H100 rows predicted as the
-planner did before it had Hopper constants (one spec-sheet efficiency for every GEMM: the catalog's measured 0.78
-of the bf16 and of the FP8 peak, the stack's A100-fitted constants for the rest).
+calibrated constants, grouped A100 / Hopper (H100, H200) and calibration / held-out, beside the Hopper rows
+predicted as the planner did before it had Hopper constants (one spec-sheet efficiency for every GEMM: the
+catalog's measured 0.78 of the bf16 and of the FP8 peak, the stack's A100-fitted constants for the rest).
 
     python -m cocoweave.cluster.planning.llm.validate            # the table, the groups' mean and max |error|
     python -m cocoweave.cluster.planning.llm.validate --markdown # the same as docs/planning_llm.md shows it
@@ -40,16 +40,16 @@ def spec_sheet_efficiencies(catalog: Catalog) -> dict[str, Efficiency]:
     return out
 
 
-def is_h100(run: PublishedRun, catalog: Catalog) -> bool:
+def is_hopper(run: PublishedRun, catalog: Catalog) -> bool:
     machine = next(m for m in catalog.machines if m.name == run.machine)
     return catalog.gpus[machine.gpu].family == "hopper"
 
 
 def groups(runs: list[PublishedRun], errs: np.ndarray, catalog: Catalog) -> list[Group]:
-    """A100 / H100 x calibration / held-out, and H100 held-out by source."""
+    """A100 / Hopper (H100, H200) x calibration / held-out."""
     out = []
-    hopper = np.array([is_h100(r, catalog) for r in runs])
-    for gpu, sel in (("A100", ~hopper), ("H100", hopper)):
+    hopper = np.array([is_hopper(r, catalog) for r in runs])
+    for gpu, sel in (("A100", ~hopper), ("H100/H200", hopper)):
         for role in ("calibration", "held-out"):
             mask = sel & np.array([r.role == role for r in runs])
             if mask.any():
@@ -77,7 +77,7 @@ def main(argv: list[str] | None = None) -> None:
         print("| --- | --- | --- | --- | --- | ---: | ---: | ---: | ---: |")
     for run, a, b in zip(runs, after, before, strict=True):
         predicted = run.time_s * (1 + a / 100)
-        prior = f"{b:+.1f}%" if is_h100(run, catalog) else ""
+        prior = f"{b:+.1f}%" if is_hopper(run, catalog) else ""
         if args.markdown:
             print(f"| {run.name} | {run.role} | {run.stack} | {run.spec.dtype} | {run.cfg.describe()} | "
                   f"{run.time_s:.3f} | {predicted:.3f} | {a:+.1f}% | {prior} |")
@@ -86,8 +86,8 @@ def main(argv: list[str] | None = None) -> None:
                   f"{a:+6.1f}% {prior:>7}")
     print()
     for g, p in zip(groups(runs, after, catalog), groups(runs, before, catalog), strict=True):
-        line = f"{g.name:16} {g.rows:2} rows: mean |error| {g.mean:5.2f}%, max {g.max:5.2f}%"
-        if g.name.startswith("H100"):
+        line = f"{g.name:21} {g.rows:2} rows: mean |error| {g.mean:5.2f}%, max {g.max:5.2f}%"
+        if g.name.startswith("H100/H200"):
             line += f"   (before, one spec-sheet efficiency: mean {p.mean:5.2f}%, max {p.max:5.2f}%)"
         print(("- " if args.markdown else "") + line)
 
