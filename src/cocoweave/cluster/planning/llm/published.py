@@ -26,6 +26,10 @@ H100 (Hopper) sources, each row's step = global batch x sequence / (tokens/s/GPU
   Container", "System: DGX-H100" (FP8 current scaling); the dense Llama 3 rows whose layers split evenly over
   pp x vp (the 405B row's 126 layers on pp 8 x vp 8 do not: not modelled). Held out, priced with the 2024
   stack's constants: they say how far a year of Megatron / TE releases moved the step.
+- DGX Cloud: NVIDIA/dgxc-benchmarking nemo_megatron/README_175b.md at commit 0b71cfda, "Expected Performance":
+  GPT-3 175B (vocab 51200 as its FLOPs note counts) on 128 to 2048 DGX H100s, BF16 and FP8, weak-scaled (global
+  batch 16 per node, TP 4, PP 8, VP 12, MBS 1): a data-parallel scaling series of one model, dp 4 to 64. All held
+  out; the same ASSUMED recipe defaults as NeMo 24.07's.
 - torchtitan H100: pytorch/torchtitan benchmarks/llama3_h100_202412_torchtitan.md at commit 31a17bfd, Tables 1-4
   (torch.compile, float8, async TP, context parallelism), Llama 3.1 8B/70B, seq 8192. Ran on Grand Teton: H100
   96 GB HBM2e at 500 W (peak "between SXM and NVL", its footnote 2), 400 Gb/s RDMA per GPU: our
@@ -191,6 +195,28 @@ BRIDGE_2511 = (
 )
 
 
+# NVIDIA DGX Cloud benchmarking, GPT-3 175B on DGX H100 weak-scaled (global batch 2 x GPUs, so dp = GPUs / 32
+# each with 64 micro-batches): (dtype, [(GPUs, step s)])
+DGXC_175B = (
+    ("bfloat16", ((128, 8.309), (256, 8.408), (512, 8.42), (1024, 8.453), (2048, 8.49))),
+    ("float8", ((128, 5.626), (256, 5.725), (512, 5.774), (1024, 5.82), (2048, 5.96))),
+)
+
+
+def _dgxc_runs() -> list[PublishedRun]:
+    runs = []
+    for dtype, series in DGXC_175B:
+        for gpus, step in series:
+            spec = _nemo_spec("GPT3-175B", 2048, 2 * gpus).model_copy(update={"vocab": 51200, "dtype": dtype})
+            runs.append(PublishedRun(
+                f"DGX Cloud GPT-3 175B {'FP8' if dtype == 'float8' else 'BF16'}, {gpus} H100", spec,
+                _megatron_core_cfg(gpus, 4, 8, 1, 12, 1), step,
+                "NVIDIA/dgxc-benchmarking nemo_megatron/README_175b.md @0b71cfda, Expected Performance: "
+                f"{step} s per step (TP 4, PP 8, VP 12, MBS 1, GBS {2 * gpus}); SP, distributed optimizer, "
+                "overlaps ASSUMED (NeMo recipe defaults)", "held-out", "megatron-core-2024", "dgx-h100"))
+    return runs
+
+
 def _nemo_spec(model: str, seq: int, batch: int) -> TransformerSpec:
     layers, hidden, heads, kv, ffn, gated, vocab = NEMO_SHAPES[model]
     return TransformerSpec(name=model, layers=layers, hidden=hidden, heads=heads, kv_heads=kv, ffn=ffn,
@@ -309,8 +335,10 @@ def _torchtitan_h200_runs() -> list[PublishedRun]:
 
 
 def h100_runs() -> list[PublishedRun]:
-    """The Hopper rows: NeMo / Megatron-Bridge, torchtitan and llm-foundry on H100, torchtitan on H200."""
-    return _h100_megatron_runs() + _torchtitan_h100_runs() + _foundry_h100_runs() + _torchtitan_h200_runs()
+    """The Hopper rows: NeMo / Megatron-Bridge / DGX Cloud, torchtitan and llm-foundry on H100, torchtitan on
+    H200."""
+    return (_h100_megatron_runs() + _dgxc_runs() + _torchtitan_h100_runs() + _foundry_h100_runs()
+            + _torchtitan_h200_runs())
 
 
 def published_runs() -> list[PublishedRun]:
