@@ -130,3 +130,18 @@ def test_flash_attention_backward_is_two_and_a_half_forwards():
     mats, elementwise, attn = layer_forward_s(flash, cfg, SYSTEM)
     step = predict_step(flash, cfg, SYSTEM)
     assert step.compute_s == pytest.approx(32 * 8 * (3 * (mats + elementwise) + 3.5 * attn))
+
+
+def test_ulysses_context_parallel_all_to_alls_by_hand():
+    """Ulysses at cp 4: per layer an all-to-all of the rank's 32 tokens' queries, keys and values (qkv_out = 768
+    values each, bf16) and one of its output (256), forward and again backward; none hidden. It needs the heads
+    to split over tp x cp."""
+    cfg = ParallelConfig(cp=4, ulysses=True)
+    qkv = all_to_all_s(32 * 768 * 2, 4, 1, SYSTEM)
+    out = all_to_all_s(32 * 256 * 2, 4, 1, SYSTEM)
+    assert qkv == pytest.approx(3 / 4 * 32 * 768 * 2 / 100e9)
+    assert cp_comm_layer_s(SPEC, cfg, SYSTEM, 1.0) == pytest.approx(2 * (qkv + out))  # attention hides nothing
+    assert cp_comm_layer_s(SPEC, replace(cfg, recompute="full"), SYSTEM, 1.0) == pytest.approx(3 * (qkv + out))
+    assert "cp4u" in cfg.describe() and cfg.problems(SPEC, 8) == []
+    (why,) = ParallelConfig(tp=4, cp=4, ulysses=True).problems(SPEC, 8)
+    assert "split over tp x cp 16" in why

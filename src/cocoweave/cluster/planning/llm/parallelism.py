@@ -26,7 +26,9 @@ class ParallelConfig:
     tp: int = 1
     pp: int = 1
     dp: int = 1
-    cp: int = 1  # context parallelism: each rank holds seq_len / cp tokens of a sequence (ring attention)
+    cp: int = 1  # context parallelism: each rank holds seq_len / cp tokens of a sequence
+    ulysses: bool = False  # context parallelism by all-to-all (DeepSpeed-Ulysses: heads scattered, the sequence
+    # gathered around attention) instead of the ring (keys and values passed round)
     ep: int = 1  # expert parallelism: each rank of an ep group holds experts / ep experts
     micro_batch: int = 1
     vp: int = 1  # virtual pipeline stages (model chunks) per GPU: Megatron's interleaved 1F1B
@@ -79,6 +81,9 @@ class ParallelConfig:
                        f"multiple of pp {self.pp}")
         if self.cp > 1 and spec.seq_len % (2 * self.cp):
             out.append(f"seq_len {spec.seq_len} does not split into 2 x cp {self.cp} chunks")
+        if self.ulysses and (self.cp == 1 or spec.heads % (self.tp * self.cp) or spec.kv % (self.tp * self.cp)):
+            out.append(f"Ulysses context parallelism needs cp > 1 and the {spec.heads} heads and {spec.kv} KV heads "
+                       f"to split over tp x cp {self.tp * self.cp}")
         if self.ep > 1 and (spec.experts % self.ep or (self.cp * self.dp) % self.ep):
             out.append(f"ep {self.ep} must divide the {spec.experts} experts and cp x dp {self.cp * self.dp}")
         if self.sp and self.tp == 1:
@@ -89,7 +94,7 @@ class ParallelConfig:
 
     def describe(self) -> str:
         split = f"[{','.join(map(str, self.stages))}]" if self.stages is not None else ""
-        parts = [f"tp{self.tp}"] + ([f"cp{self.cp}"] if self.cp > 1 else []) + [
+        parts = [f"tp{self.tp}"] + ([f"cp{self.cp}" + ("u" if self.ulysses else "")] if self.cp > 1 else []) + [
             f"pp{self.pp}" + (f"x{self.vp}" if self.vp > 1 else "") + split, f"dp{self.dp}"] + (
             [f"ep{self.ep}"] if self.ep > 1 else []) + [f"mb{self.micro_batch}"]
         if self.zero:

@@ -1,7 +1,7 @@
 """Search the layouts of a transformer on N GPUs of one machine type: the factorisations N = tp x cp x pp x dp (tp
-within a node; cp > 1 for long sequences only, or as the spec states it), the expert-parallel degree of an MoE (as
-the spec states it, or every divisor of the experts that divides cp x dp), the micro-batch, virtual stages,
-sequence parallelism, the ZeRO stage and recomputation. Layouts that
+within a node; cp > 1 for long sequences only, or as the spec states it, by a ring or by Ulysses' all-to-alls),
+the expert-parallel degree of an MoE (as the spec states it, or every divisor of the experts that divides
+cp x dp), the micro-batch, virtual stages, sequence parallelism, the ZeRO stage and recomputation. Layouts that
 cannot run are skipped with their reason; layouts that do not fit in GPU memory are rejected with theirs."""
 
 from __future__ import annotations
@@ -105,10 +105,12 @@ def _pipelines(spec: TransformerSpec, rest: int, tp: int, cp: int, stack: Stack,
                         if not group_ok(group):
                             continue
                         for sp in (True, False) if tp > 1 and stack.sequence_parallel else (False,):
-                            for recompute in [r for r in RECOMPUTE if r in stack.recompute]:  # fastest first
-                                yield replace(group, micro_batch=mb, vp=vp, sp=sp, recompute=recompute,
-                                              dp_overlap=stack.dp_overlap, tp_overlap=stack.tp_overlap and tp > 1,
-                                              gather_overlap=stack.gather_overlap)
+                            for ulysses in (False, True) if cp > 1 else (False,):
+                                for recompute in [r for r in RECOMPUTE if r in stack.recompute]:  # fastest first
+                                    yield replace(group, micro_batch=mb, vp=vp, sp=sp, ulysses=ulysses,
+                                                  recompute=recompute, dp_overlap=stack.dp_overlap,
+                                                  tp_overlap=stack.tp_overlap and tp > 1,
+                                                  gather_overlap=stack.gather_overlap)
 
 
 def search(spec: TransformerSpec, system: System, gpus: int, stack: Stack, keep: int = 5) -> SearchResult:
@@ -127,7 +129,7 @@ def search(spec: TransformerSpec, system: System, gpus: int, stack: Stack, keep:
 
     done: set[tuple] = set()  # layouts already priced with less recomputation (faster): skip the rest
     for cfg in layouts(spec, gpus, system.gpus_per_node, stack, group_ok):
-        key = (cfg.tp, cfg.cp, cfg.pp, cfg.dp, cfg.ep, cfg.micro_batch, cfg.vp, cfg.zero, cfg.sp)
+        key = (cfg.tp, cfg.cp, cfg.ulysses, cfg.pp, cfg.dp, cfg.ep, cfg.micro_batch, cfg.vp, cfg.zero, cfg.sp)
         if key in done:
             continue
         if cfg.problems(spec, system.gpus_per_node):

@@ -135,17 +135,31 @@ def tp_comm_layer_s(spec: TransformerSpec, cfg: ParallelConfig, system: System) 
 
 
 def cp_comm_layer_s(spec: TransformerSpec, cfg: ParallelConfig, system: System, attn_s: float) -> float:
-    """Exposed context-parallel seconds of one layer and micro-batch: ring attention sends this rank's keys and
+    """Exposed context-parallel seconds of one layer and micro-batch (Ulysses: `ulysses_layer_s`): ring attention
+    sends this rank's keys and
     values (2 x b x s/cp x kv_heads x head_dim, 1/tp of the heads) to the next rank cp - 1 times forward, and keys,
     values and their gradients backward (twice the bytes); each step overlaps one block of attention (1/cp of
     `attn_s`, the layer's forward attention), so a step exposes what it takes beyond its block."""
     if cfg.cp == 1:
         return 0.0
+    if cfg.ulysses:
+        return ulysses_layer_s(spec, cfg, system)
     kv = 2 * local_tokens(spec, cfg) * spec.kv * spec.head_dim * spec.bytes_per_value / min(cfg.tp, spec.kv)
     step = collective_s("p2p", kv, cfg.cp, group_link(system, cfg.cp, cfg.tp))
     block = attn_s / cfg.cp
     fwd, bwd = max(0.0, step - block), max(0.0, 2 * step - 2 * block)
     return (cfg.cp - 1) * (fwd + bwd + (fwd if cfg.recompute == "full" else 0.0))
+
+
+def ulysses_layer_s(spec: TransformerSpec, cfg: ParallelConfig, system: System) -> float:
+    """Ulysses context parallelism's seconds per layer and micro-batch (DeepSpeed-Ulysses, Jacobs et al. 2023): an
+    all-to-all turns the rank's s/cp tokens of every (1/tp) query, key and value head into all s tokens of 1/cp of
+    the heads before attention, another turns the output back; backward the same for the gradients, full
+    recomputation once more; nothing overlaps them."""
+    link_bytes = local_tokens(spec, cfg) * spec.bytes_per_value / cfg.tp
+    qkv = all_to_all_s(link_bytes * spec.qkv_out, cfg.cp, cfg.tp, system)
+    out = all_to_all_s(link_bytes * spec.hidden, cfg.cp, cfg.tp, system)
+    return (qkv + out) * (2 + (1 if cfg.recompute == "full" else 0))
 
 
 def ep_comm_layer_s(spec: TransformerSpec, cfg: ParallelConfig, system: System) -> float:
