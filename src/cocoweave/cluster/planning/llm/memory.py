@@ -63,10 +63,13 @@ def in_flight_factor(cfg: ParallelConfig) -> float:
 def held_layers(spec: TransformerSpec, cfg: ParallelConfig) -> float:
     """Layer x micro-batch activations the stage that holds the most keeps in flight. Evenly split, the first
     stage's: its layers x `in_flight_factor`. Unevenly (1F1B only), stage i holds pp - i micro-batches of its
-    n_i layers, so a longer second stage can hold more than a shortened first one (Llama 3's 8 x 15 > 7 x 16)."""
+    n_i layers, so a longer second stage can hold more than a shortened first one (Llama 3's 8 x 15 > 7 x 16);
+    interleaved over stated uneven stages, the largest stage's layers x `in_flight_factor` (a bound)."""
     stages = cfg.stage_layers(spec)
     if len(set(stages)) == 1:
         return stages[0] * in_flight_factor(cfg)
+    if cfg.vp > 1:  # interleaved over stated uneven stages: the largest stage, as the first holds them (bound)
+        return max(stages) * in_flight_factor(cfg)
     return float(max(n * (cfg.pp - i) for i, n in enumerate(stages)))
 
 

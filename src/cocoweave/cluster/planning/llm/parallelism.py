@@ -69,10 +69,11 @@ class ParallelConfig:
                        f"adding up to the {spec.layers} layers")
         elif spec.layers < self.pp:
             out.append(f"{spec.layers} layers cannot fill pp {self.pp} stages")
-        elif self.vp > 1 and (spec.layers % (self.pp * self.vp) or self.stages is not None
-                              and len(set(self.stages)) > 1):
+        elif self.vp > 1 and self.stages is None and spec.layers % (self.pp * self.vp):
             out.append(f"{spec.layers} layers do not split evenly into pp {self.pp} x vp {self.vp} stages (uneven "
-                       "stages are modelled without interleaving only)")
+                       "stages are split automatically without interleaving only: state them to interleave)")
+        elif self.vp > 1 and self.stages is not None and min(self.stages) < self.vp:
+            out.append(f"the stated stages {list(self.stages)} cannot each give vp {self.vp} chunks a layer")
         if spec.global_batch % (self.dp * self.micro_batch):
             out.append(f"global batch {spec.global_batch} is not a multiple of dp {self.dp} x micro-batch "
                        f"{self.micro_batch}")

@@ -23,9 +23,10 @@ H100 (Hopper) sources, each row's step = global batch x sequence / (tokens/s/GPU
   the distributed optimizer (ZeRO-1) overlapping its reduce-scatter and all-gather, TP communication overlap,
   bf16 gradient reduction.
 - Megatron-Bridge 25.11: NVIDIA-NeMo/Megatron-Bridge docs/performance-summary.md at commit 00b7660b, "25.11 NeMo
-  Container", "System: DGX-H100" (FP8 current scaling); the dense Llama 3 rows whose layers split evenly over
-  pp x vp (the 405B row's 126 layers on pp 8 x vp 8 do not: not modelled). Held out, priced with the 2024
-  stack's constants: they say how far a year of Megatron / TE releases moved the step.
+  Container", "System: DGX-H100" (FP8 current scaling); the dense Llama 3 rows, the 405B one's 126 layers on
+  pp 8 x vp 8 stated as Megatron splits them when it counts the embedding and the loss as layers (ASSUMED: the
+  recipe's setting). Held out, priced with the 2024 stack's constants: they say how far a year of Megatron / TE
+  releases moved the step.
 - DGX Cloud: NVIDIA/dgxc-benchmarking nemo_megatron/README_175b.md at commit 0b71cfda, "Expected Performance":
   GPT-3 175B (vocab 51200 as its FLOPs note counts) on 128 to 2048 DGX H100s, BF16 and FP8, weak-scaled (global
   batch 16 per node, TP 4, PP 8, VP 12, MBS 1): a data-parallel scaling series of one model, dp 4 to 64. All held
@@ -46,7 +47,7 @@ H100 (Hopper) sources, each row's step = global batch x sequence / (tokens/s/GPU
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 from cocoweave.cluster.planning.llm.parallelism import ParallelConfig
 from cocoweave.cluster.planning.llm.spec import TransformerSpec
@@ -171,6 +172,7 @@ NEMO_SHAPES = {  # name: (layers, hidden, heads, kv heads, ffn, gated, vocab)
     "Nemotron-22B": (40, 6144, 48, None, 24576, False, 256000),
     "Nemotron-340B": (96, 18432, 96, 8, 73728, False, 256000),
     "LLAMA3-8B": (32, 4096, 32, 8, 14336, True, 128256), "LLAMA3-70B": (80, 8192, 64, 8, 28672, True, 128256),
+    "LLAMA3.1-405B": (126, 16384, 128, 8, 53248, True, 128256),
 }
 # (model, GPUs, GBS, MBS, seq, TP, PP, CP, VP, tokens/s/GPU, calibration?)
 NEMO_2407 = (
@@ -192,7 +194,12 @@ NEMO_2407 = (
 BRIDGE_2511 = (
     ("LLAMA3-8B", 8, 128, 1, 8192, True, 1, 1, 1, 1, 14451, False),
     ("LLAMA3-70B", 64, 128, 1, 8192, False, 4, 8, 1, 5, 1602, False),
+    ("LLAMA3.1-405B", 1024, 512, 1, 8192, False, 8, 8, 2, 8, 292, False),
 )
+# Megatron counts the embedding and the loss as a layer each when it splits Llama 3.1 405B's 126 layers over
+# pp 8 x vp 8 (--account-for-embedding/loss-in-pipeline-split, as the Bridge recipe sets them): 128 in chunks of 2,
+# the first and last stages one layer short
+STATED_STAGES = {"LLAMA3.1-405B": (15,) + (16,) * 6 + (15,)}
 
 
 # NVIDIA DGX Cloud benchmarking, GPT-3 175B on DGX H100 weak-scaled (global batch 2 x GPUs, so dp = GPUs / 32
@@ -240,7 +247,8 @@ def _h100_megatron_runs() -> list[PublishedRun]:
     for model, gpus, batch, mb, seq, fsdp, tp, pp, cp, vp, tps, calib in BRIDGE_2511:
         runs.append(PublishedRun(
             f"Megatron-Bridge 25.11 {model}, {gpus} H100", _nemo_spec(model, seq, batch),
-            _megatron_core_cfg(gpus, tp, pp, cp, vp, mb, 3 if fsdp else 1), _step(batch, seq, tps, gpus),
+            replace(_megatron_core_cfg(gpus, tp, pp, cp, vp, mb, 3 if fsdp else 1), stages=STATED_STAGES.get(model)),
+            _step(batch, seq, tps, gpus),
             f"NVIDIA-NeMo/Megatron-Bridge docs/performance-summary.md @00b7660b, 25.11, DGX-H100 (FP8-CS): {tps} "
             "tokens/s/GPU", "calibration" if calib else "held-out", "megatron-core-2024", "dgx-h100"))
     return runs
