@@ -14,6 +14,7 @@ s / cp tokens a rank holds (Megatron's CP shards all activations along the seque
 from __future__ import annotations
 
 from dataclasses import dataclass
+from functools import lru_cache
 
 from cocoweave.cluster.planning.llm.parallelism import ParallelConfig
 from cocoweave.cluster.planning.llm.spec import TransformerSpec
@@ -105,6 +106,7 @@ def stage_param_split(spec: TransformerSpec, cfg: ParallelConfig) -> tuple[float
     return (layers * per_layer + embedding - experts) / cfg.tp, experts / cfg.tp
 
 
+@lru_cache(maxsize=1 << 16)  # the search asks for a layout's memory, then its step does: once per layout
 def memory_per_gpu(spec: TransformerSpec, cfg: ParallelConfig) -> MemoryBreakdown:
     """Weights (16-bit), gradients (cfg.grad_bytes), Adam state (12 bytes) per parameter, sharded from the ZeRO
     stage that shards each over the ranks that replicate it (cp x dp for dense weights, cp x dp / ep for experts,

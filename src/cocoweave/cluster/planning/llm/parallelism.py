@@ -11,6 +11,7 @@ tensor parallelism equal to tp) by tp, and a pipeline's neighbours are N / pp ra
 from __future__ import annotations
 
 from dataclasses import dataclass
+from functools import lru_cache
 from typing import Literal
 
 from cocoweave.cluster.planning.llm.spec import TransformerSpec
@@ -107,6 +108,7 @@ class ParallelConfig:
         return " ".join(parts)
 
 
+@lru_cache(maxsize=4096)
 def split_layers(layers: int, pp: int) -> tuple[int, ...]:
     """Layers per pipeline stage when they do not divide evenly: every stage gets layers // pp, and the rest go to
     the middle stages first, so the first and last stages, which also run the embedding and the logits, get fewer;

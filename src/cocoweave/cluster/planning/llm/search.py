@@ -101,16 +101,15 @@ def _pipelines(spec: TransformerSpec, rest: int, tp: int, cp: int, stack: Stack,
             for ep in expert_degrees(spec, cp * dp):
                 for vp in vps:
                     for zero in zeros if cp * dp > 1 else (0,):
-                        group = ParallelConfig(tp=tp, cp=cp, pp=pp, dp=dp, ep=ep, zero=zero)
-                        if not group_ok(group):
+                        if not group_ok(ParallelConfig(tp=tp, cp=cp, pp=pp, dp=dp, ep=ep, zero=zero)):
                             continue
                         for sp in (True, False) if tp > 1 and stack.sequence_parallel else (False,):
                             for ulysses in (False, True) if cp > 1 else (False,):
                                 for recompute in [r for r in RECOMPUTE if r in stack.recompute]:  # fastest first
-                                    yield replace(group, micro_batch=mb, vp=vp, sp=sp, ulysses=ulysses,
-                                                  recompute=recompute, dp_overlap=stack.dp_overlap,
-                                                  tp_overlap=stack.tp_overlap and tp > 1,
-                                                  gather_overlap=stack.gather_overlap)
+                                    yield ParallelConfig(
+                                        tp=tp, cp=cp, pp=pp, dp=dp, ep=ep, zero=zero, micro_batch=mb, vp=vp, sp=sp,
+                                        ulysses=ulysses, recompute=recompute, dp_overlap=stack.dp_overlap,
+                                        tp_overlap=stack.tp_overlap and tp > 1, gather_overlap=stack.gather_overlap)
 
 
 def search(spec: TransformerSpec, system: System, gpus: int, stack: Stack, keep: int = 5) -> SearchResult:

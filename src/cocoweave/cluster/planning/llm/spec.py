@@ -102,9 +102,7 @@ class TransformerSpec(Strict):
 
     def expert_params(self) -> int:
         """Weights of one layer's experts (all of them; 0 for a dense model): what expert parallelism shards."""
-        if self.experts == 1:
-            return 0
-        return self.experts * (self.mlp_matrices * self.hidden * self.ffn_size + self.ffn_size + self.hidden)
+        return _expert_params(self)
 
     def embedding_params(self) -> int:
         """Input embedding plus (untied) output projection."""
@@ -148,6 +146,13 @@ def _layer_params(spec: TransformerSpec) -> int:
     attn = h * spec.qkv_out + spec.qkv_out + h * h + h
     mlp = spec.experts * (spec.mlp_matrices * h * f + f + h) + (h * spec.experts if spec.experts > 1 else 0)
     return attn + mlp + 4 * h
+
+
+@lru_cache(maxsize=64)
+def _expert_params(spec: TransformerSpec) -> int:
+    if spec.experts == 1:
+        return 0
+    return spec.experts * (spec.mlp_matrices * spec.hidden * spec.ffn_size + spec.ffn_size + spec.hidden)
 
 
 def parse_spec(doc: Any, source: str) -> TransformerSpec:
