@@ -27,6 +27,8 @@ def test_h100_held_out_rows_within_the_bound_and_far_better_than_the_spec_sheet(
         "megatron-core-2024", "torchtitan-compile-2024", "llm-foundry-2023"}
     assert held.mean <= H100_HELD_OUT_MEAN and held.max <= H100_HELD_OUT_MAX
     assert held.mean < 0.6 * then["H100/H200 held-out"].mean and held.max < then["H100/H200 held-out"].max
+    # the one MoE row (Qwen3-30B-A3B, ep 8) is predicted 2.4x too fast (58.49 %): a known gap, bounded, not hidden
+    assert now["H100/H200 MoE held-out"].rows == 1 and now["H100/H200 MoE held-out"].max <= 60.0
     assert now["A100 held-out"].mean <= 3.5 and now["A100 held-out"].max <= 9.0
     assert now["A100 calibration"].mean <= 3.5 and now["A100 calibration"].max <= 9.0
 

@@ -45,7 +45,7 @@ def layer_activation_bytes(spec: TransformerSpec, cfg: ParallelConfig, recompute
     sbh = s * b * h
     if recompute == "full":
         return 2 * sbh / (t if cfg.sp else 1)
-    kvd = spec.kv * spec.head_dim
+    kvd = spec.kv * spec.dim_per_head
     sharded = s * b * (4 * h + 4 * kvd + 2 * spec.ffn_size * spec.mlp_matrices * spec.experts_per_token) / t
     replicated = 10 * sbh / (t if cfg.sp else 1)
     scores = 0.0 if spec.flash_attention or recompute == "selective" else 5 * spec.heads * s * spec.seq_len * b / t

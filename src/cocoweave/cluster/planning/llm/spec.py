@@ -38,6 +38,7 @@ class TransformerSpec(Strict):
     hidden: int = Field(gt=0, le=LIMITS["hidden"])
     heads: int = Field(gt=0, le=LIMITS["heads"])
     kv_heads: int | None = Field(default=None, gt=0, le=LIMITS["heads"])  # None: as many as heads (multi-head)
+    head_dim: int | None = Field(default=None, gt=0, le=LIMITS["hidden"])  # None: hidden / heads (Qwen3: 128)
     ffn: int | None = Field(default=None, gt=0, le=LIMITS["ffn"])  # None: 4 x hidden
     gated_mlp: bool = False  # SwiGLU: three FFN matrices instead of two
     vocab: int = Field(gt=0, le=LIMITS["vocab"])
@@ -57,7 +58,7 @@ class TransformerSpec(Strict):
 
     @model_validator(mode="after")
     def _shapes(self) -> TransformerSpec:
-        if self.hidden % self.heads:
+        if self.head_dim is None and self.hidden % self.heads:
             raise ValueError(f"hidden {self.hidden} is not a multiple of heads {self.heads}")
         if self.heads % self.kv:
             raise ValueError(f"heads {self.heads} is not a multiple of kv_heads {self.kv}")
@@ -79,8 +80,14 @@ class TransformerSpec(Strict):
         return self.ffn or 4 * self.hidden
 
     @property
-    def head_dim(self) -> int:
-        return self.hidden // self.heads
+    def dim_per_head(self) -> int:
+        """Width of one attention head: `head_dim`, or hidden / heads."""
+        return self.head_dim or self.hidden // self.heads
+
+    @property
+    def q_width(self) -> int:
+        """Width of the queries (and of the attention output): heads x head width (hidden unless head_dim says)."""
+        return self.heads * self.dim_per_head
 
     @property
     def bytes_per_value(self) -> int:
@@ -92,8 +99,9 @@ class TransformerSpec(Strict):
 
     @property
     def qkv_out(self) -> int:
-        """Output width of the fused QKV projection: h for queries, 2 x kv_heads x head_dim for keys and values."""
-        return self.hidden + 2 * self.kv * self.head_dim
+        """Output width of the fused QKV projection: heads x head width for queries, 2 x kv_heads x head width for
+        keys and values."""
+        return self.q_width + 2 * self.kv * self.dim_per_head
 
     # --- parameters -------------------------------------------------------------------------------
     def layer_params(self) -> int:
@@ -116,9 +124,9 @@ class TransformerSpec(Strict):
         """Forward FLOPs of one layer's matmuls for b sequences, by matmul (the attention core at full s x s)."""
         s, h, f = self.seq_len, self.hidden, self.ffn_size
         tokens = b * s
-        out = {"qkv": 2.0 * tokens * h * self.qkv_out, "proj": 2.0 * tokens * h * h,
+        out = {"qkv": 2.0 * tokens * h * self.qkv_out, "proj": 2.0 * tokens * self.q_width * h,
                "mlp": 2.0 * tokens * h * f * self.mlp_matrices * self.experts_per_token,
-               "attention": 4.0 * b * s * s * h}
+               "attention": 4.0 * b * s * s * self.q_width}
         if self.experts > 1:
             out["router"] = 2.0 * tokens * h * self.experts
         return out
@@ -143,7 +151,7 @@ def _layer_params(spec: TransformerSpec) -> int:
     """Weights of one layer, computed once per spec (the layout search asks for every layout; specs are frozen and
     hash by their fields, so a copy with other fields is another entry)."""
     h, f = spec.hidden, spec.ffn_size
-    attn = h * spec.qkv_out + spec.qkv_out + h * h + h
+    attn = h * spec.qkv_out + spec.qkv_out + spec.q_width * h + h
     mlp = spec.experts * (spec.mlp_matrices * h * f + f + h) + (h * spec.experts if spec.experts > 1 else 0)
     return attn + mlp + 4 * h
 
@@ -165,15 +173,19 @@ def parse_spec(doc: Any, source: str) -> TransformerSpec:
 HF_KEYS = {"num_hidden_layers": "layers", "n_layer": "layers", "hidden_size": "hidden", "n_embd": "hidden",
            "num_attention_heads": "heads", "n_head": "heads", "num_key_value_heads": "kv_heads",
            "intermediate_size": "ffn", "n_inner": "ffn", "vocab_size": "vocab", "num_local_experts": "experts",
-           "n_routed_experts": "experts", "num_experts_per_tok": "experts_per_token",
+           "n_routed_experts": "experts", "num_experts": "experts", "num_experts_per_tok": "experts_per_token",
+           "head_dim": "head_dim",
            "tie_word_embeddings": "tied_embeddings"}
 
 
 def from_hf_config(config: dict, seq_len: int | None = None, global_batch: int = 1, name: str | None = None,
                    dtype: str = "bfloat16") -> TransformerSpec:
-    """A spec from a Hugging Face `config.json` dict (Llama, Mistral, Mixtral, GPT-2 key names); a SiLU/SwiGLU
+    """A spec from a Hugging Face `config.json` dict (Llama, Mistral, Mixtral, Qwen3(-MoE), GPT-2 key names; an
+    MoE's `moe_intermediate_size` is its experts' width); a SiLU/SwiGLU
     activation means a gated MLP. Keys that do not shape the FLOPs or memory (dropout, rope...) are ignored."""
     doc: dict[str, Any] = {HF_KEYS[k]: v for k, v in config.items() if k in HF_KEYS and v is not None}
+    if doc.get("experts", 1) > 1 and config.get("moe_intermediate_size"):  # Qwen-MoE, DeepSeek: the experts' width
+        doc["ffn"] = config["moe_intermediate_size"]
     act = str(config.get("hidden_act", config.get("activation_function", "gelu")))
     doc["gated_mlp"] = act in ("silu", "swiglu", "swish")
     seq = seq_len or config.get("max_position_embeddings") or config.get("n_positions")

@@ -87,9 +87,9 @@ def layer_forward_s(spec: TransformerSpec, cfg: ParallelConfig, system: System) 
     being the part selective recomputation redoes."""
     gemm = _Gemm(system, spec.dtype)
     b, s, h, t = cfg.micro_batch, spec.seq_len, spec.hidden, cfg.tp
-    tokens, f, hd = local_tokens(spec, cfg), spec.ffn_size, spec.head_dim
+    tokens, f, hd = local_tokens(spec, cfg), spec.ffn_size, spec.dim_per_head
     k = spec.experts_per_token
-    mats = gemm(tokens, spec.qkv_out / t, h, linear=True) + gemm(tokens, h, h / t, linear=True)
+    mats = gemm(tokens, spec.qkv_out / t, h, linear=True) + gemm(tokens, h, spec.q_width / t, linear=True)
     up = (2 if spec.gated_mlp else 1) * f / t
     if spec.experts > 1:  # each local expert's rows: the tokens routed to it from the ep group
         rows, local = tokens * k * cfg.ep / spec.experts, spec.experts / cfg.ep
@@ -144,7 +144,7 @@ def cp_comm_layer_s(spec: TransformerSpec, cfg: ParallelConfig, system: System, 
         return 0.0
     if cfg.ulysses:
         return ulysses_layer_s(spec, cfg, system)
-    kv = 2 * local_tokens(spec, cfg) * spec.kv * spec.head_dim * spec.bytes_per_value / min(cfg.tp, spec.kv)
+    kv = 2 * local_tokens(spec, cfg) * spec.kv * spec.dim_per_head * spec.bytes_per_value / min(cfg.tp, spec.kv)
     step = collective_s("p2p", kv, cfg.cp, group_link(system, cfg.cp, cfg.tp))
     block = attn_s / cfg.cp
     fwd, bwd = max(0.0, step - block), max(0.0, 2 * step - 2 * block)
@@ -158,7 +158,7 @@ def ulysses_layer_s(spec: TransformerSpec, cfg: ParallelConfig, system: System) 
     recomputation once more; nothing overlaps them."""
     link_bytes = local_tokens(spec, cfg) * spec.bytes_per_value / cfg.tp
     qkv = all_to_all_s(link_bytes * spec.qkv_out, cfg.cp, cfg.tp, system)
-    out = all_to_all_s(link_bytes * spec.hidden, cfg.cp, cfg.tp, system)
+    out = all_to_all_s(link_bytes * spec.q_width, cfg.cp, cfg.tp, system)
     return (qkv + out) * (2 + (1 if cfg.recompute == "full" else 0))
 
 

@@ -46,10 +46,11 @@ def is_hopper(run: PublishedRun, catalog: Catalog) -> bool:
 
 
 def groups(runs: list[PublishedRun], errs: np.ndarray, catalog: Catalog) -> list[Group]:
-    """A100 / Hopper (H100, H200) x calibration / held-out."""
+    """A100 / Hopper (H100, H200) dense / Hopper MoE x calibration / held-out."""
     out = []
     hopper = np.array([is_hopper(r, catalog) for r in runs])
-    for gpu, sel in (("A100", ~hopper), ("H100/H200", hopper)):
+    moe = np.array([r.spec.experts > 1 for r in runs])
+    for gpu, sel in (("A100", ~hopper & ~moe), ("H100/H200", hopper & ~moe), ("H100/H200 MoE", hopper & moe)):
         for role in ("calibration", "held-out"):
             mask = sel & np.array([r.role == role for r in runs])
             if mask.any():
@@ -86,8 +87,8 @@ def main(argv: list[str] | None = None) -> None:
                   f"{a:+6.1f}% {prior:>7}")
     print()
     for g, p in zip(groups(runs, after, catalog), groups(runs, before, catalog), strict=True):
-        line = f"{g.name:21} {g.rows:2} rows: mean |error| {g.mean:5.2f}%, max {g.max:5.2f}%"
-        if g.name.startswith("H100/H200"):
+        line = f"{g.name:25} {g.rows:2} rows: mean |error| {g.mean:5.2f}%, max {g.max:5.2f}%"
+        if g.name.startswith("H100/H200") and "MoE" not in g.name:
             line += f"   (before, one spec-sheet efficiency: mean {p.mean:5.2f}%, max {p.max:5.2f}%)"
         print(("- " if args.markdown else "") + line)
 
