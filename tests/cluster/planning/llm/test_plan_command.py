@@ -138,6 +138,8 @@ def test_an_moe_is_laid_out_with_its_expert_parallel_degree(tmp_path):
     ("expert_paralel: 2\n", "unknown key 'expert_paralel'"),
     ("context_parallel: 3\n", "context_parallel 3 needs seq_len 1024"),
     ("context_parallel: true\n", "'context_parallel'"),
+    ("head_dim: 0\n", "'head_dim'"),
+    ("head_dim: 64.5\n", "'head_dim'"),
 ])
 def test_bad_expert_or_context_parallel_degrees_exit_2_in_one_sentence(tmp_path, extra, words):
     spec = tmp_path / "moe.yaml"
