@@ -226,7 +226,9 @@ def plan_command(
         "--tokens", help="Tokens to train (--llm), e.g. 3e11.")] = None,
     stack: Annotated[str, typer.Option(
         "--stack", help="Software stack whose layouts and calibrated efficiency --llm assumes: megatron-2022, "
-                        "megatron-2021 or torchtitan-2024.")] = "megatron-2022",
+                        "megatron-2021 or torchtitan-2024 (calibrated on A100); megatron-core-2024, "
+                        "torchtitan-compile-2024 or llm-foundry-2023 (calibrated on H100; docs/planning_llm.md).")
+    ] = "megatron-2022",
     max_gpus: Annotated[int, typer.Option("--max-gpus", min=1, help="Most GPUs --llm considers.")] = 4096,
     resizes: Annotated[str | None, typer.Option(
         "--resizes", help="A resize schedule RANKS:HOURS,...,RANKS (e.g. 8:2,4:1.5,8): also predict the job's "
