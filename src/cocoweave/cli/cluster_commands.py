@@ -226,7 +226,9 @@ def plan_command(
         "--tokens", help="Tokens to train (--llm), e.g. 3e11.")] = None,
     stack: Annotated[str, typer.Option(
         "--stack", help="Software stack whose layouts and calibrated efficiency --llm assumes: megatron-2022, "
-                        "megatron-2021 or torchtitan-2024.")] = "megatron-2022",
+                        "megatron-2021 or torchtitan-2024 (calibrated on A100); megatron-core-2024, "
+                        "torchtitan-compile-2024 or llm-foundry-2023 (calibrated on H100; docs/planning_llm.md).")
+    ] = "megatron-2022",
     max_gpus: Annotated[int, typer.Option("--max-gpus", min=1, help="Most GPUs --llm considers.")] = 4096,
     resizes: Annotated[str | None, typer.Option(
         "--resizes", help="A resize schedule RANKS:HOURS,...,RANKS (e.g. 8:2,4:1.5,8): also predict the job's "
@@ -380,8 +382,9 @@ def _plan_llm_command(out, spec_path: Path, tokens: float | None, catalog: Path 
 
 
 def _terms(step) -> dict[str, float]:
-    return {"compute": step.compute_s, "tp exposed": step.tp_comm_s, "pp p2p": step.pp_comm_s,
-            "bubble": step.bubble_s, "dp exposed": step.dp_exposed_s, "optimizer": step.optimizer_s}
+    return {"compute": step.compute_s, "tp exposed": step.tp_comm_s, "cp exposed": step.cp_comm_s,
+            "ep all-to-all": step.ep_comm_s, "pp p2p": step.pp_comm_s, "bubble": step.bubble_s,
+            "dp exposed": step.dp_exposed_s, "optimizer": step.optimizer_s}
 
 
 def _memory(step) -> dict[str, float]:
@@ -394,7 +397,8 @@ def _llm_option_json(result, opt) -> dict:
     chosen = result.layout(opt)
     cfg, step = chosen.cfg, chosen.step
     return _option_json(opt) | {
-        "layout": {"tp": cfg.tp, "pp": cfg.pp, "vp": cfg.vp, "dp": cfg.dp, "micro_batch": cfg.micro_batch,
+        "layout": {"tp": cfg.tp, "cp": cfg.cp, "pp": cfg.pp, "vp": cfg.vp, "dp": cfg.dp, "ep": cfg.ep,
+                   "micro_batch": cfg.micro_batch,
                    "zero": cfg.zero, "sequence_parallel": cfg.sp, "recompute": cfg.recompute},
         "mfu": step.mfu, "terms_s": _terms(step), "memory_bytes": _memory(step),
         "memory_per_gpu_bytes": step.memory.total}

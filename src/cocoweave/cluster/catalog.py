@@ -54,6 +54,7 @@ class GPUSpec:
     memory_gb: float
     source: str
     gemm_efficiency: float | None = None  # fraction of peak large GEMMs reach, where measured (LLM planner)
+    family: str | None = None  # architecture ("hopper"): the LLM planner's stacks are calibrated per family
 
     def peak_flops(self, dtype: str) -> float:
         """Peak FLOP/s for `dtype` (float32's when that dtype has no entry)."""
@@ -96,6 +97,7 @@ class _GPU(Strict):
     memory_gb: NonNegative
     source: str = Field(min_length=1)
     gemm_efficiency: Fraction | None = None
+    family: str | None = Field(default=None, min_length=1, max_length=40)
 
 
 class _Network(Strict):
@@ -148,7 +150,7 @@ def parse_catalog(doc: Any, source: str) -> Catalog:
         if "float32" not in g.tflops:
             raise PlanningError(f"{source}: gpus[{key!r}]: tflops needs a float32 entry.")
         gpus[key.upper()] = GPUSpec(key.upper(), g.name, dict(g.tflops), g.hbm_gb_s, g.memory_gb, g.source,
-                                    g.gemm_efficiency)
+                                    g.gemm_efficiency, g.family)
     machines = []
     for i, m in enumerate(cat.machines):
         for key in ("intra_node", "inter_node"):

@@ -38,3 +38,18 @@ def test_group_link_follows_the_layout():
     assert wide.bandwidth == pytest.approx(40e9)
     assert group_link(SYSTEM, 64, 1).bandwidth == pytest.approx(80e9)  # eight rails, under NVLink's 100
     assert group_link(SYSTEM, 1, 1) is None
+
+
+def test_all_to_all_by_hand():
+    """Each rank sends 1/g of its n bytes to each of the g - 1 others: peers on its node over NVLink, the rest
+    through its own NIC, both at once; one latency per peer."""
+    from cocoweave.cluster.planning.llm.comm import all_to_all_s
+
+    n = 8e9
+    # 4 ranks one apart: all on one node: 3/4 n over NVLink (100 GB/s), 3 steps of 2 us
+    assert all_to_all_s(n, 4, 1, SYSTEM) == pytest.approx(3 * 2e-6 + 3 / 4 * n / 100e9)
+    # 16 ranks one apart: 8 per node; 7/16 n over NVLink, 8/16 n over InfiniBand (10 GB/s), 15 steps of 5 us
+    assert all_to_all_s(n, 16, 1, SYSTEM) == pytest.approx(15 * 5e-6 + max(7 / 16 * n / 100e9, 8 / 16 * n / 10e9))
+    # 4 ranks 8 apart: one per node, everything but the own share crosses the NIC
+    assert all_to_all_s(n, 4, 8, SYSTEM) == pytest.approx(3 * 5e-6 + 3 / 4 * n / 10e9)
+    assert all_to_all_s(n, 1, 1, SYSTEM) == 0.0

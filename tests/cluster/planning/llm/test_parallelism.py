@@ -33,3 +33,15 @@ def test_uneven_and_stated_stages_are_layouts_interleaving_is_not():
     assert "without interleaving" in why
     (why,) = ParallelConfig(pp=16, dp=1, micro_batch=2).problems(SPEC, 16)
     assert "cannot fill pp 16" in why
+
+
+def test_stated_uneven_stages_interleave_as_megatron_splits_llama_405b():
+    """Megatron-Bridge's Llama 3.1 405B: 126 layers on pp 8 x vp 8, the embedding and the loss counted as a layer
+    each, so the first and last stages hold 15 and the others 16; stated, it is a layout; unstated, it is not."""
+    spec = TransformerSpec(layers=126, hidden=1024, heads=8, vocab=1000, seq_len=128, global_batch=64)
+    stated = ParallelConfig(pp=8, dp=1, vp=8, stages=(15,) + (16,) * 6 + (15,))
+    assert stated.problems(spec, 8) == []
+    (why,) = ParallelConfig(pp=8, dp=1, vp=8).problems(spec, 8)
+    assert "state them to interleave" in why
+    (why,) = ParallelConfig(pp=4, dp=1, vp=4, stages=(3, 3, 2, 2)).problems(SPEC, 8)
+    assert "cannot each give vp 4 chunks a layer" in why

@@ -42,7 +42,8 @@ def test_plan_llm_recommends_a_layout(tmp_path):
     doc = json.loads(out.read_text())
     best = doc["recommended"]
     assert best["parameter_servers"] == 0 and best["cost_usd"] <= 5000
-    assert best["layout"]["tp"] * best["layout"]["pp"] * best["layout"]["dp"] == best["workers"]
+    lay = best["layout"]
+    assert lay["tp"] * lay["cp"] * lay["pp"] * lay["dp"] == best["workers"] and lay["ep"] == 1
     assert best["memory_per_gpu_bytes"] < 80e9 and 0 < best["mfu"] < 1
 
 
@@ -112,3 +113,37 @@ def test_a_gpu_bound_past_any_cluster_is_refused_before_any_work(tmp_path, retur
                                                         "100", "--catalog", str(_small_catalog(tmp_path)),
                                                         "--max-gpus", str(10**12)]), 10.0)
     assert result.exit_code == 2 and "--max-gpus" in result.output and "1,048,576" in result.output
+
+
+MOE = ("name: tiny-moe\nlayers: 4\nhidden: 512\nheads: 8\nvocab: 32000\nseq_len: 1024\nglobal_batch: 64\n"
+       "experts: 8\nexperts_per_token: 2\ngated_mlp: true\n")
+
+
+def test_an_moe_is_laid_out_with_its_expert_parallel_degree(tmp_path):
+    """#47 item 6: the spec's expert_parallel is the ep of every layout planned, priced with its all-to-alls."""
+    spec = tmp_path / "moe.yaml"
+    spec.write_text(MOE + "expert_parallel: 4\n")
+    result = runner.invoke(app, ["plan", "--llm", str(spec), "--tokens", "1e10", "--budget", "5000", "--catalog",
+                                 str(_small_catalog(tmp_path)), "--max-gpus", "32", "--json", "-"])
+    assert result.exit_code == 0, result.output
+    doc = json.loads(result.stdout)
+    best = doc["recommended"]
+    assert best["layout"]["ep"] == 4 and best["terms_s"]["ep all-to-all"] > 0
+    assert all(o["layout"]["ep"] == 4 for o in doc["pareto_front"])
+
+
+@pytest.mark.parametrize("extra, words", [
+    ("expert_parallel: 3\n", "expert_parallel 3 does not divide experts 8"),
+    ("expert_parallel: 0\n", "'expert_parallel'"),
+    ("expert_paralel: 2\n", "unknown key 'expert_paralel'"),
+    ("context_parallel: 3\n", "context_parallel 3 needs seq_len 1024"),
+    ("context_parallel: true\n", "'context_parallel'"),
+    ("head_dim: 0\n", "'head_dim'"),
+    ("head_dim: 64.5\n", "'head_dim'"),
+])
+def test_bad_expert_or_context_parallel_degrees_exit_2_in_one_sentence(tmp_path, extra, words):
+    spec = tmp_path / "moe.yaml"
+    spec.write_text(MOE + extra)
+    result = runner.invoke(app, ["plan", "--llm", str(spec), "--tokens", "1e10", "--budget", "100"])
+    assert result.exit_code == 2, result.output
+    assert words in result.output and "Traceback" not in result.output

@@ -38,3 +38,28 @@ def test_gpt3_on_1024_a100_beats_or_equals_the_published_layout():
     published = predict_step(gpt3.spec, replace(gpt3.cfg, dp_overlap=stack.dp_overlap), A100)
     assert result.best.step.total_s <= published.total_s
     assert result.best.memory.total <= 80e9
+
+
+def test_long_sequences_are_searched_with_context_parallelism_and_their_memory():
+    """Llama 3 8B at 128K tokens on 64 H100s: without context parallelism no layout fits (activations of 128K
+    tokens); the search finds one with cp > 1 and says its memory."""
+    from cocoweave.cluster.planning.llm.system import STACKS as ALL
+
+    stack = ALL["megatron-core-2024"]
+    h100 = system_for({m.name: m for m in CATALOG.machines}["dgx-h100"], CATALOG, stack)
+    spec = TransformerSpec(name="Llama 3 8B 128K", layers=32, hidden=4096, heads=32, kv_heads=8, ffn=14336,
+                           gated_mlp=True, vocab=128256, seq_len=131072, global_batch=64)
+    result = search(spec, h100, 64, stack)
+    assert result.best is not None and result.best.cfg.cp > 1
+    assert result.best.memory.total <= 80e9 and result.best.step.cp_comm_s >= 0
+    fixed = search(spec.model_copy(update={"context_parallel": 1}), h100, 64, stack)
+    assert fixed.best is None or fixed.best.step.total_s > result.best.step.total_s
+
+
+def test_an_moe_search_tries_the_expert_parallel_degrees():
+    spec = TransformerSpec(layers=4, hidden=512, heads=8, vocab=32000, seq_len=1024, global_batch=64, experts=8,
+                           experts_per_token=2)
+    eps = {cfg.ep for cfg in layouts(spec, 16, 8, STACKS[DEFAULT_STACK])}
+    assert eps == {1, 2, 4, 8}
+    assert {cfg.ep for cfg in layouts(spec.model_copy(update={"expert_parallel": 2}), 16, 8,
+                                      STACKS[DEFAULT_STACK])} == {2}

@@ -14,20 +14,20 @@ from cocoweave.errors import PlanningError
 
 def _layer_flops(spec: TransformerSpec, b: int) -> float:
     """Forward FLOPs of one pre-norm layer (QKV, SDPA, projection, MLP) as FlopCounterMode counts them."""
-    h, f, s, hd = spec.hidden, spec.ffn_size, spec.seq_len, spec.head_dim
+    h, f, s, hd = spec.hidden, spec.ffn_size, spec.seq_len, spec.dim_per_head
     qkv = torch.nn.Linear(h, spec.qkv_out)
-    proj = torch.nn.Linear(h, h)
+    proj = torch.nn.Linear(spec.q_width, h)
     up = torch.nn.Linear(h, f * (2 if spec.gated_mlp else 1))
     down = torch.nn.Linear(f, h)
     x = torch.randn(b, s, h)
     with FlopCounterMode(display=False) as counter:
-        q, k, v = qkv(F.layer_norm(x, (h,))).split([h, spec.kv * hd, spec.kv * hd], dim=-1)
+        q, k, v = qkv(F.layer_norm(x, (h,))).split([spec.q_width, spec.kv * hd, spec.kv * hd], dim=-1)
         q = q.view(b, s, spec.heads, hd).transpose(1, 2)
         k = k.view(b, s, spec.kv, hd).transpose(1, 2).repeat_interleave(spec.heads // spec.kv, dim=1)
         v = v.view(b, s, spec.kv, hd).transpose(1, 2).repeat_interleave(spec.heads // spec.kv, dim=1)
         # the attention core as unfused kernels run it (CPU's fused SDPA is not counted by FlopCounterMode)
         a = torch.softmax(q @ k.transpose(-1, -2) / hd**0.5, dim=-1) @ v
-        a = a.transpose(1, 2).reshape(b, s, h)
+        a = a.transpose(1, 2).reshape(b, s, spec.q_width)
         x = x + proj(a)
         u = up(F.layer_norm(x, (h,)))
         if spec.gated_mlp:
@@ -43,6 +43,9 @@ def _layer_flops(spec: TransformerSpec, b: int) -> float:
     TransformerSpec(layers=1, hidden=64, heads=4, vocab=100, seq_len=32, global_batch=2),
     TransformerSpec(layers=1, hidden=64, heads=8, kv_heads=2, ffn=96, gated_mlp=True, vocab=100, seq_len=16,
                     global_batch=2),
+    # a head width that is not hidden / heads (Qwen3's 128 with hidden 2048 and 32 heads)
+    TransformerSpec(layers=1, hidden=64, heads=4, kv_heads=2, head_dim=32, ffn=96, gated_mlp=True, vocab=100,
+                    seq_len=16, global_batch=2),
 ])
 def test_layer_flops_match_flop_counter(spec):
     assert spec.layer_flops(3) == pytest.approx(_layer_flops(spec, 3), rel=1e-9)
@@ -54,6 +57,17 @@ def test_gpt3_parameters_and_model_flops():
     # Narayanan et al. eq. (3) without recomputation: 72 B s l h^2 (1 + s/6h + V/12lh)
     b, s, l, h, v = 1536, 2048, 96, 12288, 51200
     assert gpt3.model_flops_per_step() == pytest.approx(72 * b * s * l * h * h * (1 + s / (6 * h) + v / (12 * l * h)))
+
+
+def test_hugging_face_head_dim_is_read_and_counted():
+    """Qwen3-30B-A3B's config: head_dim 128 with hidden 2048 and 32 heads; 30.5B parameters as its model card."""
+    config = {"hidden_act": "silu", "hidden_size": 2048, "moe_intermediate_size": 768, "intermediate_size": 6144,
+              "num_attention_heads": 32, "num_hidden_layers": 48, "num_key_value_heads": 4, "head_dim": 128,
+              "vocab_size": 151936, "num_experts": 128, "num_experts_per_tok": 8, "max_position_embeddings": 4096}
+    spec = from_hf_config(config, global_batch=8)
+    assert (spec.experts, spec.experts_per_token, spec.ffn_size) == (128, 8, 768)
+    assert spec.dim_per_head == 128 and spec.q_width == 4096 and spec.qkv_out == 4096 + 2 * 4 * 128
+    assert spec.params() == pytest.approx(30.5e9, rel=0.02)
 
 
 def test_hugging_face_config_maps_llama_keys():

@@ -10,35 +10,62 @@ import numpy as np
 from cocoweave.cluster.catalog import Catalog
 from cocoweave.cluster.planning.llm.published import PublishedRun
 from cocoweave.cluster.planning.llm.step import predict_step
-from cocoweave.cluster.planning.llm.system import Efficiency, system_for
+from cocoweave.cluster.planning.llm.system import HOPPER, STACKS, Efficiency, efficiency_key, system_for
 
-# (stacks sharing the constant, field, low, high): what calibration may move
+# (constants sharing the value, field, low, high): what calibration may move. A100 stacks by name; Hopper ones
+# as "stack/hopper", each stack's own (its kernels, its overlap), fitted on its own calibration rows
+MC, TT, MF = (f"{name}/{HOPPER}" for name in ("megatron-core-2024", "torchtitan-compile-2024", "llm-foundry-2023"))
 FREE = (
     (("megatron-2021",), "gemm_max", 0.6, 1.0),
     (("megatron-2022", "torchtitan-2024"), "gemm_max", 0.6, 1.0),
     (("megatron-2021", "megatron-2022", "torchtitan-2024"), "gemm_half", 0.0, 400.0),
     (("megatron-2021", "megatron-2022"), "elementwise_passes", 0.5, 8.0),
     (("torchtitan-2024",), "elementwise_passes", 0.5, 20.0),
+    ((MC, TT, MF), "gemm_max", 0.4, 1.0),  # cuBLAS on Hopper: one GEMM rate by shape for every stack
+    ((MC, TT, MF), "gemm_half", 0.0, 400.0),
+    ((MC,), "fp8_max", 0.2, 1.0),  # Transformer Engine's FP8 (delayed scaling in NeMo 24.07)
+    ((TT,), "fp8_max", 0.2, 1.0),  # torchao's float8 (dynamic tensorwise scaling)
+    ((MC,), "elementwise_passes", 0.5, 20.0),
+    ((TT,), "elementwise_passes", 0.5, 20.0),
+    ((MF,), "elementwise_passes", 0.5, 20.0),
+    ((MC,), "flash", 0.2, 1.0),  # attention kernels relative to the GEMM rate: cuDNN's through TE,
+    ((TT,), "flash", 0.2, 1.0),  # FlashAttention-2 through torch's SDPA,
+    ((MF,), "flash", 0.2, 1.0),  # FlashAttention with ALiBi (llm-foundry's Triton kernel)
+    ((MC,), "tp_overlap", 0.0, 1.0),  # TE's userbuffers
+    ((TT,), "tp_overlap", 0.0, 1.0),  # async TP
 )
+# Where the Hopper fit starts (coordinate descent finds a local optimum: the shipped constants are the fit from
+# here, `python -m cocoweave.cluster.planning.llm.calibrate` refits and prints them)
+NEUTRAL = Efficiency(gemm_max=0.7, gemm_half=40.0, fp8_max=0.5, flash=0.7, elementwise_passes=3.0, tp_overlap=0.5)
+
+
+def neutral(stacks: dict[str, Efficiency]) -> dict[str, Efficiency]:
+    """`stacks` with every per-family constant set back to NEUTRAL (the A100 ones kept)."""
+    return {k: NEUTRAL if "/" in k else v for k, v in stacks.items()}
 
 
 def errors(runs: list[PublishedRun], catalog: Catalog, stacks: dict[str, Efficiency]) -> np.ndarray:
-    """Signed percentage error (predicted / published - 1) of each run under the efficiency of its stack."""
+    """Signed percentage error (predicted / published - 1) of each run under the constants its stack uses on its
+    GPU (`stacks` by `system.efficiency_key`)."""
     machines = {m.name: m for m in catalog.machines}
     out = []
     for run in runs:
-        system = system_for(machines[run.machine], catalog, stacks[run.stack])
+        machine = machines[run.machine]
+        key = efficiency_key(STACKS[run.stack], catalog.gpus[machine.gpu])
+        system = system_for(machine, catalog, stacks[key], calibrated_here="/" in key)
         out.append(100.0 * (predict_step(run.spec, run.cfg, system).total_s / run.time_s - 1.0))
     return np.array(out)
 
 
 def calibrate(runs: list[PublishedRun], catalog: Catalog, stacks: dict[str, Efficiency],
               rounds: int = 10, points: int = 81) -> dict[str, Efficiency]:
-    """`stacks` (name -> Efficiency) with the FREE constants refitted on the calibration rows of `runs`."""
+    """`stacks` (efficiency key -> Efficiency) with the FREE constants refitted on the calibration rows of `runs`."""
     fit = [r for r in runs if r.role == "calibration"]
     best = dict(stacks)
     for _ in range(rounds):
         for names, field, low, high in FREE:
+            if not set(names) <= set(best):
+                continue  # constants not asked for (e.g. A100 stacks only)
             candidates = []
             for value in np.linspace(low, high, points):
                 trial = best | {n: replace(best[n], **{field: float(value)}) for n in names}
@@ -46,3 +73,15 @@ def calibrate(runs: list[PublishedRun], catalog: Catalog, stacks: dict[str, Effi
             value = min(candidates)[1]
             best = best | {n: replace(best[n], **{field: value}) for n in names}
     return best
+
+
+if __name__ == "__main__":
+    from dataclasses import asdict
+
+    from cocoweave.cluster.catalog import load_catalog
+    from cocoweave.cluster.planning.llm.published import validation_runs
+    from cocoweave.cluster.planning.llm.system import stack_efficiencies
+
+    fitted = calibrate(validation_runs(), load_catalog(), neutral(stack_efficiencies()), rounds=15)
+    for key, eff in fitted.items():
+        print(key, {f: round(v, 4) for f, v in asdict(eff).items()})

@@ -64,3 +64,25 @@ def priced(kind: str, nbytes: float, size: int, link: Link | None) -> tuple[floa
 def collective_s(kind: str, nbytes: float, size: int, link: Link | None) -> float:
     """Seconds for one collective (see `priced`)."""
     return priced(kind, nbytes, size, link)[0]
+
+
+def all_to_all_s(nbytes: float, size: int, stride: int, system: System) -> float:
+    """Seconds of one all-to-all in which each of `size` ranks, `stride` apart, holds `nbytes` and sends 1/size of
+    them to every other rank (the bytes and message steps of `collectives/traffic.py`'s all_to_all: (size - 1) /
+    size of them in size - 1 steps, NCCL's size - 1 concurrent send/recv pairs). Peers on the same node are reached
+    over NVLink, the others through the rank's own NIC rail, both at once: the slower of the two, plus one latency
+    per step."""
+    if size <= 1 or nbytes <= 0:
+        return 0.0
+    moved, hops = TRAFFIC["all_to_all"]
+    per_node = system.gpus_per_node
+    local = max(1, min(size, per_node // stride)) if stride < per_node else 1
+    if local < size and system.inter is None or local > 1 and system.intra is None:
+        raise PlanningError(f"machine {system.machine.name} names no network for an all-to-all over {size} ranks.")
+    sent = moved(size) * nbytes  # split between the peers on this node (local - 1) and the others (size - local)
+    intra = sent * (local - 1) / (size - 1) / (system.intra.bandwidth_gb_s * 1e9 * system.eff.intra) \
+        if local > 1 else 0.0
+    inter = sent * (size - local) / (size - 1) / (system.inter.bandwidth_gb_s * 1e9 * system.eff.inter) \
+        if local < size else 0.0
+    link = system.inter if local < size else system.intra
+    return hops(size) * link.latency_us * 1e-6 + max(intra, inter)

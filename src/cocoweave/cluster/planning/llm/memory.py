@@ -7,12 +7,14 @@ of 16-bit activations: sbh (10 + 24/t + 5 a s / (h t)) with tensor parallelism o
 with sequence parallelism; the 5 a s / (h t) term (attention scores, softmax, dropout) is dropped by selective
 recomputation and by fused (flash) attention; full recomputation keeps only each layer's input, 2 sbh (/ t with
 sequence parallelism). We generalise 24 to 4 h + 4 kv_heads x head_dim + 2 x FFN x (2 or 3 matrices) per token
-(grouped-query attention, gated MLP; 24 h for GPT-3's shapes).
+(grouped-query attention, gated MLP; 24 h for GPT-3's shapes). With context parallelism every count is of the
+s / cp tokens a rank holds (Megatron's CP shards all activations along the sequence).
 """
 
 from __future__ import annotations
 
 from dataclasses import dataclass
+from functools import lru_cache
 
 from cocoweave.cluster.planning.llm.parallelism import ParallelConfig
 from cocoweave.cluster.planning.llm.spec import TransformerSpec
@@ -39,14 +41,14 @@ class MemoryBreakdown:
 def layer_activation_bytes(spec: TransformerSpec, cfg: ParallelConfig, recompute: str | None = None) -> float:
     """Bytes one layer keeps for backward, per micro-batch, on one GPU (Korthikanti 2022, Table 2, generalised)."""
     recompute = cfg.recompute if recompute is None else recompute
-    s, b, h, t = spec.seq_len, cfg.micro_batch, spec.hidden, cfg.tp
+    s, b, h, t = spec.seq_len // cfg.cp, cfg.micro_batch, spec.hidden, cfg.tp
     sbh = s * b * h
     if recompute == "full":
         return 2 * sbh / (t if cfg.sp else 1)
-    kvd = spec.kv * spec.head_dim
+    kvd = spec.kv * spec.dim_per_head
     sharded = s * b * (4 * h + 4 * kvd + 2 * spec.ffn_size * spec.mlp_matrices * spec.experts_per_token) / t
     replicated = 10 * sbh / (t if cfg.sp else 1)
-    scores = 0.0 if spec.flash_attention or recompute == "selective" else 5 * spec.heads * s * s * b / t
+    scores = 0.0 if spec.flash_attention or recompute == "selective" else 5 * spec.heads * s * spec.seq_len * b / t
     return replicated + sharded + scores
 
 
@@ -62,10 +64,13 @@ def in_flight_factor(cfg: ParallelConfig) -> float:
 def held_layers(spec: TransformerSpec, cfg: ParallelConfig) -> float:
     """Layer x micro-batch activations the stage that holds the most keeps in flight. Evenly split, the first
     stage's: its layers x `in_flight_factor`. Unevenly (1F1B only), stage i holds pp - i micro-batches of its
-    n_i layers, so a longer second stage can hold more than a shortened first one (Llama 3's 8 x 15 > 7 x 16)."""
+    n_i layers, so a longer second stage can hold more than a shortened first one (Llama 3's 8 x 15 > 7 x 16);
+    interleaved over stated uneven stages, the largest stage's layers x `in_flight_factor` (a bound)."""
     stages = cfg.stage_layers(spec)
     if len(set(stages)) == 1:
         return stages[0] * in_flight_factor(cfg)
+    if cfg.vp > 1:  # interleaved over stated uneven stages: the largest stage, as the first holds them (bound)
+        return max(stages) * in_flight_factor(cfg)
     return float(max(n * (cfg.pp - i) for i, n in enumerate(stages)))
 
 
@@ -73,7 +78,7 @@ def activation_bytes(spec: TransformerSpec, cfg: ParallelConfig) -> float:
     """Activation bytes of the pipeline stage that holds the most, plus the input embedding's output and, with one
     stage, the logits (fp32 for the loss)."""
     layers = layer_activation_bytes(spec, cfg) * held_layers(spec, cfg)
-    s, b = spec.seq_len, cfg.micro_batch
+    s, b = spec.seq_len // cfg.cp, cfg.micro_batch
     embedding = 2 * s * b * spec.hidden / (cfg.tp if cfg.sp else 1) * min(cfg.pp, cfg.micro_batches(spec) or 1)
     logits = 4 * s * b * spec.vocab / cfg.tp if cfg.pp == 1 else 0.0
     return layers + embedding + logits
@@ -81,21 +86,37 @@ def activation_bytes(spec: TransformerSpec, cfg: ParallelConfig) -> float:
 
 def stage_params(spec: TransformerSpec, cfg: ParallelConfig) -> float:
     """Parameters one GPU holds on the heaviest stage (the first holds the input embedding, the last the output
-    projection, as large; the middle ones only layers), before ZeRO sharding."""
+    projection, as large; the middle ones only layers), before ZeRO sharding; experts counted 1/ep."""
+    dense, experts = stage_param_split(spec, cfg)
+    return dense + experts
+
+
+def stage_param_split(spec: TransformerSpec, cfg: ParallelConfig) -> tuple[float, float]:
+    """(dense, expert) parameters one GPU of the heaviest stage holds: dense ones 1/tp (replicated over cp x dp),
+    experts 1/(tp x ep) (replicated over cp x dp / ep), before ZeRO sharding."""
+    per_layer = spec.layer_params() - spec.expert_params() * (1 - 1 / cfg.ep)
     if cfg.pp == 1:
-        return (spec.layer_params() * spec.layers + spec.embedding_params()) / cfg.tp
-    stages = cfg.stage_layers(spec)
-    embedding = spec.vocab * spec.hidden
-    heaviest = max(max(stages[0], stages[-1]) * spec.layer_params() + embedding, max(stages) * spec.layer_params())
-    return heaviest / cfg.tp
+        layers, embedding = spec.layers, spec.embedding_params()
+    else:
+        stages = cfg.stage_layers(spec)
+        ends = max(stages[0], stages[-1])
+        layers, embedding = (ends, spec.vocab * spec.hidden) if ends * per_layer + spec.vocab * spec.hidden >= \
+            max(stages) * per_layer else (max(stages), 0)
+    experts = layers * spec.expert_params() / cfg.ep
+    return (layers * per_layer + embedding - experts) / cfg.tp, experts / cfg.tp
 
 
+@lru_cache(maxsize=1 << 16)  # the search asks for a layout's memory, then its step does: once per layout
 def memory_per_gpu(spec: TransformerSpec, cfg: ParallelConfig) -> MemoryBreakdown:
-    """Weights (16-bit), gradients (cfg.grad_bytes), Adam state (12 bytes) per parameter, sharded over dp from the
-    ZeRO stage that shards each, and the first stage's activations."""
-    params = stage_params(spec, cfg)
-    dp = cfg.dp
-    weights = params * spec.bytes_per_value / (dp if cfg.zero >= 3 else 1)
-    grads = params * cfg.grad_bytes / (dp if cfg.zero >= 2 else 1)
-    optimizer = params * OPTIMIZER_BYTES / (dp if cfg.zero >= 1 else 1)
-    return MemoryBreakdown(weights, grads, optimizer, activation_bytes(spec, cfg))
+    """Weights (16-bit), gradients (cfg.grad_bytes), Adam state (12 bytes) per parameter, sharded from the ZeRO
+    stage that shards each over the ranks that replicate it (cp x dp for dense weights, cp x dp / ep for experts,
+    as Megatron's distributed optimizer does), and the first stage's activations."""
+    dense, experts = stage_param_split(spec, cfg)
+    replicas = cfg.cp * cfg.dp
+
+    def sharded(stage: int) -> float:
+        return dense / (replicas if cfg.zero >= stage else 1) + experts / (replicas // cfg.ep if cfg.zero >= stage
+                                                                           else 1)
+
+    return MemoryBreakdown(sharded(3) * spec.bytes_per_value, sharded(2) * cfg.grad_bytes,
+                           sharded(1) * OPTIMIZER_BYTES, activation_bytes(spec, cfg))

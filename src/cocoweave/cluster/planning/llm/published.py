@@ -14,11 +14,40 @@ Sources:
 - torchtitan: pytorch/torchtitan docs/performance.md, Llama 3 on 64 A100 80 GB with FSDP2, local batch 1,
   seq 8192: tokens/s per GPU (step = 8192 / WPS). Its cluster's network is not stated: we assume DGX A100's
   8 x 200 Gb/s InfiniBand.
+
+H100 (Hopper) sources, each row's step = global batch x sequence / (tokens/s/GPU x GPUs):
+- NeMo 24.07: NVIDIA/NeMo docs/source/performance/performance_summary.md at commit 070a0bb1, "Pretraining" table
+  (FP8, container NeMo 24.07, DGX-H100: NDR InfiniBand, our `dgx-h100`). Model shapes from NVIDIA/NeMo-Framework-
+  Launcher launcher_scripts/conf/training/{gpt3,llama,nemotron}/*.yaml at 26e42fa9. Not in the table, ASSUMED
+  as the NeMo performance recipes of that release set them: sequence parallelism with tp > 1, no recomputation,
+  the distributed optimizer (ZeRO-1) overlapping its reduce-scatter and all-gather, TP communication overlap,
+  bf16 gradient reduction.
+- Megatron-Bridge 25.11: NVIDIA-NeMo/Megatron-Bridge docs/performance-summary.md at commit 00b7660b, "25.11 NeMo
+  Container", "System: DGX-H100" (FP8 current scaling); the dense Llama 3 rows, the 405B one's 126 layers on
+  pp 8 x vp 8 stated as Megatron splits them when it counts the embedding and the loss as layers (ASSUMED: the
+  recipe's setting). Held out, priced with the 2024 stack's constants: they say how far a year of Megatron / TE
+  releases moved the step.
+- DGX Cloud: NVIDIA/dgxc-benchmarking nemo_megatron/README_175b.md at commit 0b71cfda, "Expected Performance":
+  GPT-3 175B (vocab 51200 as its FLOPs note counts) on 128 to 2048 DGX H100s, BF16 and FP8, weak-scaled (global
+  batch 16 per node, TP 4, PP 8, VP 12, MBS 1): a data-parallel scaling series of one model, dp 4 to 64. All held
+  out; the same ASSUMED recipe defaults as NeMo 24.07's.
+- torchtitan H100: pytorch/torchtitan benchmarks/llama3_h100_202412_torchtitan.md at commit 31a17bfd, Tables 1-4
+  (torch.compile, float8, async TP, context parallelism), Llama 3.1 8B/70B, seq 8192. Ran on Grand Teton: H100
+  96 GB HBM2e at 500 W (peak "between SXM and NVL", its footnote 2), 400 Gb/s RDMA per GPU: our
+  `grand-teton-h100` (the NVL peaks ASSUMED, the lower bound). Tables 5-6 (FSDP with pipeline parallelism) are
+  not modelled.
+- torchtitan H200: pytorch/torchtitan benchmarks/llama3_8b_h200_2025-06_torchtitan.md at commit bcdeaa37 (Trainy,
+  June 2025): Llama 3.1 8B on 4 and 8 nodes of 8 H200, float8, torch.compile; held out (no H200 row calibrates).
+- llm-foundry H100: mosaicml/llm-foundry scripts/train/benchmarking/README.md at commit 8c8dd48f, "H100 80GB
+  BF16" (Composer FSDP FULL_SHARD, FlashAttention, bf16 with fp32 gradient reduction, MPT shapes from
+  scripts/train/yamls/pretrain/mpt-*.yaml: head dim 128, vocab 50368, tied embeddings, GELU MLP); the rows whose
+  micro-batch x accumulation x GPUs is the global batch (the others accumulate a shorter last micro-batch). The
+  cluster's network is not stated: ASSUMED DGX H100's (`dgx-h100`).
 """
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 from cocoweave.cluster.planning.llm.parallelism import ParallelConfig
 from cocoweave.cluster.planning.llm.spec import TransformerSpec
@@ -131,7 +160,219 @@ def _torchtitan_runs() -> list[PublishedRun]:
     ]
 
 
+def _step(batch: int, seq: int, tokens_s_gpu: float, gpus: int) -> float:
+    return batch * seq / (tokens_s_gpu * gpus)
+
+
+NEMO_SHAPES = {  # name: (layers, hidden, heads, kv heads, ffn, gated, vocab)
+    "GPT3-5B": (24, 4096, 32, None, 16384, False, 50304), "GPT3-20B": (44, 6144, 48, None, 24576, False, 50304),
+    "GPT3-175B": (96, 12288, 96, None, 49152, False, 50304), "LLAMA2-7B": (32, 4096, 32, None, 11008, True, 32000),
+    "LLAMA2-13B": (40, 5120, 40, None, 13824, True, 32000), "LLAMA2-70B": (80, 8192, 64, 8, 28672, True, 32000),
+    "Nemotron-8B": (32, 4096, 32, None, 16384, False, 256000),
+    "Nemotron-22B": (40, 6144, 48, None, 24576, False, 256000),
+    "Nemotron-340B": (96, 18432, 96, 8, 73728, False, 256000),
+    "LLAMA3-8B": (32, 4096, 32, 8, 14336, True, 128256), "LLAMA3-70B": (80, 8192, 64, 8, 28672, True, 128256),
+    "LLAMA3.1-405B": (126, 16384, 128, 8, 53248, True, 128256),
+}
+# (model, GPUs, GBS, MBS, seq, TP, PP, CP, VP, tokens/s/GPU, calibration?)
+NEMO_2407 = (
+    ("GPT3-5B", 64, 2048, 4, 2048, 1, 1, 1, 1, 22521, True),
+    ("GPT3-20B", 64, 256, 2, 2048, 2, 1, 1, 1, 5851, False),
+    ("GPT3-175B", 128, 256, 1, 2048, 4, 8, 1, 6, 726, True),
+    ("GPT3-175B", 512, 2048, 2, 2048, 4, 8, 1, 6, 782, False),
+    ("LLAMA2-7B", 8, 128, 1, 4096, 1, 1, 1, 1, 16847, True),
+    ("LLAMA2-13B", 16, 128, 1, 4096, 1, 4, 1, 10, 8646, False),
+    ("LLAMA2-70B", 64, 128, 1, 4096, 4, 4, 1, 20, 1707, True),
+    ("Nemotron-8B", 64, 256, 4, 4096, 2, 1, 1, 1, 12701, False),
+    ("Nemotron-22B", 64, 256, 2, 4096, 2, 4, 1, 10, 4256, True),
+    ("Nemotron-340B", 128, 32, 1, 4096, 8, 8, 1, 12, 322, False),
+    ("LLAMA3-8B", 8, 128, 1, 8192, 1, 1, 2, 1, 12036, True),
+    ("LLAMA3-70B", 64, 128, 1, 8192, 4, 4, 2, 5, 1533, False),
+)
+# Megatron-Bridge 25.11, DGX-H100, FP8-CS: (model, GPUs, GBS, MBS, seq, FSDP, TP, PP, CP, VP, tokens/s/GPU,
+# calibration?)
+BRIDGE_2511 = (
+    ("LLAMA3-8B", 8, 128, 1, 8192, True, 1, 1, 1, 1, 14451, False),
+    ("LLAMA3-70B", 64, 128, 1, 8192, False, 4, 8, 1, 5, 1602, False),
+    ("LLAMA3.1-405B", 1024, 512, 1, 8192, False, 8, 8, 2, 8, 292, False),
+)
+# Megatron counts the embedding and the loss as a layer each when it splits Llama 3.1 405B's 126 layers over
+# pp 8 x vp 8 (--account-for-embedding/loss-in-pipeline-split, as the Bridge recipe sets them): 128 in chunks of 2,
+# the first and last stages one layer short
+STATED_STAGES = {"LLAMA3.1-405B": (15,) + (16,) * 6 + (15,)}
+
+
+# NVIDIA DGX Cloud benchmarking, GPT-3 175B on DGX H100 weak-scaled (global batch 2 x GPUs, so dp = GPUs / 32
+# each with 64 micro-batches): (dtype, [(GPUs, step s)])
+DGXC_175B = (
+    ("bfloat16", ((128, 8.309), (256, 8.408), (512, 8.42), (1024, 8.453), (2048, 8.49))),
+    ("float8", ((128, 5.626), (256, 5.725), (512, 5.774), (1024, 5.82), (2048, 5.96))),
+)
+
+
+def _dgxc_runs() -> list[PublishedRun]:
+    runs = []
+    for dtype, series in DGXC_175B:
+        for gpus, step in series:
+            spec = _nemo_spec("GPT3-175B", 2048, 2 * gpus).model_copy(update={"vocab": 51200, "dtype": dtype})
+            runs.append(PublishedRun(
+                f"DGX Cloud GPT-3 175B {'FP8' if dtype == 'float8' else 'BF16'}, {gpus} H100", spec,
+                _megatron_core_cfg(gpus, 4, 8, 1, 12, 1), step,
+                "NVIDIA/dgxc-benchmarking nemo_megatron/README_175b.md @0b71cfda, Expected Performance: "
+                f"{step} s per step (TP 4, PP 8, VP 12, MBS 1, GBS {2 * gpus}); SP, distributed optimizer, "
+                "overlaps ASSUMED (NeMo recipe defaults)", "held-out", "megatron-core-2024", "dgx-h100"))
+    return runs
+
+
+def _nemo_spec(model: str, seq: int, batch: int) -> TransformerSpec:
+    layers, hidden, heads, kv, ffn, gated, vocab = NEMO_SHAPES[model]
+    return TransformerSpec(name=model, layers=layers, hidden=hidden, heads=heads, kv_heads=kv, ffn=ffn,
+                           gated_mlp=gated, vocab=vocab, seq_len=seq, global_batch=batch, dtype="float8")
+
+
+def _megatron_core_cfg(gpus: int, tp: int, pp: int, cp: int, vp: int, mb: int, zero: int = 1) -> ParallelConfig:
+    return ParallelConfig(tp=tp, pp=pp, cp=cp, dp=gpus // (tp * pp * cp), micro_batch=mb, vp=vp, zero=zero,
+                          sp=tp > 1, tp_overlap=tp > 1, gather_overlap=True)
+
+
+# Megatron-Bridge 25.11's one H100 MoE row whose model the spec describes (GPT-OSS's sliding-window attention and
+# sinks are not; the Qwen3 235B row's columns are shifted): Qwen3-30B-A3B (its config.json: 48 layers, hidden 2048,
+# 32 heads of 128, 4 KV heads, 128 experts of width 768, top-8, vocab 151936) on 16 H100s, FP8-CS, GBS 512, MBS 2,
+# seq 4096, TP 1, PP 2, VP 24, EP 8: 5275 tokens/s/GPU
+QWEN3_30B = TransformerSpec(name="Qwen3-30B-A3B", layers=48, hidden=2048, heads=32, kv_heads=4, head_dim=128,
+                            ffn=768, gated_mlp=True, vocab=151936, seq_len=4096, global_batch=512, experts=128,
+                            experts_per_token=8, dtype="float8")
+
+
+def _h100_moe_runs() -> list[PublishedRun]:
+    cfg = replace(_megatron_core_cfg(16, 1, 2, 1, 24, 2), ep=8)
+    return [PublishedRun(
+        "Megatron-Bridge 25.11 Qwen3-30B-A3B (MoE, ep 8), 16 H100", QWEN3_30B, cfg, _step(512, 4096, 5275, 16),
+        "NVIDIA-NeMo/Megatron-Bridge docs/performance-summary.md @00b7660b, 25.11, DGX-H100 (FP8-CS): 5275 "
+        "tokens/s/GPU; experts assumed balanced (the table forces balance); all-to-alls exposed as modelled",
+        "held-out", "megatron-core-2024", "dgx-h100")]
+
+
+def _h100_megatron_runs() -> list[PublishedRun]:
+    runs = []
+    for model, gpus, batch, mb, seq, tp, pp, cp, vp, tps, calib in NEMO_2407:
+        runs.append(PublishedRun(
+            f"NeMo 24.07 {model}, {gpus} H100", _nemo_spec(model, seq, batch),
+            _megatron_core_cfg(gpus, tp, pp, cp, vp, mb), _step(batch, seq, tps, gpus),
+            f"NVIDIA/NeMo docs/source/performance/performance_summary.md @070a0bb1, Pretraining (FP8, DGX-H100): "
+            f"{tps} tokens/s/GPU; SP, no recomputation, distributed optimizer, overlaps ASSUMED (recipe defaults)",
+            "calibration" if calib else "held-out", "megatron-core-2024", "dgx-h100"))
+    for model, gpus, batch, mb, seq, fsdp, tp, pp, cp, vp, tps, calib in BRIDGE_2511:
+        runs.append(PublishedRun(
+            f"Megatron-Bridge 25.11 {model}, {gpus} H100", _nemo_spec(model, seq, batch),
+            replace(_megatron_core_cfg(gpus, tp, pp, cp, vp, mb, 3 if fsdp else 1), stages=STATED_STAGES.get(model)),
+            _step(batch, seq, tps, gpus),
+            f"NVIDIA-NeMo/Megatron-Bridge docs/performance-summary.md @00b7660b, 25.11, DGX-H100 (FP8-CS): {tps} "
+            "tokens/s/GPU", "calibration" if calib else "held-out", "megatron-core-2024", "dgx-h100"))
+    return runs
+
+
+LLAMA31 = {"8B": (32, 4096, 32, 14336), "70B": (80, 8192, 64, 28672)}
+# torchtitan Dec 2024 (table, model, GPUs, dp, tp, cp, local batch, seq, recompute, float8, async TP, tokens/s/GPU,
+# calibration?); local batch = sequences per dp rank (no gradient accumulation)
+TORCHTITAN_H100 = (
+    (1, "8B", 8, 8, 1, 1, 2, 8192, "selective", False, False, 6667, True),
+    (1, "8B", 8, 8, 1, 1, 2, 8192, "selective", True, False, 8532, False),
+    (3, "8B", 128, 128, 1, 1, 2, 8192, "selective", False, False, 6514, False),
+    (3, "8B", 128, 128, 1, 1, 2, 8192, "selective", True, False, 8380, True),
+    (4, "70B", 256, 32, 8, 1, 16, 8192, "full", True, False, 829, False),
+    (4, "70B", 256, 32, 8, 1, 16, 8192, "full", True, True, 876, True),
+    (2, "8B", 8, 8, 1, 1, 1, 32768, "full", True, False, 3890, True),
+    (2, "8B", 8, 4, 1, 2, 1, 65536, "full", True, False, 2540, False),
+    (2, "8B", 8, 2, 1, 4, 1, 131072, "full", True, False, 1071, True),
+    (2, "8B", 8, 1, 1, 8, 1, 262144, "full", True, False, 548, False),
+)
+
+
+def _torchtitan_h100_runs() -> list[PublishedRun]:
+    runs = []
+    for table, model, gpus, dp, tp, cp, local, seq, recompute, fp8, async_tp, tps, calib in TORCHTITAN_H100:
+        layers, hidden, heads, ffn = LLAMA31[model]
+        spec = TransformerSpec(name=f"Llama 3.1 {model}", layers=layers, hidden=hidden, heads=heads, kv_heads=8,
+                               ffn=ffn, gated_mlp=True, vocab=128256, seq_len=seq, global_batch=dp * local,
+                               dtype="float8" if fp8 else "bfloat16")
+        cfg = ParallelConfig(tp=tp, cp=cp, dp=dp, micro_batch=local, zero=3, sp=tp > 1, recompute=recompute,
+                             tp_overlap=async_tp)
+        what = ("float8" if fp8 else "bf16") + (", async TP" if async_tp else "") + (f", cp {cp}" if cp > 1 else "")
+        runs.append(PublishedRun(
+            f"torchtitan {model} {what}, {gpus} H100", spec, cfg, _step(dp * local, seq, tps, gpus),
+            f"pytorch/torchtitan benchmarks/llama3_h100_202412_torchtitan.md @31a17bfd, Table {table}: {tps} "
+            "TPS/GPU (torch.compile); Grand Teton H100 at 500 W, NVL peaks ASSUMED",
+            "calibration" if calib else "held-out", "torchtitan-compile-2024", "grand-teton-h100"))
+    return runs
+
+
+MPT = {"760m": (24, 1536, 12), "1b": (24, 2048, 16), "3b": (32, 2560, 20), "7b": (32, 4096, 32),
+       "13b": (40, 5120, 40), "30b": (48, 7168, 56), "70b": (80, 8192, 64)}
+# llm-foundry "H100 80GB BF16": (model, seq, GPUs, micro-batch, accumulation, global batch, activation
+# checkpointing, tokens/s (all GPUs))
+FOUNDRY_H100 = (
+    ("70b", 2048, 64, 8, 4, 2048, True, 66523), ("70b", 2048, 32, 2, 16, 1024, True, 28242),
+    ("30b", 2048, 32, 14, 3, 1344, True, 73860), ("30b", 2048, 16, 10, 3, 480, True, 36209),
+    ("30b", 8192, 8, 1, 21, 168, True, 11072), ("13b", 2048, 64, 2, 1, 128, False, 307209),
+    ("13b", 2048, 8, 2, 1, 16, False, 38336), ("13b", 4096, 8, 10, 3, 240, True, 37740),
+    ("13b", 32768, 8, 1, 3, 24, True, 15812), ("7b", 2048, 8, 6, 1, 48, False, 85144),
+    ("7b", 8192, 8, 8, 2, 128, True, 55481), ("7b", 65536, 8, 1, 2, 16, True, 15654),
+    ("3b", 2048, 64, 6, 3, 1152, False, 1441663), ("3b", 8192, 8, 3, 6, 144, False, 132626),
+    ("1b", 2048, 64, 20, 1, 1280, False, 2841754), ("1b", 32768, 8, 1, 4, 32, False, 96203),
+    ("760m", 2048, 32, 24, 1, 768, False, 2175091), ("760m", 8192, 8, 6, 2, 96, False, 334602),
+)
+
+
+def _foundry_h100_runs() -> list[PublishedRun]:
+    runs = []
+    for i, (model, seq, gpus, mb, _accum, batch, ac, tokens_s) in enumerate(FOUNDRY_H100):
+        layers, hidden, heads = MPT[model]
+        spec = TransformerSpec(name=f"MPT-{model}", layers=layers, hidden=hidden, heads=heads, vocab=50368,
+                               seq_len=seq, global_batch=batch, tied_embeddings=True)
+        cfg = ParallelConfig(dp=gpus, micro_batch=mb, zero=3, recompute="full" if ac else "none", grad_bytes=4)
+        runs.append(PublishedRun(
+            f"llm-foundry MPT-{model} seq {seq}, {gpus} H100", spec, cfg, batch * seq / tokens_s,
+            f"mosaicml/llm-foundry scripts/train/benchmarking/README.md @8c8dd48f, H100 80GB BF16: {tokens_s} "
+            "tokens/s; network ASSUMED DGX H100's", "calibration" if i % 2 == 0 else "held-out", "llm-foundry-2023",
+            "dgx-h100"))
+    return runs
+
+
+# torchtitan on H200 (Trainy, June 2025): (nodes, tokens/s/GPU); Llama 3.1 8B, its llama3_8b.toml (seq 8192,
+# selective op recomputation) with local batch 2, torch.compile, float8 with float8 FSDP all-gathers
+TORCHTITAN_H200 = ((4, 10938), (8, 10753))
+
+
+def _torchtitan_h200_runs() -> list[PublishedRun]:
+    runs = []
+    for nodes, tps in TORCHTITAN_H200:
+        dp = 8 * nodes
+        layers, hidden, heads, ffn = LLAMA31["8B"]
+        spec = TransformerSpec(name="Llama 3.1 8B", layers=layers, hidden=hidden, heads=heads, kv_heads=8, ffn=ffn,
+                               gated_mlp=True, vocab=128256, seq_len=8192, global_batch=2 * dp, dtype="float8")
+        runs.append(PublishedRun(
+            f"torchtitan 8B float8, {dp} H200", spec,
+            ParallelConfig(dp=dp, micro_batch=2, zero=3, recompute="selective"), _step(2 * dp, 8192, tps, dp),
+            f"pytorch/torchtitan benchmarks/llama3_8b_h200_2025-06_torchtitan.md @bcdeaa37: {tps} TPS/GPU on "
+            f"{nodes} nodes of 8 H200 with 400 Gb/s CX-7 per GPU (priced as dgx-h200); a GPU the constants were "
+            "not fitted on", "held-out", "torchtitan-compile-2024", "dgx-h200"))
+    return runs
+
+
+def h100_runs() -> list[PublishedRun]:
+    """The Hopper rows: NeMo / Megatron-Bridge / DGX Cloud, torchtitan and llm-foundry on H100, torchtitan on
+    H200."""
+    return (_h100_megatron_runs() + _h100_moe_runs() + _dgxc_runs() + _torchtitan_h100_runs() + _foundry_h100_runs()
+            + _torchtitan_h200_runs())
+
+
 def published_runs() -> list[PublishedRun]:
-    """Every run of the validation table, calibration rows first."""
+    """The A100 runs of the validation table, calibration rows first."""
     runs = _sc21_runs() + _korthikanti_runs() + _torchtitan_runs()
     return sorted(runs, key=lambda r: r.role != "calibration")
+
+
+def validation_runs() -> list[PublishedRun]:
+    """Every run of the validation table, A100 and H100, calibration rows first."""
+    return sorted(published_runs() + h100_runs(), key=lambda r: r.role != "calibration")

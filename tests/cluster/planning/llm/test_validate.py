@@ -1,0 +1,76 @@
+"""The validation table: every published run predicted with its stack's shipped constants. The H100 rows held out
+of calibration must stay within the bound stated here, and far better than one spec-sheet efficiency; the A100
+figures must not get worse; the shipped constants must be what calibration fits."""
+
+from __future__ import annotations
+
+import numpy as np
+
+from cocoweave.cluster.catalog import load_catalog
+from cocoweave.cluster.planning.llm.calibrate import calibrate, errors
+from cocoweave.cluster.planning.llm.published import h100_runs, validation_runs
+from cocoweave.cluster.planning.llm.system import stack_efficiencies
+from cocoweave.cluster.planning.llm.validate import groups, main, table
+
+CATALOG = load_catalog()
+# measured 2026-12-05 (`python -m cocoweave.cluster.planning.llm.validate`): H100/H200 held-out 35 rows, mean
+# 7.46 %, max 21.33 %; before Hopper constants 17.06 % / 44.04 %. The bound leaves room for refits, not regressions.
+H100_HELD_OUT_MEAN, H100_HELD_OUT_MAX = 8.5, 23.0
+
+
+def test_h100_held_out_rows_within_the_bound_and_far_better_than_the_spec_sheet():
+    runs, after, before = table(CATALOG)
+    now = {g.name: g for g in groups(runs, after, CATALOG)}
+    then = {g.name: g for g in groups(runs, before, CATALOG)}
+    held = now["H100/H200 held-out"]
+    assert held.rows >= 20 and {r.stack for r in h100_runs() if r.role == "held-out"} >= {
+        "megatron-core-2024", "torchtitan-compile-2024", "llm-foundry-2023"}
+    assert held.mean <= H100_HELD_OUT_MEAN and held.max <= H100_HELD_OUT_MAX
+    assert held.mean < 0.6 * then["H100/H200 held-out"].mean and held.max < then["H100/H200 held-out"].max
+    # the one MoE row (Qwen3-30B-A3B, ep 8) is predicted 2.4x too fast (58.49 %): a known gap, bounded, not hidden
+    assert now["H100/H200 MoE held-out"].rows == 1 and now["H100/H200 MoE held-out"].max <= 60.0
+    assert now["A100 held-out"].mean <= 3.5 and now["A100 held-out"].max <= 9.0
+    assert now["A100 calibration"].mean <= 3.5 and now["A100 calibration"].max <= 9.0
+
+
+def test_every_h100_row_names_its_source_and_machine():
+    for run in h100_runs():
+        assert "@" in run.source and run.machine in {m.name for m in CATALOG.machines}
+        assert run.cfg.problems(run.spec, 8) == [], run.name
+        assert run.role in ("calibration", "held-out")
+
+
+def test_shipped_constants_are_what_calibration_fits():
+    """One more round of coordinate descent from the shipped constants does not lower the calibration rows'
+    mean |error| by more than 0.05 points (they are the fit, frozen), and held-out rows play no part in it."""
+    runs = validation_runs()
+    shipped = stack_efficiencies()
+    fit = [r for r in runs if r.role == "calibration"]
+    before = np.abs(errors(fit, CATALOG, shipped)).mean()
+    refit = calibrate(runs, CATALOG, shipped, rounds=1, points=21)
+    assert np.abs(errors(fit, CATALOG, refit)).mean() >= before - 0.05
+    moved = calibrate([r for r in runs if r.role == "calibration"], CATALOG, shipped, rounds=1, points=21)
+    assert moved == refit
+
+
+def test_the_command_prints_the_groups(capsys):
+    main([])
+    out = capsys.readouterr().out
+    assert "H100/H200 held-out" in out and "before, one spec-sheet efficiency" in out and "NeMo 24.07" in out
+
+
+def test_a_data_parallel_scaling_series_grows_as_measured():
+    """DGX Cloud's GPT-3 175B on 128 to 2048 H100s (dp 4 to 64, the same work per pipeline): the measured step grows
+    2.2 % (BF16) and 5.9 % (FP8); the predicted one must grow too, by within 3 points of that, never shrink."""
+    from cocoweave.cluster.planning.llm.published import DGXC_175B
+
+    runs, after, _ = table(CATALOG)
+    for dtype, series in DGXC_175B:
+        rows = [(r, e) for r, e in zip(runs, after, strict=True) if r.name.startswith("DGX Cloud")
+                and r.spec.dtype == dtype]
+        assert [r.cfg.gpus for r, _ in rows] == [g for g, _ in series]
+        predicted = [r.time_s * (1 + e / 100) for r, e in rows]
+        measured_growth = series[-1][1] / series[0][1] - 1
+        predicted_growth = predicted[-1] / predicted[0] - 1
+        assert all(b >= a for a, b in zip(predicted, predicted[1:], strict=False))
+        assert abs(predicted_growth - measured_growth) <= 0.03, (dtype, predicted_growth, measured_growth)
