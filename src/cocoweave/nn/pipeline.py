@@ -209,6 +209,7 @@ class Pipeline:
                            n_blocks=n_blocks, sliced=sliced, sequence_parallel=sequence_parallel,
                            mesh=dict(zip(names, mesh.shape)))
         self.mesh, self.microbatches, self.schedule_name = mesh, microbatches, schedule
+        self.n_blocks, self.sliced = n_blocks, sliced
         self.tp_group, self.pp_group, self.dp_group = (mesh.get_group(d) for d in ("tp", "pp", "dp"))
         self.pp_rank, self.pp_size = group_rank(self.pp_group), pp
         self.dp_size = group_size(self.dp_group)
@@ -305,6 +306,17 @@ class Pipeline:
             dist.all_reduce(total, group=self.dp_group)  # equal replicas' batches: the global batch's mean
             total /= self.dp_size
         return float(total)
+
+    def check(self, *, batch: int, seq: int, d_model: int | None = None,
+              device_memory: float | None = None) -> Any:
+        """Pre-flight (cocoweave.preflight, no tensors): one step's communication for every rank of the mesh from
+        torch's schedule for a batch of `batch` samples of `seq` tokens per replica, checked to match up and never
+        wait in a circle; this rank's peak memory against `device_memory` bytes. Returns the Report; raises
+        PreflightError with one sentence if the step would hang or not fit."""
+        from ..preflight import job_of, preflight
+
+        return preflight(job_of(self, batch=batch, seq=seq, d_model=d_model, device_memory=device_memory),
+                         ranks=[dist.get_rank()] if dist.is_initialized() else None)
 
     def boundary_bytes(self) -> dict[str, int]:
         """Bytes this rank's stages sent so far: activations ("forward") and gradients ("backward")."""
