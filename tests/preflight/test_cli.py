@@ -4,6 +4,7 @@ sentence when it would hang or not fit, 2 on bad input; a 4-rank job answers in 
 from __future__ import annotations
 
 import json
+import os
 import subprocess
 import sys
 import time
@@ -69,11 +70,13 @@ def test_sizes_read_as_bytes() -> None:
 
 
 def test_a_four_rank_job_answers_in_under_five_seconds(time_scale: float) -> None:
-    """The whole command, interpreter start and imports included, as a user runs it."""
+    """The whole command, interpreter start and imports included, as a user runs it (on a machine busier than one
+    process per core, the bound grows by the load per core: other jobs share the CPUs)."""
+    busy = max(1.0, os.getloadavg()[0] / (os.cpu_count() or 1))
     start = time.perf_counter()
     done = subprocess.run([sys.executable, "-m", "cocoweave", "preflight", f"{JOBS}:pp2_tp2", "--json", "-"],
                           capture_output=True, text=True, timeout=120)
     wall = time.perf_counter() - start
     assert done.returncode == 0, done.stderr
     assert json.loads(done.stdout)["seconds"] < 5.0
-    assert wall < 5.0 * time_scale, (wall, time_scale)
+    assert wall < 5.0 * time_scale * busy, (wall, time_scale, busy)

@@ -240,25 +240,47 @@ def layout(job: PipelineJob) -> tuple[int, int]:
 
 
 def predict(job: PipelineJob, ranks: list[int] | None = None) -> Trace:
-    """The trace of one training step of `job` for `ranks` (default: every rank of the mesh)."""
-    num_stages, per_rank = layout(job)
+    """The trace of one training step of `job` for `ranks` (default: every rank of the mesh). torch's schedule runs
+    once per pipeline rank (on the replica at dp 0, tp 0); the other ranks of the mesh issue the same operations
+    with their own peers and groups."""
+    num_stages, _ = layout(job)
     split = stage_split(job, num_stages)
+    templates: dict[int, Trace] = {}
     trace = Trace()
     for rank in range(job.world) if ranks is None else ranks:
-        rec = _Recorder(job, rank, trace)
-        _, pp_rank, _ = coords(rank, job.pp, job.tp)
-        stages = [_StubStage(rec, s, num_stages, pp_rank, split[s]) for s in range(pp_rank, num_stages, job.pp)]
-        sch = build_schedule(job, stages)
-        for name in ("_initialize_stage", "_initialize_stages", "_maybe_compute_loss", "_update_losses"):
-            setattr(sch, name, _no_loss)
-        sch._maybe_get_loss = _no_loss
-        with _swapped(rec):
-            try:
-                sch._step_microbatches(None, None, None, None, return_outputs=False)
-            except AssertionError as e:  # torch's runtime refuses to compute before receiving: a schedule's error
-                raise PreflightError(f"rank {rank} (pipeline rank {pp_rank}) would stop in training step 0: torch's "
-                                     f"runtime says {_torch_error(e)}") from None
-        _step_collectives(job, rec)
+        d, pp_rank, t = coords(rank, job.pp, job.tp)
+        if pp_rank not in templates:
+            templates[pp_rank] = _run_torch(job, mesh_rank(0, pp_rank, 0, job.pp, job.tp), num_stages, split)
+        src = templates[pp_rank]
+        home = mesh_rank(0, pp_rank, 0, job.pp, job.tp)
+
+        def move(r: int, d: int = d, t: int = t) -> int:  # the rank at the same place relative to this replica
+            rd, rp, rt = coords(r, job.pp, job.tp)
+            return mesh_rank((rd + d) % job.dp, rp, (rt + t) % job.tp, job.pp, job.tp)
+
+        trace.ops[rank] = [Op(op.kind, tuple(sorted(map(move, op.group))), None if op.peer is None else move(op.peer),
+                              op.numel, op.dtype, op.label) for op in src.ops[home]]
+        trace.events[rank] = list(src.events[home])
+    return trace
+
+
+def _run_torch(job: PipelineJob, rank: int, num_stages: int, split: list[int]) -> Trace:
+    """One rank's step: torch's schedule code on stub stages, then Pipeline.step's collectives."""
+    trace = Trace()
+    rec = _Recorder(job, rank, trace)
+    _, pp_rank, _ = coords(rank, job.pp, job.tp)
+    stages = [_StubStage(rec, s, num_stages, pp_rank, split[s]) for s in range(pp_rank, num_stages, job.pp)]
+    sch = build_schedule(job, stages)
+    for name in ("_initialize_stage", "_initialize_stages", "_maybe_compute_loss", "_update_losses"):
+        setattr(sch, name, _no_loss)
+    sch._maybe_get_loss = _no_loss
+    with _swapped(rec):
+        try:
+            sch._step_microbatches(None, None, None, None, return_outputs=False)
+        except AssertionError as e:  # torch's runtime refuses to compute before receiving: a schedule's error
+            raise PreflightError(f"rank {rank} (pipeline rank {pp_rank}) would stop in training step 0: torch's "
+                                 f"runtime says {_torch_error(e)}") from None
+    _step_collectives(job, rec)
     return trace
 
 
