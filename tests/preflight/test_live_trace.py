@@ -72,3 +72,24 @@ def test_a_difference_is_named() -> None:
     assert said[0].startswith("rank 0, operation 0: predicted send of 64 float32 to rank 2 (0SEND_F0), recorded "
                               "send of 65")
     assert said[1].startswith("rank 3: predicted ")
+
+
+def hook_case(rank: int, world_size: int) -> str:
+    """A pipeline whose schedule is swapped, after construction, for one that would hang: its first step refuses."""
+    from cocoweave.errors import PreflightError
+
+    mesh = parallel_mesh(tensor_parallel=2, pipeline_parallel=2)
+    pipe = Pipeline(mesh, n_blocks=2, block=lambda i: TransformerBlock(D, H, group=mesh.get_group("tp"), seed=i),
+                    first=lambda: nn.Embedding(V, D), last=lambda: nn.Linear(D, V), loss_fn=ce, microbatches=2,
+                    schedule="gpipe")
+    pipe.schedule_name = {0: ["0F0", "0B0", "0F1", "0B1"], 1: ["1F1", "1B1", "1F0", "1B0"]}
+    x = torch.randint(0, V, (2, T))
+    with pytest.raises(PreflightError) as e:
+        pipe.step(x, x)
+    assert pipe.boundary_messages() == {"forward": 0, "backward": 0}  # refused before any send
+    return str(e.value)
+
+
+def test_the_first_step_runs_the_check(world4) -> None:
+    said = world4.run(hook_case)
+    assert len(set(said)) == 1 and said[0].startswith("the schedule would wait forever in every step")

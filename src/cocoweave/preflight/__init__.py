@@ -47,8 +47,9 @@ class Report:
 
 
 def preflight(job: PipelineJob, ranks: list[int] | None = None) -> Report:
-    """Check `job` (all ranks; `ranks` limits the memory check to those): PreflightError with one sentence if a
-    step would hang or not fit `job.device_memory`, ParallelConfigError if the job cannot be described."""
+    """Check `job` (all ranks; `ranks` limits the memory check to those, [] skips it): PreflightError with one
+    sentence if a step would hang or not fit `job.device_memory`, ParallelConfigError if the job cannot be
+    described."""
     start = time.perf_counter()
     num_stages, _ = layout(job)
     split = stage_split(job, num_stages)

@@ -119,13 +119,17 @@ def count_params(module: torch.nn.Module) -> int:
 
 
 def job_of(pipeline: Any, *, batch: int, seq: int, d_model: int | None = None, dtype: str | None = None,
-           device_memory: float | None = None) -> PipelineJob:
+           device_memory: float | None = None, need_width: bool = True) -> PipelineJob:
     """The PipelineJob of a built `cocoweave.nn.Pipeline` for a batch of `batch` samples of `seq` tokens per
-    replica. `d_model` and `dtype` default to the first block's; parameter counts are this rank's stages'."""
+    replica. `d_model` and `dtype` default to the first block's (without `need_width`, blocks that do not say
+    their width get 1: the communication order does not depend on it); parameter counts are this rank's
+    stages'."""
     mods = list(pipeline.modules)
     blocks = [b for m in mods for b in m.blocks]
     if d_model is None:
         d_model = getattr(blocks[0], "d_model", None) if blocks else None
+        if d_model is None and not need_width:
+            d_model = 1
         if d_model is None:
             raise ParallelConfigError("Pipeline.check needs d_model= (its blocks do not say their width)")
     if dtype is None:
