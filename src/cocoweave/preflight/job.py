@@ -54,6 +54,7 @@ class PipelineJob:
     last_params: int = 0
     stage_params: Mapping[int, int] | None = None
     optimizer: str | None = "distributed_adamw"
+    fused_attention: bool = True  # cocoweave's blocks call scaled_dot_product_attention: no seq x seq scores kept
     device_memory: float | None = None
     name: str = "job"
     extra: dict[str, Any] = field(default_factory=dict)

@@ -1,9 +1,11 @@
 """Predicted peak memory of one rank in one step: weights, gradients, DistributedAdamW's state (two moments,
 1/dp of the parameters each; fp32 masters too when the weights are 16-bit), the activations of the micro-batches
-in flight (counted from the trace: forwards done whose backward has not run) and torch's receive buffers (one per
-micro-batch and direction, which its stages allocate up front). One layer's activations per micro-batch are the
-LLM planner's (cluster/planning/llm/memory.py: Korthikanti et al. 2022, no fused attention), scaled from its
-16-bit values to the job's dtype."""
+in flight (counted from the trace: forwards done whose backward has not run), torch's receive buffers (one per
+micro-batch and direction, which its stages allocate up front) and the optimizer's bucket buffer (its programs
+keep one full-size buffer of each bucket besides the parameters, gradients and state). One layer's activations per
+micro-batch are the LLM planner's (cluster/planning/llm/memory.py: Korthikanti et al. 2022; fused attention keeps
+no scores), scaled from its 16-bit values to the job's dtype. Not modelled: the buffers the tensor-parallel
+layers' compiled programs keep between calls (docs/preflight.md has the measured gap)."""
 
 from __future__ import annotations
 
@@ -47,7 +49,7 @@ def layer_activation(job: PipelineJob) -> float:
 
     spec = TransformerSpec(layers=job.n_blocks, hidden=job.d_model, heads=job.heads, ffn=job.d_ff,
                            vocab=max(job.vocab, 1), seq_len=job.seq, global_batch=job.batch * job.dp,
-                           flash_attention=False)
+                           flash_attention=job.fused_attention)
     cfg = ParallelConfig(tp=job.tp, pp=job.pp, dp=job.dp, micro_batch=job.micro_batch, sp=job.sequence_parallel)
     return layer_activation_bytes(spec, cfg, recompute="none") * job.value_bytes / 2
 
@@ -89,6 +91,8 @@ def rank_memory(job: PipelineJob, trace: Trace, rank: int, split: list[int]) -> 
             peak, peak_n = now, sum(held.values())
     boundary = job.boundary_numel() * b * job.microbatches
     buffers = sum(boundary * ((s > 0) + (s < num_stages - 1)) for s in stages)
+    if job.optimizer:  # DistributedAdamW's bucket programs keep one full-size buffer of the bucket (measured: dp 1, 2)
+        buffers += params * b
     return RankMemory(rank, params * b, params * b, optimizer, peak, float(buffers), peak_n)
 
 
