@@ -212,3 +212,22 @@ def test_the_default_split_is_the_pipelines(blocks: int, stages: int) -> None:
 def test_fewer_blocks_than_stages_is_one_sentence() -> None:
     with pytest.raises(ParallelConfigError, match=r"^3 blocks cannot be cut into 4 pipeline stages"):
         preflight(PipelineJob(pp=4, microbatches=4, **SMALL | {"n_blocks": 3}))
+
+
+@pytest.mark.parametrize("rank1,said", [
+    (["1RECV_F0", "1F0", "1B0", "1SEND_B0"], "rank 1's schedule never reduces stage 1's gradients in step 0"),
+    (["1RECV_F0", "1F0", "1REDUCE_GRAD", "1B0", "1SEND_B0"],
+     "rank 1's schedule reduces stage 1's gradients before its backward 1B0 in step 0 (1REDUCE_GRAD must follow "
+     "the stage's last backward): a data-parallel stage would step on gradients its replicas never summed"),
+    (["1RECV_F0", "1F0", "1B0", "1SEND_B0", "1REDUCE_GRAD"], None),
+])
+def test_a_backward_that_bypasses_the_gradient_reduction(rank1: list[str], said: str | None) -> None:
+    """pytorch #144530's trap in a written-out schedule: the reduction missing, or before the last backward."""
+    rows = {0: ["0F0", "0SEND_F0", "0RECV_B0", "0B0", "0REDUCE_GRAD"], 1: rank1}
+    job = PipelineJob(pp=2, microbatches=1, schedule=rows, schedule_format="compute_comms", **SMALL | {"batch": 1})
+    if said is None:
+        preflight(job)
+        return
+    with pytest.raises(PreflightError) as e:
+        preflight(job)
+    assert str(e.value).startswith(said)

@@ -127,12 +127,14 @@ def simulate(trace: Trace, matches: dict[tuple[int, int], tuple[int, int]] | Non
         elif ev.what == "compute":
             now[r] += ev.cost
             busy[r] += ev.cost
+        elif ev.what == "reduce_grad":
+            pass
         elif ev.what == "wait":
             missing = [matches[(r, i)] for i in ev.ops if matches[(r, i)] not in posted]
             if missing:
                 return sorted({p for p, _ in missing})
             now[r] = max([now[r]] + [posted[matches[(r, i)]] for i in ev.ops])
-        else:  # collective
+        else:  # a collective
             op = trace.ops[r][ev.ops[0]]
             if r not in entered:
                 key = (op.group, count[(r, op.group)])
@@ -187,8 +189,35 @@ def _circle(trace: Trace, stuck: dict[int, list[int]], pc: dict[int, int]) -> st
         seen.add(nxt)
 
 
+def check_reduce_grad(trace: Trace) -> None:
+    """Each stage's gradient reduction (torch's REDUCE_GRAD, or the end of a single-stage schedule) runs once, after
+    the stage's last backward (B or W): a schedule whose backward bypasses it (pytorch #144530) leaves a
+    data-parallel (DDP, FSDP) stage's gradients partly unreduced. Traces without reduction markers (recorded ones,
+    hand-written ones) are not held to it."""
+    for rank in trace.ranks:
+        events = trace.events.get(rank, [])
+        if not any(ev.what == "reduce_grad" for ev in events) and not any(ev.what == "compute" for ev in events):
+            continue
+        for s in sorted({ev.stage for ev in events if ev.what == "compute" and ev.stage is not None}):
+            backs = [i for i, ev in enumerate(events) if ev.what == "compute" and ev.stage == s
+                     and ev.label[len(str(s))] in "BW"]
+            reduces = [i for i, ev in enumerate(events) if ev.what == "reduce_grad" and ev.stage == s]
+            if len(reduces) == 1 and not (backs and reduces[0] < backs[-1]):
+                continue
+            late = [events[i].label for i in backs if reduces and i > reduces[0]]
+            why = (f"never reduces stage {s}'s gradients" if not reduces else
+                   f"reduces stage {s}'s gradients {len(reduces)} times" if len(reduces) > 1 else
+                   f"reduces stage {s}'s gradients before its backward {', '.join(late)}")
+            raise PreflightError(f"rank {rank}'s schedule {why} in step {trace.step} ({s}REDUCE_GRAD must follow the "
+                                 "stage's last backward): a data-parallel stage would step on gradients its replicas "
+                                 "never summed")
+
+
 def check_trace(trace: Trace) -> Timing:
-    """All three checks; the simulated timing when the trace passes them."""
+    """All the checks (matching, order per group, circles, gradient reductions); the simulated timing when the
+    trace passes them."""
     matches = match_p2p(trace)
     check_collective_order(trace)
-    return simulate(trace, matches)
+    timing = simulate(trace, matches)
+    check_reduce_grad(trace)
+    return timing

@@ -19,7 +19,7 @@ from typing import Any
 from ..errors import ParallelConfigError, PreflightError
 from ..ir.layout import slice_bounds
 from .job import PipelineJob
-from .trace import Op, Trace
+from .trace import Event, Op, Trace
 
 _PATCH_LOCK = threading.Lock()
 
@@ -121,7 +121,10 @@ class _StubStage:
         self.rec.compute(f"{self.stage_index}W{mb}", self.stage_index, mb, self.blocks)
 
     def perform_reduce_grad(self, *args: Any) -> None:
-        """cocoweave's data-parallel optimizer reduces the gradients itself (its buckets; not predicted here)."""
+        """Where torch's runtime reduces this stage's gradients (a DDP/FSDP stage's reduction; cocoweave's
+        optimizer reduces its own buckets): a marker event, checked to follow the stage's last backward."""
+        self.rec.trace.events[self.rec.rank].append(Event("reduce_grad", (), f"{self.stage_index}REDUCE_GRAD",
+                                                          self.stage_index))
 
     def clear_runtime_states(self) -> None: ...
 
