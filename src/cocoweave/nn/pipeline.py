@@ -319,10 +319,10 @@ class Pipeline:
         wait in a circle; with `memory`, this rank's peak memory against `device_memory` bytes. Returns the Report;
         raises PreflightError with one sentence if the step would hang or not fit. step() runs it (without memory)
         before the first step unless `preflight` is set False."""
-        from ..preflight import job_of, preflight
+        from ..preflight import job_of, mesh_position, preflight
 
         job = job_of(self, batch=batch, seq=seq, d_model=d_model, device_memory=device_memory, need_width=memory)
-        return preflight(job, ranks=([dist.get_rank()] if dist.is_initialized() else None) if memory else [])
+        return preflight(job, ranks=[mesh_position(self.mesh)] if memory else [])
 
     def boundary_bytes(self) -> dict[str, int]:
         """Bytes this rank's stages sent so far: activations ("forward") and gradients ("backward")."""

@@ -15,7 +15,7 @@ from typing import Any
 
 from ..errors import ParallelConfigError
 from .check import Timing, check_trace
-from .job import PipelineJob, count_params, job_of, read_schedule_csv
+from .job import PipelineJob, count_params, job_of, mesh_position, read_schedule_csv
 from .memory import RankMemory, check_fits, rank_memory
 from .predict import layout, predict, stage_split
 from .record import Recording, recording
@@ -68,5 +68,5 @@ def preflight(job: PipelineJob, ranks: list[int] | None = None) -> Report:
 
 
 __all__ = ["Event", "Op", "PipelineJob", "RankMemory", "Recording", "Report", "Timing", "Trace", "check_fits",
-           "check_trace", "compare", "count_params", "job_of", "predict", "preflight", "rank_memory",
+           "check_trace", "compare", "count_params", "job_of", "mesh_position", "predict", "preflight", "rank_memory",
            "read_schedule_csv", "recording"]

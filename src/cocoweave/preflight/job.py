@@ -148,3 +148,12 @@ def job_of(pipeline: Any, *, batch: int, seq: int, d_model: int | None = None, d
                        sequence_parallel=first.sequence_parallel,
                        stage_params={s: count_params(m) for s, m in zip(pipeline.stage_ids, mods)},
                        device_memory=device_memory, name="pipeline")
+
+
+def mesh_position(mesh: Any) -> int:
+    """This rank's place in a dp x pp x tp DeviceMesh, numbered as the mesh's ranks would be from 0 (its global rank
+    when the mesh is the whole world)."""
+    names = tuple(mesh.mesh_dim_names)
+    coord = dict(zip(names, mesh.get_coordinate()))
+    size = dict(zip(names, mesh.shape))
+    return (coord["dp"] * size["pp"] + coord["pp"]) * size["tp"] + coord["tp"]
