@@ -93,3 +93,27 @@ def hook_case(rank: int, world_size: int) -> str:
 def test_the_first_step_runs_the_check(world4) -> None:
     said = world4.run(hook_case)
     assert len(set(said)) == 1 and said[0].startswith("the schedule would wait forever in every step")
+
+
+def boundary_case(rank: int, world_size: int) -> list[tuple[object, ...]]:
+    """PipelineBoundary by hand (dist.send / dist.recv and a tp all-gather), recorded."""
+    from cocoweave.nn.pipeline import PipelineBoundary
+
+    mesh = parallel_mesh(tensor_parallel=2, pipeline_parallel=2)
+    stage = rank // 2
+    boundary = PipelineBoundary(peer=rank + 2 if stage == 0 else rank - 2, group=mesh.get_group("tp"))
+    with recording() as rec:
+        if stage == 0:
+            boundary.send_forward(torch.ones(4, 6))
+        else:
+            boundary.recv_forward((4, 6))
+    return [(op.kind, op.group, op.peer, op.numel, op.dtype) for op in rec.trace.ops.get(rank, [])] + \
+        [("other", op.kind, op.group, op.numel) for op in rec.other]
+
+
+def test_sends_and_receives_by_hand_are_recorded(world4) -> None:
+    """Half of 24 values crosses (the sliced boundary), the receiver all-gathers over its tp group (not a covered
+    site: listed as other)."""
+    got = world4.run(boundary_case)
+    assert got[0] == [("send", (0, 1, 2, 3), 2, 12, "float32")]
+    assert got[3] == [("recv", (0, 1, 2, 3), 1, 12, "float32"), ("other", "all_gather", (2, 3), 12)]
