@@ -1,8 +1,11 @@
 """The predicted trace of the layouts the suite trains equals the one recorded from a live step on 4 Gloo ranks:
-every point-to-point operation and every covered collective, in the order each rank issues it, with its peer,
-group, size and dtype. Pipeline.check() on a built pipeline passes them."""
+every point-to-point operation and every covered collective (the stage boundary's, the loss's and
+DistributedAdamW's bucket collectives over dp), in the order each rank issues it, with its peer, group, size and
+dtype. Pipeline.check() on a built pipeline passes them."""
 
 from __future__ import annotations
+
+import contextlib
 
 import pytest
 import torch
@@ -11,7 +14,9 @@ from torch import nn
 
 from cocoweave.nn import TransformerBlock, parallel_mesh
 from cocoweave.nn.pipeline import Pipeline
+from cocoweave.optim import DistributedAdamW
 from cocoweave.preflight import PipelineJob, compare, predict, recording
+from cocoweave.preflight.optimizer import bucket_collectives
 
 V, D, H, T, BLOCKS = 11, 16, 4, 8, 4
 
@@ -31,14 +36,18 @@ def live_case(rank: int, world_size: int, tp: int, pp: int, schedule: str, m: in
                     first=lambda: nn.Embedding(V, D), last=lambda: nn.Linear(D, V), loss_fn=ce,
                     microbatches=m, schedule=schedule, sequence_parallel=sp)
     dp = mesh.size(0)
-    report = pipe.check(batch=n // dp, seq=T)
+    opt = DistributedAdamW(list(pipe.parameters()), process_group=mesh.get_group("dp"))
+    report = pipe.check(batch=n // dp, seq=T, optimizer=opt)
     g = torch.Generator().manual_seed(1)
     x, y = torch.randint(0, V, (n // dp, T), generator=g), torch.randint(0, V, (n // dp, T), generator=g)
-    pipe.step(x, y, step=0)
-    with recording() as rec:
-        pipe.step(x, y, step=1)
+    for step in range(2):  # shapes are inferred on the first step: record the second
+        opt.zero_grad()
+        with recording(optimizer=opt) if step else contextlib.nullcontext() as rec:
+            pipe.step(x, y, step=step, no_sync=opt.no_sync)
+            opt.step()
     return {"ops": rec.trace.ops.get(rank, []), "other": len(rec.other), "checked_rank": list(report.memory),
-            "bubble": report.bubble(rank)}
+            "bubble": report.bubble(rank), "pp_rank": pipe.pp_rank, "optimizer": bucket_collectives(opt),
+            "predicted": report.trace.ops[rank]}
 
 
 @pytest.mark.parametrize("tp,pp,schedule,sp", [(2, 2, "1f1b", False), (2, 2, "gpipe", True), (1, 4, "gpipe", False),
@@ -48,14 +57,19 @@ def test_recorded_trace_equals_predicted(world4, tp: int, pp: int, schedule: str
     m, n = 4, 8
     results = world4.run(live_case, tp, pp, schedule, m, n, sp=sp)
     job = PipelineJob(pp=pp, tp=tp, dp=4 // (tp * pp), schedule=schedule, microbatches=m, n_blocks=BLOCKS,
-                      batch=n // (4 // (tp * pp)), seq=T, d_model=D, heads=H, sequence_parallel=sp)
+                      batch=n // (4 // (tp * pp)), seq=T, d_model=D, heads=H, sequence_parallel=sp,
+                      optimizer_steps={r["pp_rank"]: r["optimizer"] for r in results})
     predicted = predict(job)
     recorded = predict(job)  # same shape of object; its ops replaced by what the ranks issued
     recorded.ops.clear()
     for rank, r in enumerate(results):
         recorded.ops[rank] = list(r["ops"])
         assert r["checked_rank"] == [rank]
+        assert r["predicted"] == predicted.ops[rank]  # Pipeline.check on the rank predicts what the job does
     assert compare(predicted, recorded) == []
+    if job.dp > 1:  # the optimizer's reduce-scatters and all-gathers were recorded (and matched) on every rank
+        for r in results:
+            assert {op.kind for op in r["ops"] if op.label == "optimizer"} == {"reduce_scatter", "all_gather"}
     p2p = sum(op.kind in ("send", "recv") for r in results for op in r["ops"])
     assert p2p == 2 * 2 * m * (job.pp * (2 if schedule in ("interleaved1f1b", "loopedbfs") else 1) - 1) * tp * \
         job.dp  # every boundary: a send and a receive, forward and backward, per micro-batch and mesh replica

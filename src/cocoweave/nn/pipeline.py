@@ -313,15 +313,17 @@ class Pipeline:
         return float(total)
 
     def check(self, *, batch: int, seq: int, d_model: int | None = None, device_memory: float | None = None,
-              memory: bool = True) -> Any:
+              memory: bool = True, optimizer: Any = None) -> Any:
         """Pre-flight (cocoweave.preflight, no tensors): one step's communication for every rank of the mesh from
         torch's schedule for a batch of `batch` samples of `seq` tokens per replica, checked to match up and never
-        wait in a circle; with `memory`, this rank's peak memory against `device_memory` bytes. Returns the Report;
+        wait in a circle (with `optimizer`, its step's collectives after it); with `memory`, this rank's peak memory
+        against `device_memory` bytes. Returns the Report;
         raises PreflightError with one sentence if the step would hang or not fit. step() runs it (without memory)
         before the first step unless `preflight` is set False."""
         from ..preflight import job_of, mesh_position, preflight
 
-        job = job_of(self, batch=batch, seq=seq, d_model=d_model, device_memory=device_memory, need_width=memory)
+        job = job_of(self, batch=batch, seq=seq, d_model=d_model, device_memory=device_memory, need_width=memory,
+                     optimizer=optimizer)
         return preflight(job, ranks=[mesh_position(self.mesh)] if memory else [])
 
     def boundary_bytes(self) -> dict[str, int]:

@@ -16,6 +16,7 @@ from typing import Any
 import torch
 
 from ..errors import ParallelConfigError
+from .optimizer import bucket_collectives
 
 DTYPE_BYTES = {"float32": 4, "float64": 8, "bfloat16": 2, "float16": 2}
 
@@ -30,7 +31,9 @@ class PipelineJob:
     the samples one replica runs per step, `seq` x `d_model` one sample's activation. `stage_split` (blocks per
     stage) defaults to Pipeline's balanced split. `block_params` is one block's parameters on one tp rank;
     `first_params` / `last_params` the input and output modules'; `stage_params` (global stage -> parameters on
-    one rank) overrides them. `device_memory` is the capacity in bytes the memory check holds the step against."""
+    one rank) overrides them. `device_memory` is the capacity in bytes the memory check holds the step against.
+    `optimizer_steps` (pipeline rank -> (kind, elements, dtype) of each data-parallel collective of one optimizer
+    step, as `optimizer.bucket_collectives` reads them) adds the optimizer's step after the pipeline's."""
 
     pp: int
     microbatches: int
@@ -55,6 +58,7 @@ class PipelineJob:
     stage_params: Mapping[int, int] | None = None
     optimizer: str | None = "distributed_adamw"
     fused_attention: bool = True  # cocoweave's blocks call scaled_dot_product_attention: no seq x seq scores kept
+    optimizer_steps: Mapping[int, Sequence[tuple[str, int, str]]] | None = None
     device_memory: float | None = None
     name: str = "job"
     extra: dict[str, Any] = field(default_factory=dict)
@@ -120,11 +124,12 @@ def count_params(module: torch.nn.Module) -> int:
 
 
 def job_of(pipeline: Any, *, batch: int, seq: int, d_model: int | None = None, dtype: str | None = None,
-           device_memory: float | None = None, need_width: bool = True) -> PipelineJob:
+           device_memory: float | None = None, need_width: bool = True, optimizer: Any = None) -> PipelineJob:
     """The PipelineJob of a built `cocoweave.nn.Pipeline` for a batch of `batch` samples of `seq` tokens per
     replica. `d_model` and `dtype` default to the first block's (without `need_width`, blocks that do not say
     their width get 1: the communication order does not depend on it); parameter counts are this rank's
-    stages'."""
+    stages'. With this rank's distributed `optimizer`, its step's collectives are added for this pipeline rank (its
+    replicas hold the same stages, so the same buckets)."""
     mods = list(pipeline.modules)
     blocks = [b for m in mods for b in m.blocks]
     if d_model is None:
@@ -147,7 +152,8 @@ def job_of(pipeline: Any, *, batch: int, seq: int, d_model: int | None = None, d
                        d_ff=d_ff,
                        sequence_parallel=first.sequence_parallel,
                        stage_params={s: count_params(m) for s, m in zip(pipeline.stage_ids, mods)},
-                       device_memory=device_memory, name="pipeline")
+                       device_memory=device_memory, name="pipeline",
+                       optimizer_steps=None if optimizer is None else {pipeline.pp_rank: bucket_collectives(optimizer)})
 
 
 def mesh_position(mesh: Any) -> int:

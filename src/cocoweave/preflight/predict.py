@@ -288,11 +288,15 @@ def _run_torch(job: PipelineJob, rank: int, num_stages: int, split: list[int]) -
 
 
 def _step_collectives(job: PipelineJob, rec: _Recorder) -> None:
-    """Pipeline.step after the schedule: the loss (one float64) summed over pp, then averaged over dp."""
+    """Pipeline.step after the schedule: the loss (one float64) summed over pp, then averaged over dp; then the
+    optimizer's step over dp, when the job states it."""
     if job.pp > 1:
         rec.trace.collective(rec.rank, Op("all_reduce", rec.groups["pp"], None, 1, "float64", "loss over pp"))
     if job.dp > 1:
         rec.trace.collective(rec.rank, Op("all_reduce", rec.groups["dp"], None, 1, "float64", "loss over dp"))
+    _, pp_rank, _ = coords(rec.rank, job.pp, job.tp)
+    for k, (kind, numel, dtype) in enumerate((job.optimizer_steps or {}).get(pp_rank, ())):
+        rec.trace.collective(rec.rank, Op(kind, rec.groups["dp"], None, int(numel), dtype, f"optimizer {k}"))
 
 
 PredictFn = Callable[[PipelineJob], Trace]

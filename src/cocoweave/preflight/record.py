@@ -60,13 +60,36 @@ _local = threading.local()
 
 
 @contextmanager
-def recording(rank: int | None = None) -> Iterator[Recording]:
-    """Record this rank's communication inside the block (one training step, typically)."""
+def recording(rank: int | None = None, optimizer: Any = None) -> Iterator[Recording]:
+    """Record this rank's communication inside the block (one training step, typically). With a cocoweave.optim
+    distributed `optimizer`, also each collective stage its step runs (cocoweave.optim.stepping.finish drives
+    them; on one host they go through shared memory, where torch.distributed does not see them)."""
     from torch.distributed.pipelining import schedules as S
+
+    from ..optim import stepping
 
     me = dist.get_rank() if rank is None else rank
     rec = Recording(me)
-    saved_batch = S._batch_p2p
+    saved_batch, saved_finish = S._batch_p2p, stepping.finish
+    buckets = {id(b.exe): b for b in getattr(optimizer, "_buckets", [])}
+    dp = _ranks(getattr(optimizer, "process_group", None)) if optimizer is not None else ()
+
+    def finish(steps: Iterator[Any], exe: Any, phases: dict[str, float]) -> Any:
+        b = buckets.get(id(exe))
+
+        def seen() -> Iterator[Any]:
+            while True:
+                try:
+                    item = next(steps)
+                except StopIteration as done:
+                    return done.value
+                kind = exe.stage_op(item[0])
+                if kind and b is not None:
+                    rec.trace.add_op(me, Op(kind, dp, None, int(b.numel), str(b.dtype).removeprefix("torch."),
+                                            "optimizer"))
+                yield item
+
+        return saved_finish(seen(), exe, phases)
     saved = {name: getattr(dist, name) for name in COLLECTIVES + ("send", "recv") if hasattr(dist, name)}
 
     def batch_p2p(ops: list[dist.P2POp], desc: str | None = None) -> Any:
@@ -110,12 +133,12 @@ def recording(rank: int | None = None) -> Iterator[Recording]:
         wrapped.__name__ = name
         return wrapped
 
-    S._batch_p2p = batch_p2p
+    S._batch_p2p, stepping.finish = batch_p2p, finish
     for name in saved:
         setattr(dist, name, wrap(name))
     try:
         yield rec
     finally:
-        S._batch_p2p = saved_batch
+        S._batch_p2p, stepping.finish = saved_batch, saved_finish
         for name, fn in saved.items():
             setattr(dist, name, fn)
