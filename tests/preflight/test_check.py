@@ -231,3 +231,23 @@ def test_a_backward_that_bypasses_the_gradient_reduction(rank1: list[str], said:
     with pytest.raises(PreflightError) as e:
         preflight(job)
     assert str(e.value).startswith(said)
+
+
+def test_one_replica_is_the_whole_jobs_verdict_at_a_fraction_of_the_cost() -> None:
+    """The check step() runs: one dp x tp replica's pipeline, whose bubble is the whole job's."""
+    import time
+
+    job = PipelineJob(pp=4, tp=4, dp=16, microbatches=8, schedule="interleaved1f1b", **SMALL | {"n_blocks": 8})
+    t = time.perf_counter()
+    whole = preflight(job, ranks=[])
+    t_whole, t = time.perf_counter() - t, time.perf_counter()
+    one = preflight(job, ranks=[], one_replica=True)
+    t_one = time.perf_counter() - t
+    assert one.trace.ranks == [0, 1, 2, 3] and len(whole.trace.ranks) == 256
+    assert one.timing.max_bubble == pytest.approx(whole.timing.max_bubble)
+    assert t_one < t_whole, (t_one, t_whole)  # the work: 4 ranks simulated instead of 256
+    rows = {0: ["0F0", "0RECV_B0", "0B0", "0SEND_F0"], 1: ["1RECV_F0", "1F0", "1B0", "1SEND_B0"]}
+    hangs = PipelineJob(pp=2, dp=4, tp=2, microbatches=1, schedule=rows, schedule_format="compute_comms",
+                        **SMALL | {"batch": 1})
+    with pytest.raises(PreflightError, match="^ranks 0 and 1 would wait for each other forever"):
+        preflight(hangs, ranks=[], one_replica=True)

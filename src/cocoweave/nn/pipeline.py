@@ -317,14 +317,14 @@ class Pipeline:
         """Pre-flight (cocoweave.preflight, no tensors): one step's communication for every rank of the mesh from
         torch's schedule for a batch of `batch` samples of `seq` tokens per replica, checked to match up and never
         wait in a circle (with `optimizer`, its step's collectives after it); with `memory`, this rank's peak memory
-        against `device_memory` bytes. Returns the Report;
-        raises PreflightError with one sentence if the step would hang or not fit. step() runs it (without memory)
-        before the first step unless `preflight` is set False."""
+        against `device_memory` bytes (without: the communication of one dp x tp replica, which the others
+        mirror). Returns the Report; raises PreflightError with one sentence if the step would hang or not fit.
+        step() runs it (without memory) before the first step unless `preflight` is set False."""
         from ..preflight import job_of, mesh_position, preflight
 
         job = job_of(self, batch=batch, seq=seq, d_model=d_model, device_memory=device_memory, need_width=memory,
                      optimizer=optimizer)
-        return preflight(job, ranks=[mesh_position(self.mesh)] if memory else [])
+        return preflight(job, ranks=[mesh_position(self.mesh)] if memory else [], one_replica=not memory)
 
     def boundary_bytes(self) -> dict[str, int]:
         """Bytes this rank's stages sent so far: activations ("forward") and gradients ("backward")."""

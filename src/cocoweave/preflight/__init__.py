@@ -9,6 +9,7 @@ What it proves and what it does not: docs/preflight.md."""
 
 from __future__ import annotations
 
+import dataclasses
 import time
 from dataclasses import dataclass
 from typing import Any
@@ -46,11 +47,14 @@ class Report:
                 "trace": self.trace.to_json()["ranks"]}
 
 
-def preflight(job: PipelineJob, ranks: list[int] | None = None) -> Report:
+def preflight(job: PipelineJob, ranks: list[int] | None = None, one_replica: bool = False) -> Report:
     """Check `job` (all ranks; `ranks` limits the memory check to those, [] skips it): PreflightError with one
     sentence if a step would hang or not fit `job.device_memory`, ParallelConfigError if the job cannot be
-    described."""
+    described. `one_replica` checks the pipeline of one dp x tp replica only (every replica issues the same
+    operations over its own mirror-image groups), whose cost does not grow with dp and tp."""
     start = time.perf_counter()
+    if one_replica:
+        job = dataclasses.replace(job, dp=1, tp=1, optimizer_steps=None, name=f"{job.name} (one replica)")
     num_stages, _ = layout(job)
     split = stage_split(job, num_stages)
     trace = predict(job)
