@@ -82,8 +82,7 @@ def check_collective_order(trace: Trace) -> None:
             if op.kind not in P2P:
                 seq[op.group][r].append(op)
     for group, per in sorted(seq.items()):
-        members = [m for m in group if len(group) > 1]
-        for a, b in zip(members, members[1:]):
+        for a, b in zip(group, group[1:]):
             ours, theirs = per.get(a, []), per.get(b, [])
             for k, (x, y) in enumerate(zip(ours, theirs)):
                 if (x.kind, x.numel, x.dtype) != (y.kind, y.numel, y.dtype):

@@ -9,6 +9,7 @@ collectives inside blocks, the optimizer's reductions) into `Recording.other`, l
 
 from __future__ import annotations
 
+import inspect
 import sys
 import threading
 from collections.abc import Iterator
@@ -19,7 +20,7 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
-from .trace import Op, Trace
+from .trace import P2P, Op, Trace
 
 COLLECTIVES = ("all_reduce", "all_gather", "all_gather_into_tensor", "reduce_scatter_tensor", "broadcast",
                "all_to_all_single", "reduce_scatter", "barrier")
@@ -101,24 +102,25 @@ def recording(rank: int | None = None, optimizer: Any = None) -> Iterator[Record
 
     def wrap(name: str) -> Any:
         fn = saved[name]
+        signature = inspect.signature(fn)
+        data = {"all_gather": "tensor", "all_gather_into_tensor": "input_tensor", "reduce_scatter_tensor": "input",
+                "all_to_all_single": "input"}.get(name, "tensor")  # the argument whose size crosses
 
         def wrapped(*args: Any, **kwargs: Any) -> Any:
             if getattr(_local, "inside", False):
                 return fn(*args, **kwargs)
-            tensor = args[0] if args and isinstance(args[0], torch.Tensor) else kwargs.get("tensor")
-            if name == "all_gather":
-                tensor = args[1] if len(args) > 1 else kwargs.get("tensor")
-            elif name in ("all_gather_into_tensor", "reduce_scatter_tensor", "all_to_all_single"):
-                tensor = args[1] if len(args) > 1 else kwargs.get("input_tensor") or kwargs.get("input")
-            group = kwargs.get("group")
-            if group is None and name in ("send", "recv") and len(args) > 2:
-                group = args[2]
-            peer = None
-            if name in ("send", "recv"):
-                peer = kwargs.get("dst" if name == "send" else "src", args[1] if len(args) > 1 else None)
+            try:
+                given = signature.bind(*args, **kwargs).arguments
+            except TypeError:  # torch says what is wrong with the call
+                return fn(*args, **kwargs)
+            tensor, group = given.get(data), given.get("group")
+            peer = given.get("dst" if name == "send" else "src") if name in P2P else None
+            local_peer = given.get("group_dst" if name == "send" else "group_src") if name in P2P else None
+            if peer is None and local_peer is not None:
+                peer = dist.get_global_rank(group, local_peer) if group is not None else local_peer
             numel = tensor.numel() if isinstance(tensor, torch.Tensor) else 0
             dtype = _dtype(tensor) if isinstance(tensor, torch.Tensor) else ""
-            site = _site() if name not in ("send", "recv") else "p2p"
+            site = _site() if name not in P2P else "p2p"
             op = Op(name, _ranks(group), None if peer is None else int(peer), numel, dtype, site)
             if site:
                 rec.trace.add_op(me, op)
