@@ -54,3 +54,9 @@ class ElasticError(CocoweaveError, ValueError):
 class SettingsError(CocoweaveError, ValueError):
     """An environment variable cocoweave reads (a COCOWEAVE_* setting, a launcher's rank variable) is malformed,
     or two launchers' variables disagree."""
+
+
+class PreflightError(CocoweaveError):
+    """A pre-flight check found that a job would hang (a send without its receive, a group entered in different
+    orders, a circular wait) or would not fit its device's memory; the message names the ranks, operations and
+    step."""

@@ -13,6 +13,7 @@ from ..version import __version__
 from .cluster_commands import plan_command
 from .demo import demo
 from .perf_commands import perf_app
+from .preflight_commands import preflight
 from .profile_commands import profile
 from .program_commands import run, show
 from .schedule_commands import check, schedules
@@ -76,6 +77,7 @@ app.command("plan")(plan_command)
 app.command()(profile)
 app.command()(measure)
 app.command()(tune)
+app.command()(preflight)
 app.add_typer(perf_app, name="perf")
 _flow_help(app)
 

@@ -209,6 +209,8 @@ class Pipeline:
                            n_blocks=n_blocks, sliced=sliced, sequence_parallel=sequence_parallel,
                            mesh=dict(zip(names, mesh.shape)))
         self.mesh, self.microbatches, self.schedule_name = mesh, microbatches, schedule
+        self.n_blocks, self.sliced = n_blocks, sliced
+        self.preflight = True  # step() checks the schedule's communication before the first step (no tensors)
         self.tp_group, self.pp_group, self.dp_group = (mesh.get_group(d) for d in ("tp", "pp", "dp"))
         self.pp_rank, self.pp_size = group_rank(self.pp_group), pp
         self.dp_size = group_size(self.dp_group)
@@ -291,6 +293,10 @@ class Pipeline:
                                           f"{what}")
         if positions is None:
             positions = torch.arange(batch)
+        if self.preflight:  # once: a schedule that would hang is one sentence on every rank, before any send
+            self.preflight = False
+            shaped = next((t for t in (inputs, targets) if t is not None and t.dim() > 1), None)
+            self.check(batch=batch, seq=shaped.shape[1] if shaped is not None else 1, memory=False)
         args = (inputs.to(self.device),) if self.has_first else ()
         losses: list[torch.Tensor] = []
         kwargs = {"target": targets.to(self.device) if self.has_last else None, "losses": losses,
@@ -305,6 +311,20 @@ class Pipeline:
             dist.all_reduce(total, group=self.dp_group)  # equal replicas' batches: the global batch's mean
             total /= self.dp_size
         return float(total)
+
+    def check(self, *, batch: int, seq: int, d_model: int | None = None, device_memory: float | None = None,
+              memory: bool = True, optimizer: Any = None) -> Any:
+        """Pre-flight (cocoweave.preflight, no tensors): one step's communication for every rank of the mesh from
+        torch's schedule for a batch of `batch` samples of `seq` tokens per replica, checked to match up and never
+        wait in a circle (with `optimizer`, its step's collectives after it); with `memory`, this rank's peak memory
+        against `device_memory` bytes (without: the communication of one dp x tp replica, which the others
+        mirror). Returns the Report; raises PreflightError with one sentence if the step would hang or not fit.
+        step() runs it (without memory) before the first step unless `preflight` is set False."""
+        from ..preflight import job_of, mesh_position, preflight
+
+        job = job_of(self, batch=batch, seq=seq, d_model=d_model, device_memory=device_memory, need_width=memory,
+                     optimizer=optimizer)
+        return preflight(job, ranks=[mesh_position(self.mesh)] if memory else [], one_replica=not memory)
 
     def boundary_bytes(self) -> dict[str, int]:
         """Bytes this rank's stages sent so far: activations ("forward") and gradients ("backward")."""
