@@ -22,8 +22,8 @@ def invoke(*args: object, width: int = 200):
     return runner.invoke(app, [str(a) for a in args], env={"COLUMNS": str(width)})
 
 
-COMMANDS = [["show"], ["run"], ["schedules"], ["check"], ["demo"], ["plan"], ["profile"], ["measure"], ["tune"],
-            ["perf"], ["perf", "calibrate"], ["perf", "predict"], ["perf", "accuracy"], ["perf", "cmdare"]]
+COMMANDS = [["show"], ["run"], ["schedules"], ["check"], ["demo"], ["plan"], ["preflight"], ["profile"], ["measure"],
+            ["tune"], ["perf"], ["perf", "calibrate"], ["perf", "predict"], ["perf", "accuracy"], ["perf", "cmdare"]]
 
 
 @pytest.mark.parametrize("command", [[], *COMMANDS], ids=lambda c: " ".join(c) or "cocoweave")
