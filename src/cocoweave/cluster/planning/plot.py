@@ -23,7 +23,8 @@ def write_plan_png(plan: ClusterPlan, path: str | os.PathLike, title: str) -> Pa
     ax.set_xscale("log")
     ax.set_yscale("log")
     gpus = sorted({o.machine.gpu for o in plan.options})
-    colors = dict(zip(gpus, matplotlib.rcParams["axes.prop_cycle"].by_key()["color"]))
+    cycle = matplotlib.rcParams["axes.prop_cycle"].by_key()["color"]
+    colors = {gpu: cycle[i % len(cycle)] for i, gpu in enumerate(gpus)}  # more GPU types than colours: reused
     for gpu in gpus:
         for pricing, marker in MARKERS.items():
             pts = [o for o in plan.options if o.machine.gpu == gpu and o.pricing == pricing]
