@@ -81,7 +81,7 @@ def dense_moe(layer: MoE, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     if router.capacity_factor is not None:
         cap = min(T, math.ceil(T * k / E * router.capacity_factor))
         for e in range(E):
-            chosen = [(float(raw[t, j]), t, j) for t in range(T) for j in range(k) if int(idx[t, j]) == e]
+            chosen = [(float(raw[t, j].detach()), t, j) for t in range(T) for j in range(k) if int(idx[t, j]) == e]
             for _, t, j in sorted(chosen, reverse=True)[cap:]:
                 keep[t, j] = 0.0
     y = torch.zeros_like(x)

@@ -135,7 +135,7 @@ class GroupedExperts(nn.Module):
     def forward(self, x: torch.Tensor, counts: list[int]) -> torch.Tensor:
         """x: rows grouped by local expert, counts[e] rows for local expert e; the experts' outputs, same order.
         One GEMM per expert and matrix (faster on CPU than a padded bmm once loads are uneven)."""
-        w1, w2, w3 = self.weights()
+        w1, w2, w3 = (w.unbind(0) for w in self.weights())  # unbind: one gradient stack, not E zero-filled ones
         outs = [(F.silu(xs @ w1[e]) * (xs @ w3[e])) @ w2[e] for e, xs in enumerate(x.split(counts))]
         return torch.cat(outs) if outs else x[:0]
 
