@@ -26,13 +26,13 @@ from __future__ import annotations
 from typing import Any
 
 import torch
-import torch.nn.functional as F
 from torch import nn
 
 from ..errors import ParallelConfigError
-from ..sharding import is_dtensor, local, local_data, shard_parameter
+from ..sharding import is_dtensor, local_data
 from .functional import group_rank, group_size, mix_seed
 from .moe_dispatch import dispatch_all_to_all, exchange_counts
+from .moe_experts import GroupedExperts, SharedExpert, uniform
 from .moe_router import SCORES, Router
 
 try:
@@ -40,7 +40,7 @@ try:
 except ImportError:  # pragma: no cover - torch without torch.distributed
     DeviceMesh = None  # type: ignore[assignment,misc]
 
-_W1, _W2, _W3, _GATE, _SHARED = 1, 2, 3, 10, 20  # init streams
+_GATE, _SHARED = 10, 20  # init streams (the experts' are moe_experts.py's)
 
 
 def ep_group(group: Any) -> tuple[Any, Any]:
@@ -63,97 +63,6 @@ def ep_group(group: Any) -> tuple[Any, Any]:
     pg = dist.group.WORLD if group is None else group
     device_type = "cuda" if "nccl" in str(dist.get_backend(pg)).lower() else "cpu"
     return pg, DeviceMesh.from_group(pg, device_type, mesh_dim_names=("ep",))
-
-
-def _uniform(shape: tuple[int, ...], bound: float, seed: int) -> torch.Tensor:
-    return torch.empty(shape).uniform_(-bound, bound, generator=torch.Generator().manual_seed(seed))
-
-
-class _ScaleGrad(torch.autograd.Function):
-    @staticmethod
-    def forward(ctx: Any, x: torch.Tensor, scale: float) -> torch.Tensor:
-        ctx.scale = scale
-        return x.view_as(x)
-
-    @staticmethod
-    def backward(ctx: Any, g: torch.Tensor) -> tuple[torch.Tensor, None]:
-        return g * ctx.scale, None
-
-
-class GroupedExperts(nn.Module):
-    """This rank's experts of a stack of `n_experts` SwiGLU experts, w2(silu(x w1) * x w3) each."""
-
-    def __init__(self, dim: int, hidden_dim: int, n_experts: int, *, mesh: Any, rank: int, ranks: int, seed: int,
-                 grad_divisor: float = 1.0) -> None:
-        super().__init__()
-        self.n_experts, self.n_local = n_experts, n_experts // ranks
-        self.first = rank * self.n_local
-        self.grad_divisor = grad_divisor
-        local_ids = range(self.first, self.first + self.n_local)
-        shapes = {_W1: (dim, hidden_dim), _W2: (hidden_dim, dim), _W3: (dim, hidden_dim)}
-        for name, stream in (("w1", _W1), ("w2", _W2), ("w3", _W3)):
-            shape = shapes[stream]
-            bound = shape[0] ** -0.5  # nn.Linear's default bound, 1/sqrt(fan_in)
-            part = torch.stack([_uniform(shape, bound, mix_seed(seed, stream, e)) for e in local_ids]) \
-                if self.n_local else torch.empty(0, *shape)
-            setattr(self, name, shard_parameter(part, mesh, 0, n_experts) if mesh is not None else nn.Parameter(part))
-
-    def _load_from_state_dict(self, state_dict: dict[str, Any], prefix: str, *args: Any, **kwargs: Any) -> None:
-        """Take this rank's experts of whole (E, ...) tensors (a single-process layer's), of a checkpoint.Shard of
-        this rank's, and of DTensors at this or another ep degree."""
-        from ..checkpoint import Shard
-
-        for name in ("w1", "w2", "w3"):
-            key, param = prefix + name, getattr(self, name)
-            value = state_dict.get(key)
-            if isinstance(value, Shard):
-                value = value.part
-            if is_dtensor(value):
-                same = is_dtensor(param) and tuple(value.placements) == tuple(param.placements) \
-                    and value.device_mesh.size() == param.device_mesh.size()
-                value = value.to_local() if same else value.full_tensor()
-            if not isinstance(value, torch.Tensor):
-                continue
-            part = local_data(param)
-            if tuple(value.shape) == (self.n_experts, *part.shape[1:]) and part.shape[0] != self.n_experts:
-                value = value.narrow(0, self.first, self.n_local)
-            elif tuple(value.shape) != tuple(part.shape):
-                raise ParallelConfigError(f"{key} has shape {list(value.shape)}: expected the whole "
-                                          f"{[self.n_experts, *part.shape[1:]]} or this rank's "
-                                          f"{list(part.shape)}")
-            state_dict[key] = type(param).from_local(value, param.device_mesh, param.placements, run_check=False) \
-                if is_dtensor(param) else value
-        super()._load_from_state_dict(state_dict, prefix, *args, **kwargs)
-
-    def weights(self) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-        """(w1, w2, w3): this rank's experts' tensors (differentiable), their gradients divided by grad_divisor."""
-        ws = tuple(local(w) for w in (self.w1, self.w2, self.w3))
-        if self.grad_divisor != 1:
-            ws = tuple(_ScaleGrad.apply(w, 1.0 / self.grad_divisor) for w in ws)
-        return ws  # type: ignore[return-value]
-
-    def forward(self, x: torch.Tensor, counts: list[int]) -> torch.Tensor:
-        """x: rows grouped by local expert, counts[e] rows for local expert e; the experts' outputs, same order.
-        One GEMM per expert and matrix (faster on CPU than a padded bmm once loads are uneven)."""
-        w1, w2, w3 = (w.unbind(0) for w in self.weights())  # unbind: one gradient stack, not E zero-filled ones
-        outs = [(F.silu(xs @ w1[e]) * (xs @ w3[e])) @ w2[e] for e, xs in enumerate(x.split(counts))]
-        return torch.cat(outs) if outs else x[:0]
-
-
-class SharedExpert(nn.Module):
-    """A dense SwiGLU every token goes through (DeepSeek's shared expert), torchtitan's names w1, w2, w3."""
-
-    def __init__(self, dim: int, hidden_dim: int, seed: int) -> None:
-        super().__init__()
-        self.w1 = nn.Linear(dim, hidden_dim, bias=False)
-        self.w2 = nn.Linear(hidden_dim, dim, bias=False)
-        self.w3 = nn.Linear(dim, hidden_dim, bias=False)
-        with torch.no_grad():
-            for i, lin in enumerate((self.w1, self.w2, self.w3)):
-                lin.weight.copy_(_uniform(tuple(lin.weight.shape), lin.in_features ** -0.5, mix_seed(seed, i)))
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return self.w2(F.silu(self.w1(x)) * self.w3(x))
 
 
 class MoE(nn.Module):
@@ -179,7 +88,7 @@ class MoE(nn.Module):
                              normalize=score == "sigmoid" if normalize is None else normalize,
                              capacity_factor=capacity_factor, aux_loss_coeff=aux_loss_coeff)
         with torch.no_grad():
-            self.router.gate.weight.copy_(_uniform((n_experts, dim), dim ** -0.5, mix_seed(seed, _GATE)))
+            self.router.gate.weight.copy_(uniform((n_experts, dim), dim ** -0.5, mix_seed(seed, _GATE)))
         self.experts = GroupedExperts(dim, hidden_dim, n_experts, mesh=mesh, rank=self.ep_rank, ranks=self.ep,
                                       seed=seed, grad_divisor=expert_grad_divisor)
         self.shared_experts = None if not shared_hidden_dim else \
