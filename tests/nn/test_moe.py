@@ -243,3 +243,16 @@ def test_experts_that_do_not_divide_over_ep_and_a_mesh_without_ep_are_refused(lo
     assert said[0] == "MoE: 6 experts do not divide over 4 expert-parallel ranks; use a multiple of the ep size"
     assert "has no 'ep' dim" in said[1]
     assert "experts.w1 has shape [3, 16, 24]" in said[2]
+
+
+def mismatch_case(rank: int, world_size: int) -> str:
+    try:
+        MoE(DIM, HIDDEN, 8, 2 if rank == 0 else 1)
+    except ParallelConfigError as exc:
+        return str(exc)
+    return "built"
+
+
+def test_ranks_that_build_the_layer_differently_are_refused_on_every_rank(local_world):
+    said = local_world(2).run(mismatch_case)
+    assert all("top_k" in s and "MoE" in s for s in said), said
