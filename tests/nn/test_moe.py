@@ -118,7 +118,10 @@ def test_the_single_process_layer_equals_the_dense_reference(case):
     assert _close(got["y"], y.detach()) and abs(got["aux"] - float(aux.detach())) <= TOL
     assert _close(got["x_grad"], xr.grad)
     for n, p in layer.named_parameters():
-        assert _close(grads[n], p.grad), n
+        if float(p.grad.abs().max()) < 1e-5:  # zero but for rounding (top-1 normalised: the router's weight is 1)
+            assert float(grads[n].abs().max()) < 1e-5, n
+        else:
+            assert _close(grads[n], p.grad), n
     assert int(got["tokens"].sum()) == TOKENS * layer.top_k
 
 

@@ -41,6 +41,7 @@ except ImportError:  # pragma: no cover - torch without torch.distributed
     DeviceMesh = None  # type: ignore[assignment,misc]
 
 _GATE, _SHARED = 10, 20  # init streams (the experts' are moe_experts.py's)
+_MESHES: dict[tuple[int, str], Any] = {}
 
 
 def ep_group(group: Any) -> tuple[Any, Any]:
@@ -62,7 +63,10 @@ def ep_group(group: Any) -> tuple[Any, Any]:
         return None, None
     pg = dist.group.WORLD if group is None else group
     device_type = "cuda" if "nccl" in str(dist.get_backend(pg)).lower() else "cpu"
-    return pg, DeviceMesh.from_group(pg, device_type, mesh_dim_names=("ep",))
+    key = (id(pg), device_type)
+    if key not in _MESHES:  # one mesh per group, shared by the layers
+        _MESHES[key] = DeviceMesh.from_group(pg, device_type, mesh_dim_names=("ep",))
+    return pg, _MESHES[key]
 
 
 class MoE(nn.Module):
