@@ -15,7 +15,7 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from cocoweave.errors import ParallelConfigError
-from cocoweave.nn import MoE, full_experts
+from cocoweave.nn import MoE, full_experts, full_state_dict
 from cocoweave.sharding import is_dtensor
 
 DIM, HIDDEN, TOKENS = 16, 24, 12
@@ -51,9 +51,13 @@ def _run(layer: MoE, x: torch.Tensor, g: torch.Tensor) -> dict:
     return {"y": y.detach(), "x_grad": x.grad, "aux": float(layer.aux_loss.detach()), "tokens": layer.tokens_per_expert}
 
 
-def _reference(case: dict, x: torch.Tensor, g: torch.Tensor) -> tuple[list[dict], dict[str, torch.Tensor], MoE]:
-    """The single-process layer called on each rank's tokens in turn, gradients accumulated."""
+def _reference(case: dict, x: torch.Tensor, g: torch.Tensor, state: dict | None = None
+               ) -> tuple[list[dict], dict[str, torch.Tensor], MoE]:
+    """The single-process layer (`state` loaded, if given) called on each rank's tokens in turn, gradients
+    accumulated."""
     ref = MoE(**_kwargs(case))
+    if state is not None:
+        ref.load_state_dict(state)
     calls = [_run(ref, x[r], g[r]) for r in range(x.shape[0])]
     return calls, _grads(ref), ref
 
@@ -151,13 +155,14 @@ def ep_case(rank: int, world_size: int, case: dict, state: dict | None, x: torch
     out = {"initial": full_experts(layer), "local experts": tuple(layer.experts.w1.to_local().shape)}
     if state is not None:
         layer.load_state_dict(state)
+        out["whole"] = full_state_dict(layer)  # back to the whole tensors a single-process layer loads
     return out | _run(layer, x[rank], g[rank]) | {"grads": _grads(layer)}
 
 
-def _check_against_reference(case: dict, results: list[dict]) -> None:
+def _check_against_reference(case: dict, results: list[dict], state: dict | None = None) -> None:
     ep = len(results)
     x, g = _inputs(case, ep)
-    calls, ref_grads, ref = _reference(case, x, g)
+    calls, ref_grads, ref = _reference(case, x, g, state)
     for r, (got, want) in enumerate(zip(results, calls, strict=True)):
         assert torch.equal(got["tokens"], want["tokens"]), (r, got["tokens"], want["tokens"])  # same routing
         assert _close(got["y"], want["y"]), (r, float((got["y"] - want["y"]).abs().max()))
@@ -170,10 +175,9 @@ def _check_against_reference(case: dict, results: list[dict]) -> None:
         else:  # this rank's call's gradient: an optimizer over the ranks sums them
             got = torch.stack([r["grads"][n] for r in results]).sum(0)
         assert _grad_close(got, want), (n, float((got - want).abs().max()))
-    for n, p in ref.experts.named_parameters():  # the same initial experts, whatever the ep degree
-        assert all(torch.equal(r["initial"][n], MoE(**_kwargs(case)).experts.get_parameter(n).detach())
-                   for r in results), n
-        del p
+    fresh = MoE(**_kwargs(case)).experts  # the same initial experts, whatever the ep degree
+    for n in ("w1", "w2", "w3"):
+        assert all(torch.equal(r["initial"][n], getattr(fresh, n).detach()) for r in results), n
 
 
 CASES = [
@@ -187,8 +191,11 @@ CASES = [
 def test_the_expert_parallel_layer_equals_the_single_process_layer(local_world, ep):
     for case in CASES:
         x, g = _inputs(case, ep)
-        state = MoE(**_kwargs(case)).state_dict()
-        _check_against_reference(case, local_world(ep).run(ep_case, case, state, x, g))
+        state = MoE(**_kwargs(case | {"seed": 7})).state_dict()  # not the layer's own values: the load matters
+        results = local_world(ep).run(ep_case, case, state, x, g)
+        for r in results:
+            assert r["whole"].keys() == state.keys() and all(torch.equal(r["whole"][k], v) for k, v in state.items())
+        _check_against_reference(case, results, state)
 
 
 def test_experts_receiving_no_token_on_some_ranks_and_none_at_all(local_world):

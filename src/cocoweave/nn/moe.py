@@ -184,7 +184,7 @@ def expert_parameters(model: nn.Module) -> tuple[list[nn.Parameter], list[nn.Par
 
 def full_experts(moe: MoE) -> dict[str, torch.Tensor]:
     """The whole (E, ...) expert tensors of `moe` (gathered over ep when split): what a single-process layer holds."""
-    return {n: p.full_tensor().detach() if is_dtensor(p) else local_data(p).clone()
+    return {n: (p.full_tensor() if is_dtensor(p) else local_data(p)).detach().clone()
             for n, p in moe.experts.named_parameters()}
 
 
