@@ -34,9 +34,11 @@ Before timing, each variant trains two steps from the same weights and tokens an
 single-process model's on the whole batch (`same_work`). Each round then times every variant for --steps steps after
 a warm-up, rotated; a step time is the median over steps of the slowest rank's time (a barrier before each).
 `a2a_mb` is what one rank sends to the others per step (dispatch and combine, forward and backward; the same
-routing in every variant), `saved_mb` the activations one rank's forward saves for backward (saved-tensor hooks:
-the part of peak memory that differs between variants). JSON goes to benchmarks/results/moe_step-<options>-cpu<cores>-
-<date>.json with the machine, versions, date and load average (at the start of every layout and model too).
+routing in every variant), `ep_rows_max_over_mean` the slowest ep rank's expert rows over the mean (the floor's
+ranks each compute their own tokens' rows: balanced), `saved_mb` the activations one rank's forward saves for
+backward (saved-tensor hooks: the part of peak memory that differs between variants). JSON goes to
+benchmarks/results/moe_step-<options>-cpu<cores>-<date>.json with the machine, versions, date and load average (at
+the start of every layout and model too).
 """
 
 from __future__ import annotations
@@ -314,6 +316,15 @@ def a2a_bytes(net: nn.Module, rank: int, ep: int, dim: int) -> int:
     return 4 * rows * dim * 4
 
 
+def imbalance(net: nn.Module, ep_group: Any, ep: int) -> float:
+    """The slowest ep rank's expert rows over the mean, averaged over the layers (their last routing): what the
+    floor, each rank computing its own tokens' rows, does not pay."""
+    counts = torch.stack([layer.moe.tokens_per_expert for layer in net.layers.values()])
+    dist.all_reduce(counts, group=ep_group)
+    rows = counts.view(counts.shape[0], ep, -1).sum(-1).double()
+    return float((rows.max(1).values / rows.mean(1)).mean())
+
+
 def timings(rank: int, world_size: int, model: str, dp: int, names: list[str], rounds: int, steps: int,
             warmup: int, shape: dict[str, int]) -> dict[str, Any]:
     import torch.distributed.tensor  # noqa: F401  DTensor's import paid here, not by the first variant built
@@ -344,7 +355,7 @@ def timings(rank: int, world_size: int, model: str, dp: int, names: list[str], r
         ref_opt.step()
         ref_losses.append(total)
 
-    built, same, saved, sent = {}, {}, {}, None
+    built, same, saved, sent, skew = {}, {}, {}, None, None
     for v in names:
         dist.barrier()
         built[v] = Variant(v, model, mesh, shape)
@@ -357,6 +368,7 @@ def timings(rank: int, world_size: int, model: str, dp: int, names: list[str], r
             same[v] = max(abs(a - b) for a, b in zip(losses, ref_losses, strict=True))
         if v == "cocoweave":
             sent = a2a_bytes(built[v].model, mesh["ep"].get_local_rank(), ep, MODELS[model]["dim"])
+            skew = imbalance(built[v].model, mesh["ep"].get_group(), ep)
         built[v] = Variant(v, model, mesh, shape)  # timed from the same initial weights as the others
         saved[v] = saved_bytes(built[v], tokens)
     times: dict[str, list[float]] = {v: [] for v in names}
@@ -365,7 +377,7 @@ def timings(rank: int, world_size: int, model: str, dp: int, names: list[str], r
         for v in order:
             times[v] += timed_steps(lambda v=v: built[v].step(tokens), world_size, torch.device("cpu"), steps,
                                     warmup if r == 0 else 1)
-    return {"times": times, "same_work": same, "saved": saved, "a2a": sent}
+    return {"times": times, "same_work": same, "saved": saved, "a2a": sent, "imbalance": skew}
 
 
 def summarise(label: str, ws: int, dp: int, model: str, names: list[str], per_rank: list[dict],
@@ -384,6 +396,7 @@ def summarise(label: str, ws: int, dp: int, model: str, names: list[str], per_ra
                      "median_ms": ms, "step_ms": step_times(t), "tokens_per_s": ws * BATCH * SEQ / (ms / 1e3),
                      "a2a_mb": 0.0 if v == "floor" else max(r["a2a"] for r in per_rank) / 2**20,
                      "saved_mb": max(r["saved"][v] for r in per_rank) / 2**20,
+                     "ep_rows_max_over_mean": None if v == "floor" else per_rank[0]["imbalance"],
                      "same_work_abs_diff": max(same) if same else None})
     peer_ms = [r["median_ms"] for r in rows if r["kind"] == "peer"]
     fastest = min(peer_ms) if peer_ms else None
