@@ -159,3 +159,33 @@ def test_a_checkpoint_saved_at_ep2_resumes_at_ep1_and_ep4_on_the_same_losses(loc
     assert max(abs(a - b) for a, b in zip(saved, ref, strict=True)) < 1e-5, (saved, ref)
     for resumed in (resume_case(0, 1, path), local_world(4).run(resume_case, path)[0]):
         assert max(abs(a - b) for a, b in zip(resumed, saved[3:], strict=True)) < 1e-5, (resumed, saved[3:])
+
+
+def dcp_save_case(rank: int, world_size: int, path: str) -> dict:
+    """torch.distributed.checkpoint of model.state_dict() at ep = world; the whole state (full_state_dict)."""
+    import torch.distributed.checkpoint as dcp
+
+    from cocoweave.nn import full_state_dict
+
+    model = _model(None, seed=3, **DROPLESS)
+    dcp.save({"model": model.state_dict()}, checkpoint_id=path)
+    return full_state_dict(model)
+
+
+def dcp_load_case(rank: int, world_size: int, path: str) -> dict:
+    import torch.distributed.checkpoint as dcp
+
+    from cocoweave.nn import full_state_dict
+
+    model = _model(None, seed=4, **DROPLESS)
+    state = {"model": model.state_dict()}
+    dcp.load(state, checkpoint_id=path)
+    model.load_state_dict(state["model"])
+    return full_state_dict(model)
+
+
+def test_a_dcp_checkpoint_of_model_state_dict_saved_at_ep2_loads_at_ep4(local_world, tmp_path: Path):
+    saved = local_world(2).run(dcp_save_case, str(tmp_path / "dcp"))[0]
+    for loaded in local_world(4).run(dcp_load_case, str(tmp_path / "dcp")):
+        assert loaded.keys() == saved.keys() and all(torch.equal(loaded[k], v) for k, v in saved.items())
+    assert any(k.endswith("experts.w1") for k in saved)
