@@ -124,9 +124,9 @@ class MoE(nn.Module):
         pair_of_row = order if pairs is None else pairs[order]
         token_of_row = pair_of_row // self.top_k
         counts = torch.bincount(experts, minlength=self.n_experts)
-        rows = flat[token_of_row]
+        rows = flat.index_select(0, token_of_row)  # (its backward is an index_add: faster than indexing's)
         out_rows = self._experts(rows, counts)
-        weights = routing.weights.flatten()[pair_of_row].to(x.dtype)
+        weights = routing.weights.flatten().index_select(0, pair_of_row).to(x.dtype)
         y = flat.new_zeros(flat.shape).index_add(0, token_of_row, out_rows * weights[:, None])
         if self.shared_experts is not None:
             y = y + self.shared_experts(flat)
@@ -145,10 +145,10 @@ class MoE(nn.Module):
         # regroup the received rows from (source, expert) order to (expert, source) order
         segment = torch.repeat_interleave(torch.arange(self.ep * n_local), received.flatten())
         regroup = ((segment % n_local) * self.ep + segment // n_local).argsort(stable=True)
-        out = self.experts(got[regroup], received.sum(0).tolist())
+        out = self.experts(got.index_select(0, regroup), received.sum(0).tolist())
         back = torch.empty_like(regroup)
         back[regroup] = torch.arange(regroup.numel())
-        return self.dispatch(out[back], out_splits, in_splits, self.group)
+        return self.dispatch(out.index_select(0, back), out_splits, in_splits, self.group)
 
 
 def _check(dim: int, hidden_dim: int, n_experts: int, top_k: int, ep: int, score: str,
