@@ -16,6 +16,8 @@ from .functional import (
 from .groups import mesh_coords, new_group, parallel_groups, parallel_mesh
 from .layers import ColumnParallelLinear, RowParallelLinear, full_linear_weights, resolve_group
 from .llama import Llama, LlamaBlock, LlamaConfig, llama_plan
+from .moe import MoE, expert_parameters, full_experts
+from .moe_block import MoEBlock, MoEConfig, MoEModel
 from .parallelize import parallelize
 from .pipeline import Pipeline, PipelineBoundary, StageModule
 from .state import full_state_dict, sharded_optimizer_state_dict, sharded_state_dict, unshard
@@ -32,3 +34,4 @@ __all__ = [
 __all__ += ["VocabParallelEmbedding", "vocab_parallel_cross_entropy"]
 __all__ += ["Llama", "LlamaBlock", "LlamaConfig", "llama_plan", "parallelize"]
 __all__ += ["full_state_dict", "resolve_group", "sharded_optimizer_state_dict", "sharded_state_dict", "unshard"]
+__all__ += ["MoE", "MoEBlock", "MoEConfig", "MoEModel", "expert_parameters", "full_experts"]
