@@ -14,7 +14,7 @@ rank, the same initial weights in every variant):
 Dropless, no auxiliary loss (torchtitan's MoE has none; its load balancing is a bias, off here). The step, the same
 in every variant: zero_grad, forward, cross-entropy, backward, one flat all-reduce of the gradients (the non-expert
 ones over every rank, the experts' over dp, all divided by the world: the data-parallel mean), torch.optim.AdamW
-(foreach). Variants:
+(fused) over plain tensors (a DTensor parameter's local tensor, as DistributedAdamW updates it). Variants:
 
   cocoweave   cocoweave.nn.MoE (experts over the mesh's "ep" dim)
   megatron    Megatron-core's MoEAlltoAllTokenDispatcher + SequentialMLP in plain torch, written here from its code:
@@ -61,7 +61,7 @@ from torch import nn
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from train_step import machine  # noqa: E402  the house's machine/versions/date record
 
-from cocoweave.sharding import local  # noqa: E402  a DTensor's local tensor, a plain tensor as it is
+from cocoweave.sharding import local, local_data  # noqa: E402  a DTensor's local tensor; its storage
 
 HEADS, KV_HEADS, VOCAB, BATCH, SEQ, LAYERS = 8, 4, 2048, 4, 128, 4
 MODELS: dict[str, dict[str, Any]] = {
@@ -245,10 +245,11 @@ class Variant:
         self.model = net.train()
         self.experts = [p for n, p in net.named_parameters() if _is_expert(n)]
         self.others = [p for n, p in net.named_parameters() if not _is_expert(n)]
-        kinds: dict[bool, list[torch.Tensor]] = {}
-        for q in self.experts + self.others:  # torch's AdamW takes one kind per call of its foreach kernels
-            kinds.setdefault(hasattr(q, "to_local"), []).append(q)
-        self.optimizers = [torch.optim.AdamW(qs, **ADAMW) for qs in kinds.values()]
+        # every variant's AdamW updates plain tensors: a DTensor parameter through its local tensor (its gradient's
+        # local tensor set before each step), as DistributedAdamW does, so no variant pays DTensor's dispatch per op
+        self.locals = [(q, local_data(q)) for q in self.experts + self.others if hasattr(q, "to_local")]
+        plain = [q for q in self.experts + self.others if not hasattr(q, "to_local")]
+        self.optimizers = [torch.optim.AdamW(plain + [t for _, t in self.locals], **ADAMW, fused=True)]
 
     def loss(self, tokens: torch.Tensor) -> torch.Tensor:
         logits = self.model(tokens[:, :-1])
@@ -257,10 +258,14 @@ class Variant:
     def step(self, tokens: torch.Tensor) -> torch.Tensor:
         for opt in self.optimizers:
             opt.zero_grad(set_to_none=True)
+        for q, _ in self.locals:
+            q.grad = None
         loss = self.loss(tokens)
         loss.backward()
         average_gradients(self.others, dist.group.WORLD if self.world > 1 else None, self.world)
         average_gradients(self.experts, self.dp, self.world)  # already summed over ep by the combine's backward
+        for q, t in self.locals:
+            t.grad = None if q.grad is None else local(q.grad)
         for opt in self.optimizers:
             opt.step()
         return loss.detach()
