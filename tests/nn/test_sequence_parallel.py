@@ -117,3 +117,30 @@ def test_hugging_face_names_are_refused_for_sequence_parallelism():
 
     with pytest.raises(ParallelConfigError, match="sequence parallelism is planned for torchtitan's module names"):
         llama_plan(HF(), sequence_parallel=True)
+
+
+def row_to_slices_case(rank: int, world_size: int) -> dict:
+    """RowwiseParallel(input_layouts=Replicate(), output_layouts=Shard(1)) on a linear with a bias: this rank's
+    sequence slice of the output, and the whole weight's and bias's gradients of the summed loss."""
+    from torch.distributed.tensor import Replicate, Shard
+    from torch.distributed.tensor.parallel import RowwiseParallel
+
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(torch.nn.Linear(8, 6))
+    x = torch.randn(2, 4, 8)
+    parallelize(model, None, {"0": RowwiseParallel(input_layouts=Replicate(), output_layouts=Shard(1))})
+    y = model(x)
+    y.pow(2).sum().backward()
+    return {"y": y.detach(), "grads": _grads(model)}
+
+
+def test_a_row_projection_of_a_whole_input_reduce_scatters_into_sequence_slices(local_world):
+    torch.manual_seed(0)
+    ref = torch.nn.Sequential(torch.nn.Linear(8, 6))
+    x = torch.randn(2, 4, 8)
+    y = ref(x)
+    y.pow(2).sum().backward()
+    for rank, r in enumerate(local_world(2).run(row_to_slices_case)):
+        assert (r["y"] - y.detach()[:, 2 * rank:2 * rank + 2]).abs().max() < 1e-6
+        for name, g in _grads(ref).items():  # the bias's gradient summed over the sequence slices
+            assert (r["grads"][name] - g).abs().max() < 1e-5, name

@@ -26,7 +26,7 @@ import torch.nn.functional as F
 
 from ..errors import ParallelConfigError
 from ..sharding import is_dtensor, local, replicate_parameters
-from .functional import Group, copy_to_parallel, group_size
+from .functional import Group, copy_to_parallel, gather_from_parallel, group_size, scatter_to_parallel
 from .layers import ColumnParallelLinear, RowParallelLinear
 
 SEQ = 1  # the sequence dimension of [batch, sequence, features] (torchtitan's Shard(1))
@@ -115,7 +115,7 @@ class SequenceColumnLinear(ColumnParallelLinear):
         if self.gather_input:
             x = gather_sequence(x, self.group)
         y = F.linear(x, local(self.weight), local(self.bias))
-        return _gather_features(y, self.group) if self.gather_output else y
+        return gather_from_parallel(y, -1, self.group) if self.gather_output else y
 
 
 class SequenceRowLinear(RowParallelLinear):
@@ -129,16 +129,12 @@ class SequenceRowLinear(RowParallelLinear):
             raise ParallelConfigError("SequenceRowLinear: dropout is not supported with sequence parallelism here")
 
     def forward(self, x: torch.Tensor, residual: torch.Tensor | None = None, **_: Any) -> torch.Tensor:  # noqa: D102
+        if not self.input_is_parallel:  # a whole input: this rank's features of it
+            x = scatter_to_parallel(x, -1, self.group)
         y = reduce_scatter_sequence(F.linear(x, local(self.weight)), self.group)
         if self.bias is not None:
             y = y + copy_to_parallel(local(self.bias), self.group)  # each rank saw only its tokens' gradient
         return y if residual is None else y + residual
-
-
-def _gather_features(y: torch.Tensor, group: Group) -> torch.Tensor:
-    from .functional import gather_from_parallel
-
-    return gather_from_parallel(y, -1, group)
 
 
 def on_sequence_slices(module: torch.nn.Module, mesh: Any, group: Group) -> None:
@@ -179,8 +175,6 @@ def gather_inputs(module: torch.nn.Module, positions: Sequence[int], names: Sequ
 def scatter_output(module: torch.nn.Module, group: Group) -> None:
     """Keep this rank's slice of the sequence of `module`'s replicated output (an embedding's, before sequence-
     parallel blocks); the backward all-gathers the slices' gradients."""
-    from .functional import scatter_to_parallel
-
     inner = module.forward
 
     @functools.wraps(inner)
