@@ -199,10 +199,11 @@ def bucketed_s(kind: str, nbytes: float, size: int, link: Link | None,
 
 
 def dp_exposed_s(spec: TransformerSpec, cfg: ParallelConfig, system: System, window_bwd: float, window_fwd: float,
-                 pipeline: float) -> tuple[float, float, str]:
+                 pipeline: float, split: tuple[float, float] | None = None) -> tuple[float, float, str]:
     """Data-parallel seconds per step (all of it, the part not hidden, the algorithm): dense gradients over the
-    cp x dp ranks that replicate them (tp apart), experts' over the cp x dp / ep ranks (tp x ep apart)."""
-    dense, experts = stage_param_split(spec, cfg)
+    cp x dp ranks that replicate them (tp apart), experts' over the cp x dp / ep ranks (tp x ep apart); `split`,
+    when given, is `stage_param_split(spec, cfg)`."""
+    dense, experts = split if split is not None else stage_param_split(spec, cfg)
     total = exposed = 0.0
     algo = "none"
     replicas = cfg.cp * cfg.dp
@@ -271,9 +272,9 @@ def layer_terms(spec: TransformerSpec, cfg: ParallelConfig, system: System,
 
 
 def pipeline_s(spec: TransformerSpec, cfg: ParallelConfig, system: System,
-               layer: tuple[float, float, float, float]) -> tuple[float, float, list[float]]:
-    """(all micro-batches through the pipeline, its bubble, each stage's seconds per micro-batch) from one
-    layer's `layer_terms`."""
+               layer: tuple[float, float, float, float]) -> tuple[float, float, list[float], float]:
+    """(all micro-batches through the pipeline, its bubble, each stage's seconds per micro-batch, the
+    point-to-point seconds per micro-batch) from one layer's `layer_terms`."""
     gemm = _Gemm(system, spec.dtype)
     h, t = spec.hidden, cfg.tp
     tokens = local_tokens(spec, cfg)
@@ -291,13 +292,14 @@ def pipeline_s(spec: TransformerSpec, cfg: ParallelConfig, system: System,
         stages[-1] += logits
     slowest, mean = max(stages), sum(stages) / len(stages)
     bubble = (cfg.pp - 1) / cfg.vp * mean
-    return cfg.micro_batches(spec) * slowest + bubble, bubble, stages
+    return cfg.micro_batches(spec) * slowest + bubble, bubble, stages, p2p
 
 
-def optimizer_s(spec: TransformerSpec, cfg: ParallelConfig, system: System) -> float:
+def optimizer_s(spec: TransformerSpec, cfg: ParallelConfig, system: System,
+                split: tuple[float, float] | None = None) -> float:
     """Adam's seconds per step: its bytes per parameter this GPU updates (1/(cp x dp) of them from ZeRO-1 on) at
-    HBM bandwidth."""
-    dense, experts = stage_param_split(spec, cfg)
+    HBM bandwidth; `split`, when given, is `stage_param_split(spec, cfg)`."""
+    dense, experts = split if split is not None else stage_param_split(spec, cfg)
     replicas = cfg.cp * cfg.dp
     opt_params = dense / (replicas if cfg.zero >= 1 else 1) + experts / (replicas // cfg.ep if cfg.zero >= 1 else 1)
     return opt_params * (26 + cfg.grad_bytes) / system.hbm_bytes_s
@@ -315,14 +317,14 @@ def predict_step(spec: TransformerSpec, cfg: ParallelConfig, system: System,
     layer = layer if layer is not None else layer_terms(spec, cfg, system, (mats, elementwise, attn))
     layer_compute, layer_tp, layer_cp, layer_ep = layer
     layers = cfg.stage_layers(spec)
-    p2p = p2p_micro_s(spec, cfg, system)
-    pipeline, bubble, stages = pipeline_s(spec, cfg, system, layer)
+    pipeline, bubble, stages, p2p = pipeline_s(spec, cfg, system, layer)
     slowest_at = max(range(len(stages)), key=stages.__getitem__)
     busiest_layers = layers[slowest_at]  # the layers of the stage that sets the pace
 
+    split = stage_param_split(spec, cfg)
     dp_time, exposed, algo = dp_exposed_s(spec, cfg, system, busiest_layers * 2 * fwd, busiest_layers * fwd,
-                                          pipeline)
-    optimizer = optimizer_s(spec, cfg, system)
+                                          pipeline, split)
+    optimizer = optimizer_s(spec, cfg, system, split)
     total = pipeline + exposed + optimizer
     mfu = spec.model_flops_per_step() / (total * cfg.gpus * system.peak_flops(
         SIXTEEN_BIT if spec.dtype == "float8" else spec.dtype))
