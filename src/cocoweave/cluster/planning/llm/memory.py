@@ -66,7 +66,13 @@ def held_layers(spec: TransformerSpec, cfg: ParallelConfig) -> float:
     stage's: its layers x `in_flight_factor`. Unevenly (1F1B only), stage i holds pp - i micro-batches of its
     n_i layers, so a longer second stage can hold more than a shortened first one (Llama 3's 8 x 15 > 7 x 16);
     interleaved over stated uneven stages, the largest stage's layers x `in_flight_factor` (a bound)."""
-    stages = cfg.stage_layers(spec)
+    return _held_layers(cfg.stage_layers(spec), cfg.pp, cfg.vp)
+
+
+@lru_cache(maxsize=4096)
+def _held_layers(stages: tuple[int, ...], pp: int, vp: int) -> float:
+    """`held_layers` of a pipeline of `stages` (what it depends on: computed once per split, not per layout)."""
+    cfg = ParallelConfig(pp=pp, vp=vp)
     if len(set(stages)) == 1:
         return stages[0] * in_flight_factor(cfg)
     if cfg.vp > 1:  # interleaved over stated uneven stages: the largest stage, as the first holds them (bound)

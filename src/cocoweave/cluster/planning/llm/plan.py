@@ -4,7 +4,10 @@ checkpoint interval, the checkpoint model), the Pareto front and the recommendat
 
 from __future__ import annotations
 
+import gc
 import math
+from collections.abc import Iterator
+from contextlib import contextmanager
 from dataclasses import dataclass
 
 from cocoweave.cluster.catalog import Catalog, MachineType
@@ -65,6 +68,20 @@ def check_max_gpus(max_gpus: int) -> None:
                             f"{max_gpus}.")
 
 
+@contextmanager
+def _no_cycle_collection() -> Iterator[None]:
+    """Pause the cyclic garbage collector while the search creates and drops a few hundred thousand small acyclic
+    objects (layouts, their memory and steps: reference counting frees them); its passes over them cost a fifth
+    of the search. Restored on exit, as it was."""
+    was = gc.isenabled()
+    gc.disable()
+    try:
+        yield
+    finally:
+        if was:
+            gc.enable()
+
+
 def plan_llm(spec: TransformerSpec, catalog: Catalog, tokens: float, stack: Stack, checkpoints: CheckpointModel,
              deadline_h: float | None = None, budget_usd: float | None = None, min_gpus: int = 1,
              max_gpus: int = 4096) -> LLMPlan:
@@ -81,21 +98,22 @@ def plan_llm(spec: TransformerSpec, catalog: Catalog, tokens: float, stack: Stac
     unfit: dict[tuple[str, int], str] = {}
     options: list[Option] = []
     unfinishable = 0
-    for machine in machines:
-        system = system_for(machine, catalog, stack.eff)
-        for n in gpu_counts(machine, min_gpus, max_gpus):
-            result: SearchResult = search(spec, system, n, stack)
-            if result.best is None:
-                why = result.smallest_rejection.rejected if result.smallest_rejection else "no layout divides it"
-                unfit[(machine.name, n)] = why
-                continue
-            layouts[(machine.name, n)] = result.best
-            profile = WorkloadProfile(spec.name, checkpoint_seconds(spec, n, checkpoints),
-                                      (ProfilePoint(machine.gpu, 0, n, result.best.step.total_s, machine.name),),
-                                      modelled=True)
-            opts, lost = evaluate_options(profile, catalog, steps)
-            options += opts  # the profile names only this machine
-            unfinishable += lost
+    with _no_cycle_collection():
+        for machine in machines:
+            system = system_for(machine, catalog, stack.eff)
+            for n in gpu_counts(machine, min_gpus, max_gpus):
+                result: SearchResult = search(spec, system, n, stack)
+                if result.best is None:
+                    why = result.smallest_rejection.rejected if result.smallest_rejection else "no layout divides it"
+                    unfit[(machine.name, n)] = why
+                    continue
+                layouts[(machine.name, n)] = result.best
+                profile = WorkloadProfile(spec.name, checkpoint_seconds(spec, n, checkpoints),
+                                          (ProfilePoint(machine.gpu, 0, n, result.best.step.total_s, machine.name),),
+                                          modelled=True)
+                opts, lost = evaluate_options(profile, catalog, steps)
+                options += opts  # the profile names only this machine
+                unfinishable += lost
     if not options:
         worst = next(iter(unfit.items()), None)
         detail = f" (e.g. {worst[0][1]} GPUs of {worst[0][0]}: {worst[1]})" if worst else ""

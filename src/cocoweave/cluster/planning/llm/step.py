@@ -199,10 +199,11 @@ def bucketed_s(kind: str, nbytes: float, size: int, link: Link | None,
 
 
 def dp_exposed_s(spec: TransformerSpec, cfg: ParallelConfig, system: System, window_bwd: float, window_fwd: float,
-                 pipeline: float) -> tuple[float, float, str]:
+                 pipeline: float, split: tuple[float, float] | None = None) -> tuple[float, float, str]:
     """Data-parallel seconds per step (all of it, the part not hidden, the algorithm): dense gradients over the
-    cp x dp ranks that replicate them (tp apart), experts' over the cp x dp / ep ranks (tp x ep apart)."""
-    dense, experts = stage_param_split(spec, cfg)
+    cp x dp ranks that replicate them (tp apart), experts' over the cp x dp / ep ranks (tp x ep apart); `split`,
+    when given, is `stage_param_split(spec, cfg)`."""
+    dense, experts = split if split is not None else stage_param_split(spec, cfg)
     total = exposed = 0.0
     algo = "none"
     replicas = cfg.cp * cfg.dp
@@ -234,22 +235,50 @@ def dp_exposed_s(spec: TransformerSpec, cfg: ParallelConfig, system: System, win
     return total, exposed, algo
 
 
-def predict_step(spec: TransformerSpec, cfg: ParallelConfig, system: System) -> StepBreakdown:
-    """The predicted step of `spec` under `cfg` on `system` (the layout is assumed valid: see `problems`)."""
-    gemm = _Gemm(system, spec.dtype)
-    h, t = spec.hidden, cfg.tp
-    tokens = local_tokens(spec, cfg)
-    m = cfg.micro_batches(spec)
-    mats, elementwise, attn = layer_forward_s(spec, cfg, system)
+def layer_compute_s(spec: TransformerSpec, cfg: ParallelConfig, forward: tuple[float, float, float]) -> float:
+    """Compute seconds of one layer and micro-batch, forward, backward and recomputation, from `layer_forward_s`'s
+    (matmuls, elementwise, attention core)."""
+    mats, elementwise, attn = forward
     fwd = mats + elementwise + attn
     redo = {"none": 0.0, "selective": attn, "full": fwd}[cfg.recompute]
-    layer_compute = 3 * fwd + (attention_backward(spec) - 2) * attn + redo
+    return 3 * fwd + (attention_backward(spec) - 2) * attn + redo
+
+
+def forward_key(cfg: ParallelConfig) -> tuple[int, int, int, int, bool]:
+    """What of a layout `layer_forward_s` depends on (with the spec and the GPU, its peaks and the stack's
+    constants): layouts that agree on it have the same per-layer forward, whatever their pp, dp, vp, ZeRO stage
+    or recomputation (the search computes it once per key)."""
+    return cfg.tp, cfg.cp, cfg.micro_batch, cfg.ep, cfg.sp
+
+
+def layer_key(cfg: ParallelConfig) -> tuple:
+    """What of a layout `layer_terms` depends on (with the spec and the machine): `forward_key`, Ulysses,
+    recomputation and the tp overlap."""
+    return cfg.tp, cfg.cp, cfg.micro_batch, cfg.ep, cfg.sp, cfg.ulysses, cfg.recompute, cfg.tp_overlap
+
+
+def layer_terms(spec: TransformerSpec, cfg: ParallelConfig, system: System,
+                forward: tuple[float, float, float] | None = None) -> tuple[float, float, float, float]:
+    """Seconds of one layer and micro-batch: (compute, exposed tp, exposed cp, ep all-to-alls); `forward`, when
+    given, is `layer_forward_s(spec, cfg, system)` computed beforehand."""
+    mats, elementwise, attn = forward if forward is not None else layer_forward_s(spec, cfg, system)
+    layer_compute = layer_compute_s(spec, cfg, (mats, elementwise, attn))
     layer_tp = tp_comm_layer_s(spec, cfg, system)
     if cfg.tp_overlap:
         layer_tp -= min(layer_tp, 3 * mats) * system.eff.tp_overlap
     layer_cp = cp_comm_layer_s(spec, cfg, system, attn)
     layer_ep = ep_comm_layer_s(spec, cfg, system)
-    layers = cfg.stage_layers(spec)
+    return layer_compute, layer_tp, layer_cp, layer_ep
+
+
+def pipeline_s(spec: TransformerSpec, cfg: ParallelConfig, system: System,
+               layer: tuple[float, float, float, float]) -> tuple[float, float, list[float], float]:
+    """(all micro-batches through the pipeline, its bubble, each stage's seconds per micro-batch, the
+    point-to-point seconds per micro-batch) from one layer's `layer_terms`."""
+    gemm = _Gemm(system, spec.dtype)
+    h, t = spec.hidden, cfg.tp
+    tokens = local_tokens(spec, cfg)
+    layer_compute, layer_tp, layer_cp, layer_ep = layer
     per_layer = layer_compute + layer_tp + layer_cp + layer_ep
     p2p = p2p_micro_s(spec, cfg, system)
     hbm = system.hbm_bytes_s
@@ -258,25 +287,48 @@ def predict_step(spec: TransformerSpec, cfg: ParallelConfig, system: System) -> 
     if cfg.pp == 1:
         stages = [spec.layers * per_layer + logits + embedding]
     else:
-        stages = [n * per_layer + p2p for n in layers]
+        stages = [n * per_layer + p2p for n in cfg.stage_layers(spec)]
         stages[0] += embedding
         stages[-1] += logits
-    slowest_at = max(range(len(stages)), key=stages.__getitem__)
-    slowest, mean = stages[slowest_at], sum(stages) / len(stages)
-    busiest_layers = layers[slowest_at]  # the layers of the stage that sets the pace
+    slowest, mean = max(stages), sum(stages) / len(stages)
     bubble = (cfg.pp - 1) / cfg.vp * mean
-    pipeline = m * slowest + bubble
+    return cfg.micro_batches(spec) * slowest + bubble, bubble, stages, p2p
 
-    dp_time, exposed, algo = dp_exposed_s(spec, cfg, system, busiest_layers * 2 * fwd, busiest_layers * fwd,
-                                          pipeline)
-    dense, experts = stage_param_split(spec, cfg)
+
+def optimizer_s(spec: TransformerSpec, cfg: ParallelConfig, system: System,
+                split: tuple[float, float] | None = None) -> float:
+    """Adam's seconds per step: its bytes per parameter this GPU updates (1/(cp x dp) of them from ZeRO-1 on) at
+    HBM bandwidth; `split`, when given, is `stage_param_split(spec, cfg)`."""
+    dense, experts = split if split is not None else stage_param_split(spec, cfg)
     replicas = cfg.cp * cfg.dp
     opt_params = dense / (replicas if cfg.zero >= 1 else 1) + experts / (replicas // cfg.ep if cfg.zero >= 1 else 1)
-    optimizer = opt_params * (26 + cfg.grad_bytes) / hbm
+    return opt_params * (26 + cfg.grad_bytes) / system.hbm_bytes_s
+
+
+def predict_step(spec: TransformerSpec, cfg: ParallelConfig, system: System,
+                 forward: tuple[float, float, float] | None = None,
+                 layer: tuple[float, float, float, float] | None = None) -> StepBreakdown:
+    """The predicted step of `spec` under `cfg` on `system` (the layout is assumed valid: see `problems`);
+    `forward` and `layer`, when given, are `layer_forward_s` and `layer_terms` of the same arguments computed
+    beforehand (the search memoises them)."""
+    m = cfg.micro_batches(spec)
+    mats, elementwise, attn = forward if forward is not None else layer_forward_s(spec, cfg, system)
+    fwd = mats + elementwise + attn
+    layer = layer if layer is not None else layer_terms(spec, cfg, system, (mats, elementwise, attn))
+    layer_compute, layer_tp, layer_cp, layer_ep = layer
+    layers = cfg.stage_layers(spec)
+    pipeline, bubble, stages, p2p = pipeline_s(spec, cfg, system, layer)
+    slowest_at = max(range(len(stages)), key=stages.__getitem__)
+    busiest_layers = layers[slowest_at]  # the layers of the stage that sets the pace
+
+    split = stage_param_split(spec, cfg)
+    dp_time, exposed, algo = dp_exposed_s(spec, cfg, system, busiest_layers * 2 * fwd, busiest_layers * fwd,
+                                          pipeline, split)
+    optimizer = optimizer_s(spec, cfg, system, split)
     total = pipeline + exposed + optimizer
     mfu = spec.model_flops_per_step() / (total * cfg.gpus * system.peak_flops(
         SIXTEEN_BIT if spec.dtype == "float8" else spec.dtype))
-    dp_link = group_link(system, replicas, cfg.tp)
+    dp_link = group_link(system, cfg.cp * cfg.dp, cfg.tp)
     notes = (f"dp traffic on {dp_link.name if dp_link else 'no link'} ({algo})",)
     return StepBreakdown(
         total_s=total, pipeline_s=pipeline, bubble_s=bubble,
