@@ -71,6 +71,7 @@ MODELS: dict[str, dict[str, Any]] = {
 }
 ADAMW = {"lr": 3e-4, "weight_decay": 0.1}
 VARIANTS = ("cocoweave", "megatron", "torchtitan", "floor")
+AB = ("cocoweave-sync",)  # A/B variants, only when named in --variants
 PEERS = ("megatron", "torchtitan")
 
 
@@ -228,7 +229,7 @@ class Variant:
     """One variant's model on this rank, its optimizers and its step."""
 
     def __init__(self, name: str, model: str, mesh: Any, shape: dict[str, int]) -> None:
-        from cocoweave.nn.moe_dispatch import no_dispatch, no_exchange
+        from cocoweave.nn.moe_dispatch import no_exchange, no_start, no_wait
 
         self.name = name
         ep_mesh = mesh["ep"]
@@ -237,7 +238,9 @@ class Variant:
         net = build(model, ep_mesh, shape)
         for layer in net.layers.values():
             if name == "floor":
-                layer.moe.dispatch, layer.moe.exchange = no_dispatch, no_exchange
+                layer.moe.start, layer.moe.wait, layer.moe.exchange = no_start, no_wait, no_exchange
+            elif name == "cocoweave-sync":  # A/B: no overlap of the shared expert with the all-to-alls
+                layer.moe.overlap = False
             elif name == "megatron":
                 layer.moe = MegatronMoE(layer.moe, ep_mesh.get_group())
             elif name == "torchtitan":
@@ -461,9 +464,9 @@ def main(argv: list[str] | None = None) -> int:
     from cocoweave.launch import LocalWorld
 
     names = [v for v in args.variants.split(",") if v]
-    unknown = [v for v in names if v not in VARIANTS]
+    unknown = [v for v in names if v not in VARIANTS + AB]
     if unknown or "cocoweave" not in names:
-        raise SystemExit(f"--variants: {', '.join(unknown) or 'no cocoweave'}; choose from {', '.join(VARIANTS)}")
+        raise SystemExit(f"--variants: {', '.join(unknown) or 'no cocoweave'}; choose from {', '.join(VARIANTS + AB)}")
     if "torchtitan" in names and importlib.util.find_spec("torchtitan") is None:
         print("torchtitan is not installed (pip install --no-deps torchtitan==0.3.0 spmd_types tyro docstring_parser): "
               "timing the other variants")

@@ -152,6 +152,7 @@ def ep_case(rank: int, world_size: int, case: dict, state: dict | None, x: torch
     """The layer at ep = the world: its initial experts (whole), then, with the reference's state loaded (if
     given), this rank's call on x[rank] and every parameter's gradient."""
     layer = MoE(**_kwargs(case))
+    layer.overlap = case.get("overlap", True)  # False: the plain path (every all-to-all waited at once)
     out = {"initial": full_experts(layer), "local experts": tuple(layer.experts.w1.to_local().shape)}
     if state is not None:
         layer.load_state_dict(state)
@@ -206,6 +207,24 @@ def test_experts_receiving_no_token_on_some_ranks_and_none_at_all(local_world):
     total = sum(r["tokens"] for r in results)
     assert (total == 0).sum() >= 4, total
     _check_against_reference(case, results)
+
+
+@pytest.mark.parametrize("ep", [2, 4])
+def test_the_overlapped_path_equals_the_plain_one(local_world, ep):
+    """The default path (the shared expert's first part computed while the dispatch is in flight, its second while
+    the combine is; backward: the gradients' all-to-alls in flight during its backward) against `overlap=False`
+    (each all-to-all waited at once): both equal the single-process layer and each other, with skewed loads
+    (experts without rows) and without a shared expert (nothing to overlap: the same path)."""
+    for case in [{"top_k": 2, "shared": 8}, {"top_k": 1, "skew": 12.0, "shared": 8}, {"top_k": 3, "skew": 3.0},
+                 {"top_k": 2, "capacity": 0.5, "shared": 8, "score": "sigmoid"}]:
+        x, g = _inputs(case, ep)
+        plain = local_world(ep).run(ep_case, case | {"overlap": False}, None, x, g)
+        overlapped = local_world(ep).run(ep_case, case, None, x, g)
+        _check_against_reference(case, plain)
+        _check_against_reference(case, overlapped)
+        for a, b in zip(plain, overlapped, strict=True):
+            assert _close(a["y"], b["y"]) and _close(a["x_grad"], b["x_grad"])
+            assert all(_grad_close(a["grads"][n], b["grads"][n]) for n in a["grads"]), case
 
 
 @settings(max_examples=8, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])

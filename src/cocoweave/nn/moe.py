@@ -31,7 +31,7 @@ from torch import nn
 from ..errors import ParallelConfigError
 from ..sharding import is_dtensor, local_data
 from .functional import group_rank, group_size, mix_seed
-from .moe_dispatch import dispatch_all_to_all, exchange_counts
+from .moe_dispatch import exchange_counts, start_all_to_all, wait_all_to_all
 from .moe_experts import GroupedExperts, SharedExpert, uniform
 from .moe_router import SCORES, Router
 
@@ -99,7 +99,8 @@ class MoE(nn.Module):
             SharedExpert(dim, shared_hidden_dim, mix_seed(seed, _SHARED))
         self.aux_loss = torch.zeros(())
         self.tokens_per_expert = torch.zeros(n_experts, dtype=torch.long)  # the last call's, before any drop
-        self.dispatch, self.exchange = dispatch_all_to_all, exchange_counts  # the floor swaps in no-ops
+        self.start, self.wait, self.exchange = start_all_to_all, wait_all_to_all, exchange_counts  # floor: no-ops
+        self.overlap = True  # the shared expert's two parts while the dispatch and the combine are in flight
         if self.group is not None and self.ep > 1:
             from .groups import agree_on_build
 
@@ -123,32 +124,44 @@ class MoE(nn.Module):
         order = experts.argsort(stable=True)
         pair_of_row = order if pairs is None else pairs[order]
         token_of_row = pair_of_row // self.top_k
-        counts = torch.bincount(experts, minlength=self.n_experts)
+        counts = self.tokens_per_expert if pairs is None else torch.bincount(experts, minlength=self.n_experts)
         rows = flat.index_select(0, token_of_row)  # (its backward is an index_add: faster than indexing's)
-        out_rows = self._experts(rows, counts)
+        out_rows, shared = self._experts(rows, counts, flat)
         weights = routing.weights.flatten().index_select(0, pair_of_row).to(x.dtype)
         y = flat.new_zeros(flat.shape).index_add(0, token_of_row, out_rows * weights[:, None])
-        if self.shared_experts is not None:
-            y = y + self.shared_experts(flat)
+        if shared is not None:
+            y = y + shared
         return y.view(x.shape)
 
-    def _experts(self, rows: torch.Tensor, counts: torch.Tensor) -> torch.Tensor:
-        """The local experts' outputs for `rows` (grouped by global expert, counts[e] for expert e), through the
-        ranks owning them and back."""
-        n_local = self.experts.n_local
+    def _experts(self, rows: torch.Tensor, counts: torch.Tensor, flat: torch.Tensor
+                 ) -> tuple[torch.Tensor, torch.Tensor | None]:
+        """(the local experts' outputs for `rows` (grouped by global expert, counts[e] for expert e), through the
+        ranks owning them and back; the shared expert's output on `flat`, None without one). With ep > 1 and
+        `overlap`, the shared expert's first part runs while the dispatch is in flight and its second while the
+        combine is; backward: autograd runs the nodes recorded between a start and its wait (later first) while the
+        gradients' all-to-all is in flight, so the shared expert's backward overlaps both backward all-to-alls."""
+        n_local, shared = self.experts.n_local, self.shared_experts
         if self.group is None or self.ep == 1:
-            return self.experts(rows, counts.tolist())
+            return self.experts(rows, counts.tolist()), None if shared is None else shared(flat)
         sent = counts.view(self.ep, n_local)
         received = self.exchange(sent, self.group)  # (source rank, local expert)
         in_splits, out_splits = sent.sum(1).tolist(), received.sum(1).tolist()
-        got = self.dispatch(rows, in_splits, out_splits, self.group)
+        overlap = shared is not None and self.overlap
+        buf, pending = self.start(rows, in_splits, out_splits, self.group)
+        hidden = shared.hidden(flat) if overlap else None
+        got = self.wait(buf, pending)
         # regroup the received rows from (source, expert) order to (expert, source) order
         segment = torch.repeat_interleave(torch.arange(self.ep * n_local), received.flatten())
         regroup = ((segment % n_local) * self.ep + segment // n_local).argsort(stable=True)
         out = self.experts(got.index_select(0, regroup), received.sum(0).tolist())
         back = torch.empty_like(regroup)
         back[regroup] = torch.arange(regroup.numel())
-        return self.dispatch(out.index_select(0, back), out_splits, in_splits, self.group)
+        buf, pending = self.start(out.index_select(0, back), out_splits, in_splits, self.group)
+        shared_out = shared.w2(hidden) if hidden is not None else None
+        out_rows = self.wait(buf, pending)
+        if shared is not None and shared_out is None:
+            shared_out = shared(flat)
+        return out_rows, shared_out
 
 
 def _check(dim: int, hidden_dim: int, n_experts: int, top_k: int, ep: int, score: str,

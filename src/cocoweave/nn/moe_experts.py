@@ -115,8 +115,12 @@ class SharedExpert(nn.Module):
             for i, lin in enumerate((self.w1, self.w2, self.w3)):
                 lin.weight.copy_(uniform(tuple(lin.weight.shape), lin.in_features ** -0.5, mix_seed(seed, i)))
 
+    def hidden(self, x: torch.Tensor) -> torch.Tensor:
+        """silu(w1 x) * w3 x: the first part (2/3 of the FLOPs), run by MoE while its dispatch is in flight."""
+        return F.silu(self.w1(x)) * self.w3(x)
+
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return self.w2(F.silu(self.w1(x)) * self.w3(x))
+        return self.w2(self.hidden(x))
 
 
 __all__ = ["GroupedExperts", "SharedExpert", "uniform"]
