@@ -20,7 +20,6 @@ from __future__ import annotations
 
 import argparse
 import cProfile
-import datetime
 import json
 import os
 import statistics
@@ -34,7 +33,7 @@ import torch.distributed as dist
 from torch import nn
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from train_step import machine  # noqa: E402  the house's machine/versions/date record
+from train_step import machine, results_path  # noqa: E402  the house's machine record and results path
 
 ADAMW = {"lr": 1e-3, "weight_decay": 0.01}
 VARIANTS = ("ddp-fused", "ddp-fused-bucket-view", "fsdp2-fused", "zero-fused", "cocoweave")
@@ -182,8 +181,7 @@ def main(argv: list[str] | None = None) -> int:
     doc["machine"]["load_average_end"] = os.getloadavg()
     args.out.mkdir(parents=True, exist_ok=True)
     options = {"params": args.params, "worlds": args.worlds, "quick": args.quick}
-    tag = "".join(f"-{k}-{v}".replace(",", "+") for k, v in options.items() if v != ap.get_default(k))
-    path = args.out / f"host_overhead{tag}-cpu{os.cpu_count()}-{datetime.date.today().isoformat()}.json"
+    path = results_path(args.out, "host_overhead", ap, options)
     path.write_text(json.dumps(doc, indent=1))
     print(f"\nJSON: {path}")
     return 0

@@ -35,7 +35,6 @@ benchmarks/results/llama_tp_step-<options>-cpu<cores>-<date>.json with the machi
 from __future__ import annotations
 
 import argparse
-import datetime
 import json
 import os
 import sys
@@ -50,7 +49,7 @@ from torch import nn
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from tp_step import layouts  # noqa: E402  'tp2,dp2xtp2' -> (label, world size, dp), as tp_step reads it
-from train_step import machine  # noqa: E402  the house's machine/versions/date record
+from train_step import machine, results_path  # noqa: E402  the house's machine record and results path
 
 from cocoweave.sharding import local  # noqa: E402  a DTensor's local tensor, a plain tensor as it is
 
@@ -323,8 +322,7 @@ def main(argv: list[str] | None = None) -> int:
     doc["machine"]["load_average_end"] = os.getloadavg()
     args.out.mkdir(parents=True, exist_ok=True)
     options = {"sizes": args.sizes, "layouts": args.layouts, "quick": args.quick}
-    tag = "".join(f"-{k}-{v}".replace(",", "+") for k, v in options.items() if v != ap.get_default(k))
-    path = args.out / f"llama_tp_step{tag}-cpu{os.cpu_count()}-{datetime.date.today().isoformat()}.json"
+    path = results_path(args.out, "llama_tp_step", ap, options)
     path.write_text(json.dumps(doc, indent=1))
     print(f"\nJSON: {path}")
     bad = [f"{r['variant']} (dim {r['dim']}, {r['layout']}): {r['same_work_abs_diff']:.1e}" for r in doc["rows"]

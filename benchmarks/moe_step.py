@@ -44,7 +44,6 @@ the start of every layout and model too).
 from __future__ import annotations
 
 import argparse
-import datetime
 import importlib.util
 import json
 import os
@@ -59,7 +58,7 @@ import torch.nn.functional as F
 from torch import nn
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from train_step import machine  # noqa: E402  the house's machine/versions/date record
+from train_step import machine, results_path  # noqa: E402  the house's machine record and results path
 
 from cocoweave.sharding import local, local_data  # noqa: E402  a DTensor's local tensor; its storage
 
@@ -495,8 +494,7 @@ def main(argv: list[str] | None = None) -> int:
     doc["machine"]["load_average_end"] = os.getloadavg()
     args.out.mkdir(parents=True, exist_ok=True)
     options = {"models": args.models, "layouts": args.layouts, "quick": args.quick}
-    tag = "".join(f"-{k}-{v}".replace(",", "+") for k, v in options.items() if v != ap.get_default(k))
-    path = args.out / f"moe_step{tag}-cpu{os.cpu_count()}-{datetime.date.today().isoformat()}.json"
+    path = results_path(args.out, "moe_step", ap, options)
     path.write_text(json.dumps(doc, indent=1))
     print(f"\nJSON: {path}")
     bad = [f"{r['variant']} ({r['model']}, {r['layout']}): {r['same_work_abs_diff']:.1e}" for r in doc["rows"]

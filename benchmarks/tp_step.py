@@ -47,7 +47,6 @@ from __future__ import annotations
 import argparse
 import contextlib
 import copy
-import datetime
 import inspect
 import json
 import os
@@ -63,7 +62,7 @@ import torch.nn.functional as F
 from torch import nn
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from train_step import machine  # noqa: E402  the house's machine/versions/date record
+from train_step import machine, results_path  # noqa: E402  the house's machine record and results path
 
 LAYERS, HEADS, BATCH, SEQ = 4, 8, 8, 128
 ADAMW = {"lr": 3e-4, "weight_decay": 0.1}
@@ -564,8 +563,7 @@ def main(argv: list[str] | None = None) -> int:
     doc["spread_note"] = "step_ms: every timed step's slowest-rank time; median_ms is their median"
     args.out.mkdir(parents=True, exist_ok=True)
     options = {"sizes": args.sizes, "dropouts": args.dropouts, "layouts": args.layouts, "quick": args.quick}
-    tag = "".join(f"-{k}-{v}".replace(",", "+") for k, v in options.items() if v != ap.get_default(k))
-    path = args.out / f"tp_step{tag}-cpu{os.cpu_count()}-{datetime.date.today().isoformat()}.json"
+    path = results_path(args.out, "tp_step", ap, options)
     path.write_text(json.dumps(doc, indent=1))
     print(f"\nJSON: {path}")
     bad = [f"{r['variant']} (d {r['d_model']}, {r['layout']}): {r['same_work_rel_diff']:.1e}" for r in doc["rows"]

@@ -232,6 +232,12 @@ def machine() -> dict[str, Any]:
             "date": datetime.datetime.now(datetime.UTC).isoformat(timespec="seconds")}
 
 
+def results_path(out: Path, name: str, ap: argparse.ArgumentParser, options: dict[str, Any]) -> Path:
+    """Where a benchmark's JSON goes: out/<name>-<each option not at its default>-cpu<cores>-<date>.json."""
+    tag = "".join(f"-{k}-{v}".replace(",", "+") for k, v in options.items() if v != ap.get_default(k))
+    return out / f"{name}{tag}-cpu{os.cpu_count()}-{datetime.date.today().isoformat()}.json"
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--models", default="small,large")

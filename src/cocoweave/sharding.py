@@ -38,22 +38,23 @@ def dtensor_api() -> Any:
     return api
 
 
-_MESHES: dict[tuple[int, str], Any] = {}
+_MESHES: dict[tuple[int, str, str], Any] = {}
 
 
-def tp_mesh(group: Any) -> DeviceMesh | None:
-    """The 1-D DeviceMesh of a tensor-parallel group: a DeviceMesh's "tp" dim (or its only dim), a ProcessGroup's
-    mesh (None: the world), built once per group; None when torch.distributed is not initialised."""
+def tp_mesh(group: Any, dim: str = "tp") -> DeviceMesh | None:
+    """The 1-D DeviceMesh of a layer's group: a DeviceMesh's `dim` dim ("tp", or "ep" for the experts; its only dim
+    when it has one), a ProcessGroup's mesh (None: the world), built once per group; None when torch.distributed is
+    not initialised."""
     if DeviceMesh is not None and isinstance(group, DeviceMesh):
         names = group.mesh_dim_names or ()
-        return group["tp"] if "tp" in names and group.ndim > 1 else group
+        return group[dim] if dim in names and group.ndim > 1 else group
     if not dist.is_available() or not dist.is_initialized():
         return None
     pg = dist.group.WORLD if group is None else group
     device_type = "cuda" if "nccl" in str(dist.get_backend(pg)).lower() else "cpu"
-    key = (id(pg), device_type)
+    key = (id(pg), device_type, dim)
     if key not in _MESHES:
-        _MESHES[key] = DeviceMesh.from_group(pg, device_type, mesh_dim_names=("tp",))
+        _MESHES[key] = DeviceMesh.from_group(pg, device_type, mesh_dim_names=(dim,))
     return _MESHES[key]
 
 

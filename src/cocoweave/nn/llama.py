@@ -206,12 +206,6 @@ def llama_plan(model: nn.Module, *, vocab_parallel: bool = False, loss_parallel:
                               "by hand")
 
 
-def _matches_any(pattern: str, name: str) -> bool:
-    from .parallelize import _matches
-
-    return _matches(pattern, name)
-
-
 def _positional_inputs(module: nn.Module) -> int:
     """How many positional inputs `module.forward` takes (torch's PrepareModuleInput wants one layout for each)."""
     kinds = (inspect.Parameter.POSITIONAL_ONLY, inspect.Parameter.POSITIONAL_OR_KEYWORD)
@@ -229,6 +223,8 @@ def _sequence_plan(model: nn.Module, scheme: str, plan: dict[str, Any], names: l
         SequenceParallel,
     )
 
+    from .parallelize import _matches
+
     if scheme != "torchtitan":
         raise ParallelConfigError(f"llama_plan: sequence parallelism is planned for torchtitan's module names only; "
                                   f"{type(model).__name__} computes positions and masks from the embedding's output "
@@ -240,7 +236,7 @@ def _sequence_plan(model: nn.Module, scheme: str, plan: dict[str, Any], names: l
                                   f"{', '.join(missing)}, which it does not have")
     plan = {p: (RowwiseParallel(output_layouts=Shard(1)) if isinstance(s, RowwiseParallel) else s)
             for p, s in plan.items()}
-    attention = next(m for n, m in model.named_modules() if _matches_any("layers.*.attention", n))
+    attention = next(m for n, m in model.named_modules() if _matches("layers.*.attention", n))
     rest = (None,) * (_positional_inputs(attention) - 1)  # (x, freqs_cis), or (x, cos, sin) in cocoweave's Llama
     plan.update({
         "tok_embeddings": RowwiseParallel(input_layouts=Replicate(), output_layouts=Shard(1)),

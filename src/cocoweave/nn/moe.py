@@ -29,7 +29,7 @@ import torch
 from torch import nn
 
 from ..errors import ParallelConfigError
-from ..sharding import is_dtensor, local_data
+from ..sharding import is_dtensor, local_data, tp_mesh
 from .functional import group_rank, group_size, mix_seed
 from .moe_dispatch import exchange_counts, start_all_to_all, wait_all_to_all
 from .moe_experts import GroupedExperts, SharedExpert, uniform
@@ -41,32 +41,17 @@ except ImportError:  # pragma: no cover - torch without torch.distributed
     DeviceMesh = None  # type: ignore[assignment,misc]
 
 _GATE, _SHARED = 10, 20  # init streams (the experts' are moe_experts.py's)
-_MESHES: dict[tuple[int, str], Any] = {}
 
 
 def ep_group(group: Any) -> tuple[Any, Any]:
     """(process group, 1-D DeviceMesh) of the experts: a DeviceMesh's "ep" dim (or its only dim), a ProcessGroup,
     None (the world); (None, None) when torch.distributed is not initialised (one process)."""
-    import torch.distributed as dist
-
-    if DeviceMesh is not None and isinstance(group, DeviceMesh):
-        names = group.mesh_dim_names or ()
-        if "ep" in names:
-            mesh = group["ep"] if group.ndim > 1 else group
-        elif group.ndim == 1:
-            mesh = group
-        else:
-            raise ParallelConfigError(f"MoE: a DeviceMesh with dims {list(names)} has no 'ep' dim for the experts; "
-                                      "name the expert-parallel dim 'ep'")
-        return mesh.get_group(), mesh
-    if not dist.is_available() or not dist.is_initialized():
-        return None, None
-    pg = dist.group.WORLD if group is None else group
-    device_type = "cuda" if "nccl" in str(dist.get_backend(pg)).lower() else "cpu"
-    key = (id(pg), device_type)
-    if key not in _MESHES:  # one mesh per group, shared by the layers
-        _MESHES[key] = DeviceMesh.from_group(pg, device_type, mesh_dim_names=("ep",))
-    return pg, _MESHES[key]
+    if DeviceMesh is not None and isinstance(group, DeviceMesh) and group.ndim > 1 and \
+            "ep" not in (group.mesh_dim_names or ()):
+        raise ParallelConfigError(f"MoE: a DeviceMesh with dims {list(group.mesh_dim_names or ())} has no 'ep' dim "
+                                  "for the experts; name the expert-parallel dim 'ep'")
+    mesh = tp_mesh(group, "ep")  # one mesh per group, shared by the layers (sharding.py)
+    return (None, None) if mesh is None else (mesh.get_group(), mesh)
 
 
 class MoE(nn.Module):

@@ -34,10 +34,18 @@ class _AllToAll(torch.autograd.Function):
         return _all_to_all(grad, out_splits, in_splits, ctx.group), None, None, None
 
 
-def _all_to_all(x: torch.Tensor, in_splits: list[int], out_splits: list[int], group: Any) -> torch.Tensor:
+def _issue(x: torch.Tensor, in_splits: list[int], out_splits: list[int], group: Any, async_op: bool = False
+           ) -> tuple[torch.Tensor, torch.Tensor, Any]:
+    """Send `x`'s rows by `in_splits`, receive `out_splits`: (the receive buffer, the tensor sent, the work handle
+    when `async_op`; both tensors must stay alive until it completes)."""
+    send = x.contiguous()
     out = x.new_empty((sum(out_splits), *x.shape[1:]))
-    dist.all_to_all_single(out, x.contiguous(), out_splits, in_splits, group=group)
-    return out
+    work = dist.all_to_all_single(out, send, out_splits, in_splits, group=group, async_op=async_op)
+    return out, send, work
+
+
+def _all_to_all(x: torch.Tensor, in_splits: list[int], out_splits: list[int], group: Any) -> torch.Tensor:
+    return _issue(x, in_splits, out_splits, group)[0]
 
 
 class Pending:
@@ -58,9 +66,7 @@ class _Start(torch.autograd.Function):
     def forward(ctx: Any, x: torch.Tensor, in_splits: list[int], out_splits: list[int], group: Any,
                 pending: Pending) -> torch.Tensor:
         ctx.pending = pending
-        pending.send = x.contiguous()
-        out = x.new_empty((sum(out_splits), *x.shape[1:]))
-        pending.work = dist.all_to_all_single(out, pending.send, out_splits, in_splits, group=group, async_op=True)
+        out, pending.send, pending.work = _issue(x, in_splits, out_splits, group, async_op=True)
         return out
 
     @staticmethod
@@ -88,10 +94,7 @@ class _Wait(torch.autograd.Function):
     def backward(ctx: Any, grad: torch.Tensor) -> tuple[torch.Tensor, None, None, None, None]:
         in_splits, out_splits = ctx.splits
         p = ctx.pending
-        p.grad_send = grad.contiguous()
-        p.grad_out = grad.new_empty((sum(in_splits), *grad.shape[1:]))
-        p.grad_work = dist.all_to_all_single(p.grad_out, p.grad_send, in_splits, out_splits, group=ctx.group,
-                                             async_op=True)
+        p.grad_out, p.grad_send, p.grad_work = _issue(grad, out_splits, in_splits, ctx.group, async_op=True)
         return grad, None, None, None, None  # a placeholder: _Start's backward returns what the all_to_all got
 
 

@@ -26,12 +26,18 @@ import torch.nn.functional as F
 
 from ..errors import ParallelConfigError
 from ..sharding import is_dtensor, local, replicate_parameters
-from .functional import Group, copy_to_parallel, gather_from_parallel, group_size, scatter_to_parallel
+from .functional import (
+    Group,
+    all_gather_cat,
+    copy_to_parallel,
+    gather_from_parallel,
+    group_size,
+    scatter_to_parallel,
+)
 from .layers import ColumnParallelLinear, RowParallelLinear
 
 SEQ = 1  # the sequence dimension of [batch, sequence, features] (torchtitan's Shard(1))
 # torch 2.13 renamed the tensor collectives; older releases (the GPU machine's 2.11) have the old names
-_ALL_GATHER = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
 _REDUCE_SCATTER = getattr(dist, "reduce_scatter_single", None) or dist.reduce_scatter_tensor
 
 
@@ -39,14 +45,6 @@ def _check(x: torch.Tensor, who: str) -> None:
     if x.dim() < 2:
         raise ParallelConfigError(f"{who}: sequence parallelism needs [batch, sequence, ...] activations, got shape "
                                   f"{list(x.shape)}")
-
-
-def _gather(x: torch.Tensor, group: Group) -> torch.Tensor:
-    """Every rank's sequence slice, concatenated along the sequence."""
-    n = group_size(group)
-    parts = torch.empty((n * x.shape[0], *x.shape[1:]), dtype=x.dtype, device=x.device)
-    _ALL_GATHER(parts, x.contiguous(), group=group)
-    return parts.unflatten(0, (n, x.shape[0])).movedim(0, SEQ).flatten(SEQ, SEQ + 1)
 
 
 def _reduce_scatter(x: torch.Tensor, group: Group, who: str) -> torch.Tensor:
@@ -68,7 +66,7 @@ class _GatherSequence(torch.autograd.Function):
     @staticmethod
     def forward(ctx: Any, x: torch.Tensor, group: Group) -> torch.Tensor:
         ctx.group = group
-        return _gather(x, group)
+        return all_gather_cat(x, SEQ, group)
 
     @staticmethod
     def backward(ctx: Any, grad: torch.Tensor) -> tuple[torch.Tensor, None]:
@@ -86,7 +84,7 @@ class _ReduceScatterSequence(torch.autograd.Function):
 
     @staticmethod
     def backward(ctx: Any, grad: torch.Tensor) -> tuple[torch.Tensor, None]:
-        return _gather(grad, ctx.group), None
+        return all_gather_cat(grad, SEQ, ctx.group), None
 
 
 def gather_sequence(x: torch.Tensor, group: Group = None) -> torch.Tensor:
