@@ -83,6 +83,8 @@ class DistributedOptimizer(BucketSet, Stepping, Clipping, Masks, DDPBehaviours, 
         self.last_step_ms: dict[str, float] = {}  # wall time of the last step's phases (reduce+update+gather)
         self._buckets: list[Bucket] = []
         self._owner: dict[int, Bucket] = {}
+        self._groups_seen: list[tuple[list, int]] = []  # each group's parameter list and its length, when last looked
+        self._unbucketed: list[tuple[int, torch.Tensor]] = []  # (group, parameter) of those not in a bucket
         self._sync = True  # no_sync() turns the launches from backward hooks off
         self._deferred: list[Bucket] = []
         self._forward_hook: Any = None

@@ -87,9 +87,17 @@ class BucketSet:
         """Buckets (compiled, with views and hooks) for every trainable parameter not yet bucketed: a new group's,
         or one frozen (requires_grad=False) when the optimizer was made and unfrozen since, which torch trains from a
         fresh state. (A collective when there are some: every rank unfreezes alike.)"""
+        groups, seen = self.param_groups, self._groups_seen
+        if len(seen) != len(groups) or any(g["params"] is not ps or len(ps) != n
+                                           for g, (ps, n) in zip(groups, seen, strict=True)):
+            # a group added or its parameter list replaced: look at every parameter once (not at every step)
+            self._groups_seen = [(g["params"], len(g["params"])) for g in groups]
+            self._unbucketed = [(gi, p) for gi, g in enumerate(groups) for p in g["params"] if id(p) not in self._owner]
+        elif not any(p.requires_grad for _, p in self._unbucketed):
+            return self._buckets
         built = False
-        for gi, group in enumerate(self.param_groups):
-            new = [p for p in group["params"] if p.requires_grad and id(p) not in self._owner]
+        for gi in range(len(groups)):
+            new = [p for g, p in self._unbucketed if g == gi and p.requires_grad]
             if new:
                 policy = BucketPolicy.of(self.bucket_cap_mb, self.reduction, self.rows, world(self.process_group)[1])
                 for b in buckets_of(policy, gi, new):
@@ -97,6 +105,7 @@ class BucketSet:
                     self._buckets.append(b)
                     built = True
         if built:
+            self._unbucketed = [(gi, p) for gi, p in self._unbucketed if id(p) not in self._owner]
             self._settle()
         return self._buckets
 
@@ -155,7 +164,7 @@ class BucketSet:
         b.attach(grad, b.exe.shared_input(model_weights(b.exe.tensor_inputs())), keep_grad=keep_grad)
         b.in_slot = grad is not None
         if not keep_grad:  # kept gradients keep their standing (a step without zero_grad() is still refused)
-            b.stale = set()
+            b.stale = [False] * len(b.params)
 
     def _rebuild(self, b: Bucket, masked: bool) -> None:
         """Recompile bucket b's program (masked, or clipping now on), its state carried over; its parameters and
@@ -197,25 +206,28 @@ class BucketSet:
         not reach before the next step is skipped, not updated with zeros; without it the `.grad` views are zeros."""
         if self._paused is not None:
             raise OptimizerError("clip_grad_norm_ reduced this step's gradients: call step() before zero_grad()")
-        for group in self.param_groups:  # parameters the buckets do not hold (frozen ones), as torch does
-            for p in group["params"]:
-                if p.grad is not None and id(p) not in self._owner:
-                    if set_to_none:
-                        p.grad = None
-                    else:
-                        p.grad = p.grad.detach().zero_()
-        for b in self._ensure_buckets():
+        buckets = self._ensure_buckets()
+        for _, p in self._unbucketed:  # parameters the buckets do not hold (frozen ones), as torch does
+            if p.grad is not None:
+                if set_to_none:
+                    p.grad = None
+                else:
+                    p.grad = p.grad.detach().zero_()
+        for b in buckets:  # (a user's replaced weights or gradients are taken back by the step's restore_views)
             b.version = None
             if b.launched:
                 b.exe.cancel()
                 b.launched = False
-            b.restore_views(copy=False)
             b.grad.zero_()
-            b.stale = set()
-            b.arrived.clear()
-            b.zeroed = set(range(len(b.params)))
-            for i, p in enumerate(b.params):  # as torch: a None gradient stays None either way
-                set_grad(p, None if set_to_none or p.grad is None else b.grads[i])
+            n = len(b.params)
+            b.stale, b.zeroed = [False] * n, [True] * n
+            b.reset_arrivals()
+            for p, plain, view in zip(b.params, b.plain, b.grads, strict=True):  # as torch: None stays None
+                g = None if set_to_none or p.grad is None else view
+                if plain:
+                    p.grad = g  # a plain parameter's gradient is the view itself: no call per parameter
+                else:
+                    set_grad(p, g)
 
     @property
     def schedules(self) -> list[str]:

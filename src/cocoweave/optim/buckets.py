@@ -38,17 +38,19 @@ class Bucket:
     masked: bool = False  # it runs the masked program: a parameter of the bucket once went without a gradient
     state: dict[str, torch.Tensor] = field(default_factory=dict)  # state given on every call (not kept sliced)
     step: int = 0  # steps taken while every parameter of the bucket had a gradient
-    arrived: set[int] = field(default_factory=set)  # parameters backward reached since the last launch or step
-    zeroed: set[int] = field(default_factory=set)  # parameters whose gradient view is known to hold zeros
+    arrived: list = field(default_factory=list)  # parameter i: backward reached it since the last launch or step
+    count: int = 0  # how many have arrived (a list and a count, not a set: the hooks run per parameter per step)
+    zeroed: list = field(default_factory=list)  # parameter i's gradient view is known to hold zeros
     launched: bool = False  # the gradient reduction was issued from a backward hook
     version: int | None = None  # the gradients' version counter when backward last wrote them
     norm: str | None = None  # clipping: the scalar all-reduce of the program's squared-norm partials
     in_slot: bool = False  # `grad` is the slot of a shared-memory reduction, which leaves this rank's part reduced
-    stale: set[int] = field(default_factory=set)  # parameters whose gradient view still holds the last reduction
+    stale: list = field(default_factory=list)  # parameter i's gradient view still holds the last reduction
     plain: list = field(default_factory=list)  # parameter i is a plain tensor (not a DTensor)
     started: bool = False  # SGD: the momentum buffer exists (torch's state has a momentum_buffer)
     grads: list = field(default_factory=list)  # parameter i's view of `grad` (made once per buffer: host time)
     weights: list = field(default_factory=list)  # parameter i's view of `data`
+    weight_ptrs: list = field(default_factory=list)  # their data pointers
     step_count: torch.Tensor | None = None  # `step`, the 0-d tensor every parameter's opt.state[p]["step"] is
     shards: tuple = ()  # the global ranks of each group its (DTensor) parameters are split over (placements.py)
     shard_groups: list = field(default_factory=list)  # those groups of more than one rank: clipping sums over them
@@ -59,6 +61,13 @@ class Bucket:
         self.shards = shard_key(self.params[0])
         self.shard_groups = [g for g, ranks in zip(shard_groups(self.params[0]), self.shards, strict=True)
                              if len(ranks) > 1]
+        n = len(self.params)
+        self.arrived, self.zeroed, self.stale = [False] * n, [False] * n, [False] * n
+
+    def reset_arrivals(self) -> None:
+        """No parameter has arrived (after a launch, a step or zero_grad)."""
+        self.arrived = [False] * len(self.params)
+        self.count = 0
 
     @property
     def shape(self) -> tuple[int, ...]:
@@ -118,9 +127,10 @@ class Bucket:
         self.grads = [self.part(self.grad, i) for i in range(len(self.params))]
         self.weights = [self.part(data, i) for i in range(len(self.params))]
         self.plain = [not is_dtensor(p) for p in self.params]  # a plain parameter's `.grad` is its view itself
+        self.weight_ptrs = [w.data_ptr() for w in self.weights]  # what restore_views compares (once per buffer)
         if old is None:
             self.grad.zero_()
-            self.zeroed = set(range(len(self.params)))
+            self.zeroed = [True] * len(self.params)
         elif old.data_ptr() != self.grad.data_ptr():
             self.grad.copy_(old)
             if self.version is not None:  # still the gradients backward wrote: the check goes on from the copy
@@ -140,8 +150,7 @@ class Bucket:
         with torch.no_grad():
             view.copy_(g)
         set_grad(p, view)
-        self.zeroed.discard(i)
-        self.stale.discard(i)
+        self.zeroed[i] = self.stale[i] = False
 
     def restore_views(self, copy: bool = True) -> list[int]:
         """Before a step: a parameter whose `.grad` is another tensor than its view (set by hand, or replaced) has it
@@ -154,29 +163,19 @@ class Bucket:
                 pass
             elif (g := None if g is None else local(g)) is None:
                 missing.append(i)
-                if i not in self.zeroed:
+                if not self.zeroed[i]:
                     view.zero_()
-                    self.zeroed.add(i)
-                self.stale.discard(i)
+                    self.zeroed[i] = True
+                self.stale[i] = False
             elif g.layout != view.layout or g.data_ptr() != view.data_ptr() or g.shape != view.shape:
                 if copy:
                     self.take(i)
                 else:
                     set_grad(p, view)
-            if (p.data_ptr() if self.plain[i] else local_data(p).data_ptr()) != self.weights[i].data_ptr():
+            if (p.data_ptr() if self.plain[i] else local_data(p).data_ptr()) != self.weight_ptrs[i]:
                 self.weights[i].copy_(local_data(p))  # the user replaced the weights
                 set_data(p, self.weights[i])
         return missing
-
-    def grad_view(self, i: int) -> torch.Tensor:
-        """Parameter i's gradient view, zeroed unless known to be zero: what backward accumulates into when the
-        parameter has no `.grad` (after zero_grad(set_to_none=True) or model.zero_grad())."""
-        view = self.grads[i]
-        if i not in self.zeroed:
-            view.zero_()
-        self.zeroed.discard(i)
-        self.stale.discard(i)
-        return view
 
 
 def make_buckets(group_index: int, params: Iterable[torch.nn.Parameter], cap_bytes: int,

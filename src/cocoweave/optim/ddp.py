@@ -73,14 +73,23 @@ class DDPBehaviours:
         """A hook run before backward accumulates parameter i's gradient: a parameter without `.grad` (after
         zero_grad(set_to_none=True), as torch leaves it) gets its (zeroed) view, so autograd adds into the bucket in
         place instead of making a tensor of its own."""
-        p = b.params[i]
+        p, plain = b.params[i], b.plain[i]
 
-        def hook(grad: torch.Tensor) -> None:
+        def hook(grad: torch.Tensor) -> None:  # runs per parameter per backward: no call in the common case
             if p.grad is None and grad.layout == torch.strided:
-                set_grad(p, b.grad_view(i))
+                view = b.grads[i]
+                if not b.zeroed[i]:
+                    view.zero_()
+                b.zeroed[i] = b.stale[i] = False
+                if plain:
+                    p.grad = view
+                else:
+                    set_grad(p, view)
         return hook
 
     def _arrived(self, b: Bucket, i: int) -> Callable[[torch.Tensor], None]:
+        n = len(b.params)
+
         def hook(p: torch.Tensor) -> None:
             view, g = b.grads[i], p.grad
             if g is not view and ((g := local(g)).layout != view.layout or g.data_ptr() != view.data_ptr()):
@@ -88,10 +97,12 @@ class DDPBehaviours:
             b.version = b.grad._version  # any later in-place change of the gradients shows in this counter
             if not self._sync:  # accumulating under no_sync: the reduction waits for the backward outside it
                 return
-            b.arrived.add(i)
-            if self.overlap and len(b.arrived) == len(b.params):
+            if not b.arrived[i]:
+                b.arrived[i] = True
+                b.count += 1
+            if self.overlap and b.count == n:
                 b.launched = b.exe.launch({GRAD: b.grad}) or b.launched
-                b.arrived.clear()  # the next backward (accumulation) launches again
+                b.reset_arrivals()  # the next backward (accumulation) launches again
         return hook
 
     @contextlib.contextmanager

@@ -26,7 +26,7 @@ class Masks:
         for b in buckets:
             self._check_grads(b)
             none = set(b.restore_views())
-            if b.stale:
+            if any(b.stale):
                 raise OptimizerError(
                     f"{type(self).__name__}: step() was called without zero_grad() since the last step; the gradient "
                     "buffers were reduced in place (on one host the reduction works inside them), so gradients cannot "
@@ -51,8 +51,9 @@ class Masks:
         """A sparse `.grad` set by hand where torch's optimizer refuses one, refused with torch's sentence."""
         if self.sparse_grads:
             return
-        for p in b.params:
-            if p.grad is not None and local(p.grad).layout != torch.strided:
+        for p, view in zip(b.params, b.grads, strict=True):
+            g = p.grad
+            if g is not None and g is not view and local(g).layout != torch.strided:
                 raise OptimizerError(f"{type(self).__name__} does not support sparse gradients (a parameter of shape "
                                      f"{list(p.shape)} has a {p.grad.layout} one), as torch's "
                                      f"{type(self).__name__.removeprefix('Distributed')} does not; use a dense "

@@ -37,7 +37,7 @@ class Stepping:
         for b, exe, steps in runs:
             finish(steps, exe, phases)
             if b.in_slot:  # this rank's part of the gradient buffer now holds the reduced gradient
-                b.stale = set(range(len(b.params)))
+                b.stale = [True] * len(b.params)
             b.step += 1
             self.stepped(self.param_groups[b.group], b)
             b.launched = False
@@ -46,8 +46,8 @@ class Stepping:
         if self._deferred and self._forward_hook is None:
             self._forward_hook = torch.nn.modules.module.register_module_forward_pre_hook(self._before_forward)
         for b in buckets:
-            b.arrived.clear()
-            b.zeroed.clear()  # the reduction may have worked inside the gradient buffer
+            b.reset_arrivals()
+            b.zeroed = [False] * len(b.params)  # the reduction may have worked inside the gradient buffer
             b.version = None
         self._publish_steps()
         self._sync_buffers()
