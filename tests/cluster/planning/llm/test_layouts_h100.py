@@ -145,3 +145,38 @@ def test_ulysses_context_parallel_all_to_alls_by_hand():
     assert "cp4u" in cfg.describe() and cfg.problems(SPEC, 8) == []
     (why,) = ParallelConfig(tp=4, cp=4, ulysses=True).problems(SPEC, 8)
     assert "split over tp x cp 16" in why
+
+
+def test_float8_gathers_the_linear_inputs_at_one_byte_a_value():
+    """With float8 and sequence parallelism the column-parallel linears' inputs are cast before they are
+    all-gathered (TE's FP8 all-gather, torchao's Float8ColwiseParallel): those all-gathers move half the bytes;
+    the reduce-scatters and the gradients' all-gathers backward stay 16-bit."""
+    n = 128 * 256 * 2  # b s h, 16-bit
+    link = group_link(SYSTEM, 8, 1)
+    ag, rs = collective_s("all_gather", n, 8, link), collective_s("reduce_scatter", n, 8, link)
+    ag8 = 7 / 8 * (n / 2) / 100e9  # 1 byte a value
+    fp8 = SPEC.model_copy(update={"dtype": "float8"})
+    cfg = ParallelConfig(tp=8, sp=True)
+    # forward: 2 AG (fp8) + 2 RS; backward: 2 AG of gradients + 2 RS + the 2 fp8 inputs regathered for wgrad
+    assert tp_comm_layer_s(fp8, cfg, SYSTEM) == pytest.approx(2 * (ag8 + rs) + 2 * (ag + rs) + 2 * ag8)
+    # full recomputation: forward twice, no regather backward
+    assert tp_comm_layer_s(fp8, replace(cfg, recompute="full"), SYSTEM) == pytest.approx(
+        2 * 2 * (ag8 + rs) + 2 * (ag + rs))
+    # without sequence parallelism the all-reduces carry the 16-bit outputs: float8 changes nothing
+    assert tp_comm_layer_s(fp8, ParallelConfig(tp=8), SYSTEM) == tp_comm_layer_s(SPEC, ParallelConfig(tp=8), SYSTEM)
+
+
+def test_hidden_data_parallel_traffic_drags_the_compute_by_its_fraction():
+    """`overlap_drag` d: each second of data-parallel traffic hidden behind the backward still costs d seconds;
+    exposed traffic costs what it did."""
+    wide = SPEC.model_copy(update={"hidden": 1024})  # 200 MB of gradients: more than one 25 MB bucket
+    cfg = ParallelConfig(dp=8, micro_batch=4)
+    free = predict_step(wide, cfg, SYSTEM)
+    hidden = free.dp_comm_s - free.dp_exposed_s
+    assert hidden > 0
+    drag = predict_step(wide, cfg, replace(SYSTEM, eff=replace(EFF, overlap_drag=0.25)))
+    assert drag.dp_exposed_s == pytest.approx(free.dp_exposed_s + 0.25 * hidden)
+    assert drag.total_s - free.total_s == pytest.approx(0.25 * hidden)
+    off = replace(cfg, dp_overlap=False)  # nothing hidden: nothing to drag
+    assert predict_step(wide, off, replace(SYSTEM, eff=replace(EFF, overlap_drag=0.25))).total_s == \
+        pytest.approx(predict_step(wide, off, SYSTEM).total_s)

@@ -14,8 +14,9 @@ from cocoweave.cluster.planning.llm.validate import groups, main, table
 
 CATALOG = load_catalog()
 # measured 2026-12-05 (`python -m cocoweave.cluster.planning.llm.validate`): H100/H200 held-out 35 rows, mean
-# 7.46 %, max 21.33 %; before Hopper constants 17.06 % / 44.04 %. The bound leaves room for refits, not regressions.
-H100_HELD_OUT_MEAN, H100_HELD_OUT_MAX = 8.5, 23.0
+# 5.00 %, max 19.91 % (before FP8 all-gathers, FSDP1's drag and a GEMM rate per H100 kind: 7.46 % / 21.33 %);
+# before Hopper constants 16.94 % / 44.04 %. The bound leaves room for refits, not regressions.
+H100_HELD_OUT_MEAN, H100_HELD_OUT_MAX = 5.5, 21.0
 
 
 def test_h100_held_out_rows_within_the_bound_and_far_better_than_the_spec_sheet():
@@ -27,7 +28,7 @@ def test_h100_held_out_rows_within_the_bound_and_far_better_than_the_spec_sheet(
         "megatron-core-2024", "torchtitan-compile-2024", "llm-foundry-2023"}
     assert held.mean <= H100_HELD_OUT_MEAN and held.max <= H100_HELD_OUT_MAX
     assert held.mean < 0.6 * then["H100/H200 held-out"].mean and held.max < then["H100/H200 held-out"].max
-    # the one MoE row (Qwen3-30B-A3B, ep 8) is predicted 2.4x too fast (58.49 %): a known gap, bounded, not hidden
+    # the one MoE row (Qwen3-30B-A3B, ep 8) is predicted 2.4x too fast (59.20 %): a known gap, bounded, not hidden
     assert now["H100/H200 MoE held-out"].rows == 1 and now["H100/H200 MoE held-out"].max <= 60.0
     assert now["A100 held-out"].mean <= 3.5 and now["A100 held-out"].max <= 9.0
     assert now["A100 calibration"].mean <= 3.5 and now["A100 calibration"].max <= 9.0

@@ -21,7 +21,8 @@ FREE = (
     (("megatron-2021", "megatron-2022", "torchtitan-2024"), "gemm_half", 0.0, 400.0),
     (("megatron-2021", "megatron-2022"), "elementwise_passes", 0.5, 8.0),
     (("torchtitan-2024",), "elementwise_passes", 0.5, 20.0),
-    ((MC, TT, MF), "gemm_max", 0.4, 1.0),  # cuBLAS on Hopper: one GEMM rate by shape for every stack
+    ((MC, MF), "gemm_max", 0.4, 1.0),  # cuBLAS on Hopper: one GEMM rate per GPU, DGX H100's (700 W SXM)
+    ((TT,), "gemm_max", 0.4, 1.0),  # Grand Teton's H100 at 500 W, its peak not known (the NVL one assumed)
     ((MC, TT, MF), "gemm_half", 0.0, 400.0),
     ((MC,), "fp8_max", 0.2, 1.0),  # Transformer Engine's FP8 (delayed scaling in NeMo 24.07)
     ((TT,), "fp8_max", 0.2, 1.0),  # torchao's float8 (dynamic tensorwise scaling)
@@ -33,6 +34,7 @@ FREE = (
     ((MF,), "flash", 0.2, 1.0),  # FlashAttention with ALiBi (llm-foundry's Triton kernel)
     ((MC,), "tp_overlap", 0.0, 1.0),  # TE's userbuffers
     ((TT,), "tp_overlap", 0.0, 1.0),  # async TP
+    ((MF,), "overlap_drag", 0.0, 1.0),  # NCCL's kernels beside the GEMMs they overlap: FSDP's
 )
 # Where the Hopper fit starts (coordinate descent finds a local optimum: the shipped constants are the fit from
 # here, `python -m cocoweave.cluster.planning.llm.calibrate` refits and prints them)

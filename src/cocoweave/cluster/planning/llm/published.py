@@ -274,7 +274,10 @@ def _h100_megatron_runs() -> list[PublishedRun]:
 
 LLAMA31 = {"8B": (32, 4096, 32, 14336), "70B": (80, 8192, 64, 28672)}
 # torchtitan Dec 2024 (table, model, GPUs, dp, tp, cp, local batch, seq, recompute, float8, async TP, tokens/s/GPU,
-# calibration?); local batch = sequences per dp rank (no gradient accumulation)
+# calibration?); local batch = sequences per dp rank (no gradient accumulation). Table 2's four rows keep 32K tokens
+# per GPU at cp 1, 2, 4, 8 (8.42, 12.90, 30.60, 59.80 s a step): a ring adds cp steps of the same half-block
+# attention, but cp 1-2 give 4.5 s a step and cp 4-8 give 7.3 s, so no per-step cost fits all four (the rows are as
+# published; docs/planning_llm.md says what we tried)
 TORCHTITAN_H100 = (
     (1, "8B", 8, 8, 1, 1, 2, 8192, "selective", False, False, 6667, True),
     (1, "8B", 8, 8, 1, 1, 2, 8192, "selective", True, False, 8532, False),

@@ -21,7 +21,8 @@ from cocoweave.errors import PlanningError
 
 # Bytes of a stored or communicated value. float8 trains as Transformer Engine and torchao do: the linear layers'
 # GEMMs run on FP8 inputs (`step.py` prices them at the GPU's FP8 peak), while weights, activations kept for
-# backward and the collectives stay 16-bit (both keep bf16 weights and activations; FP8 copies are transient).
+# backward and the collectives stay 16-bit (both keep bf16 weights and activations; FP8 copies are transient), but
+# for the tensor-parallel all-gathers of the linear layers' inputs (`step.tp_comm_layer_s`).
 DTYPE_BYTES = {"float32": 4, "bfloat16": 2, "float16": 2, "float8": 2}
 # Sane physical limits of a spec, each far beyond any published model (the largest: 128-200 layers, hidden 25,600-
 # 53,248, vocabularies of 256K, 10M-token contexts): a value past one is refused with the field and its limit, so

@@ -4,8 +4,9 @@ Per layer and micro-batch, on one GPU of a tp group: every matmul at its own sha
 the elementwise work (LayerNorm, dropout, residual, activation, softmax) as passes over the bytes Korthikanti's
 count stores (memory-bound); backward twice the forward; recomputation adds a forward (full) or the attention core
 (selective). With float8 the linear layers' GEMMs run at the FP8 peak times the stack's `fp8_max`; attention stays
-16-bit. Tensor-parallel collectives on the tp group's link, exposed unless the stack overlaps them (then the
-fraction `tp_overlap` of them, up to the GEMMs' time, is hidden). Context parallelism: each rank computes its
+16-bit, except that the linear layers' inputs are all-gathered already cast (1 byte a value). Tensor-parallel
+collectives on the tp group's link, exposed unless the stack overlaps them (then the fraction `tp_overlap` of them,
+up to the GEMMs' time, is hidden). Context parallelism: each rank computes its
 s / cp queries against all keys, the keys and values going around the cp ring in cp - 1 steps, each hidden behind
 one block of attention (Megatron's ring attention); only what a step takes beyond its block is exposed. Experts:
 grouped GEMMs over the rows each local expert receives, and with ep > 1 two all-to-alls (dispatch, combine) each
@@ -17,7 +18,8 @@ the bubble (pp - 1) / vp x the mean stage (Narayanan et al. SC'21, sec. 2.2). Da
 dp x cp group's link (experts': over the cp x dp / ep ranks that replicate them), in buckets that each pay the
 collective's latency (2 (g - 1) alpha for a ring, 2 log2(g) alpha for a tree: at thousands of ranks this is what a
 large data-parallel step adds), overlapped with the last micro-batch's backward where the framework does so (and
-ZeRO's parameter all-gather with the next forward where the stack does that); then the optimizer.
+ZeRO's parameter all-gather with the next forward where the stack does that), each hidden second still costing
+`overlap_drag` of a second of compute; then the optimizer.
 """
 
 from __future__ import annotations
@@ -121,14 +123,18 @@ def tp_comm_layer_s(spec: TransformerSpec, cfg: ParallelConfig, system: System) 
     """Tensor-parallel collective seconds of one layer and micro-batch (forward, backward, recomputation): two
     all-reduces each way of b x s x h values, or with sequence parallelism two all-gathers and two
     reduce-scatters each way plus, unless full recomputation has just regathered them, the all-gathers backward
-    redoes for the weight gradients (Megatron does not keep the gathered input)."""
+    redoes for the weight gradients (Megatron does not keep the gathered input). With float8 the gathered inputs
+    of the column-parallel linears are already FP8 (Transformer Engine's FP8 all-gather under sequence
+    parallelism, torchao's Float8ColwiseParallel): those all-gathers move 1 byte a value, the reduce-scatters and
+    the gradients' all-gathers 2."""
     if cfg.tp == 1:
         return 0.0
     link = group_link(system, cfg.tp, 1)
     n = local_tokens(spec, cfg) * spec.hidden * spec.bytes_per_value
     if cfg.sp:
         ag, rs = collective_s("all_gather", n, cfg.tp, link), collective_s("reduce_scatter", n, cfg.tp, link)
-        fwd, bwd = 2 * (ag + rs), 2 * (ag + rs) + (0 if cfg.recompute == "full" else 2 * ag)
+        ag_in = collective_s("all_gather", n / 2, cfg.tp, link) if spec.dtype == "float8" else ag
+        fwd, bwd = 2 * (ag_in + rs), 2 * (ag + rs) + (0 if cfg.recompute == "full" else 2 * ag_in)
     else:
         fwd = bwd = 2 * collective_s("all_reduce", n, cfg.tp, link)
     return fwd + bwd + (fwd if cfg.recompute == "full" else 0.0)
@@ -201,8 +207,9 @@ def bucketed_s(kind: str, nbytes: float, size: int, link: Link | None,
 def dp_exposed_s(spec: TransformerSpec, cfg: ParallelConfig, system: System, window_bwd: float, window_fwd: float,
                  pipeline: float, split: tuple[float, float] | None = None) -> tuple[float, float, str]:
     """Data-parallel seconds per step (all of it, the part not hidden, the algorithm): dense gradients over the
-    cp x dp ranks that replicate them (tp apart), experts' over the cp x dp / ep ranks (tp x ep apart); `split`,
-    when given, is `stage_param_split(spec, cfg)`."""
+    cp x dp ranks that replicate them (tp apart), experts' over the cp x dp / ep ranks (tp x ep apart); the hidden
+    part still costs `overlap_drag` of itself (the collectives' kernels beside the compute); `split`, when given,
+    is `stage_param_split(spec, cfg)`."""
     dense, experts = split if split is not None else stage_param_split(spec, cfg)
     total = exposed = 0.0
     algo = "none"
@@ -231,7 +238,7 @@ def dp_exposed_s(spec: TransformerSpec, cfg: ParallelConfig, system: System, win
             t = m * (gathers * ag + rs)
             hidden = max(t - pipeline, last)
         total += t
-        exposed += hidden if cfg.dp_overlap else t
+        exposed += hidden + system.eff.overlap_drag * (t - hidden) if cfg.dp_overlap else t
     return total, exposed, algo
 
 
