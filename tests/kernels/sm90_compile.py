@@ -132,7 +132,7 @@ def generated_programs() -> list[tuple[str, Any, dict[str, int]]]:
     variant cocoweave.optim builds (dtype, master weights, clipping, masking) and the parallel examples."""
     import itertools
 
-    from cocoweave.loader import load_example
+    from cocoweave.ir.loader import load_example
     from cocoweave.workloads import optimizers as W
 
     out = []

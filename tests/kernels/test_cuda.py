@@ -40,7 +40,7 @@ def test_lamb_with_eps_zero_has_finite_norms_on_cuda() -> None:
 def test_generated_kernels_equal_torch_ops_on_cuda() -> None:
     from cocoweave.backends.inputs import make_inputs
     from cocoweave.backends.torch.executable import Executable
-    from cocoweave.loader import load_example
+    from cocoweave.ir.loader import load_example
     from cocoweave.plan import lower
     from cocoweave.schedule.enumerate import enumerate_schedules
 

@@ -39,15 +39,15 @@ import torch
 import triton
 
 from .. import rng
-from ..codecache import source_file
 from ..errors import BackendError
 from ..ir import registry as R
 from ..ir.graph import Value
 from ..ir.layout import slice_bounds
+from ..ir.loader import import_module_file
 from ..ir.printer import operand
 from ..ir.types import DTYPES, bind_shape, promote
-from ..loader import import_module_file
 from ..plan import Compute, Memory, Plan, RankView
+from ..storage.codecache import source_file
 from .precise import interpreted
 
 log = logging.getLogger("cocoweave.kernels")
