@@ -33,14 +33,15 @@ if OPTS.smoke:
 
 import torch  # noqa: E402
 import triton  # noqa: E402
+from baselines import adam_step  # noqa: E402
 from triton.testing import do_bench  # noqa: E402
 
 import cocoweave as cw  # noqa: E402
 from cocoweave.backends.torch.executable import Executable  # noqa: E402
-from cocoweave.kernels import adam_step, bias_dropout_residual  # noqa: E402
+from cocoweave.equivalence.compare import compare  # noqa: E402
+from cocoweave.kernels import bias_dropout_residual  # noqa: E402
 from cocoweave.plan import lower  # noqa: E402
 from cocoweave.schedule.schedule import Schedule  # noqa: E402
-from cocoweave.testing import compare  # noqa: E402
 
 DEV = torch.device("cpu" if OPTS.smoke else "cuda")
 N = 10_003 if OPTS.smoke else 335_000_000

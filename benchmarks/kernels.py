@@ -33,18 +33,11 @@ if OPTS.smoke:
 
 import torch  # noqa: E402
 import triton  # noqa: E402
+from baselines import adam_step, adam_step_multi, lamb_step, lamb_step_multi, sgd_step, sgd_step_multi  # noqa: E402
 from triton.testing import do_bench  # noqa: E402
 
 from cocoweave import rng  # noqa: E402
-from cocoweave.kernels import (  # noqa: E402
-    adam_step,
-    adam_step_multi,
-    bias_dropout_residual,
-    lamb_step,
-    lamb_step_multi,
-    sgd_step,
-    sgd_step_multi,
-)
+from cocoweave.kernels import bias_dropout_residual  # noqa: E402
 
 SMOKE = OPTS.smoke
 DEV = torch.device("cpu" if SMOKE else "cuda")

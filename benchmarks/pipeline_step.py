@@ -134,11 +134,11 @@ class Run:
                                                                   seed=100 * i, schedule=layers,
                                                                   sequence_parallel=sp),
                                  first=lambda: Embed(V, d, cfg["seq"]), last=lambda: Head(V, d), loss_fn=_loss(V),
-                                 microbatches=m, schedule=schedule, sliced=not variant.endswith(":full"),
+                                 microbatches=m, pipeline_schedule=schedule, sliced=not variant.endswith(":full"),
                                  sequence_parallel=sp)
             self.stages, self.modules = self.pipe.stages, self.pipe.modules
             self.opt = DistributedAdamW(list(self.pipe.parameters()), lr=cfg["lr"], process_group=mesh.get_group("dp"))
-            self.schedule = self.pipe.schedule
+            self.schedule = self.pipe.pipeline_schedule
         else:
             from torch.distributed.tensor import DTensor
             from torch.distributed.tensor.parallel import ColwiseParallel, RowwiseParallel, parallelize_module

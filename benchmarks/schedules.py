@@ -29,8 +29,8 @@ from rich.table import Table
 
 from cocoweave.backends.inputs import make_inputs
 from cocoweave.backends.torch.worker import time_schedule
+from cocoweave.ir.loader import load_example
 from cocoweave.launch import LocalWorld
-from cocoweave.loader import load_example
 from cocoweave.schedule.enumerate import enumerate_schedules
 
 # Sizes: a 512K-parameter optimizer step (2 MB per fp32 tensor) and a Megatron block of 512 tokens x 512

@@ -110,7 +110,7 @@ def train_pipeline(rank: int, world_size: int, cfg_dict: dict[str, Any], pp: int
         return F.cross_entropy(logits.reshape(-1, logits.shape[-1]), y.reshape(-1))
 
     pipe = Pipeline(mesh, n_blocks=cfg.layers, block=block, first=lambda: Embed(ref), last=lambda: Head(ref),
-                    loss_fn=loss_fn, microbatches=microbatches, schedule=schedule).train()
+                    loss_fn=loss_fn, microbatches=microbatches, pipeline_schedule=schedule).train()
     opt = DistributedAdamW(list(pipe.parameters()), lr=cfg.lr, weight_decay=cfg.weight_decay, process_group=dp_group)
     step, losses = 0, []
     path = checkpoint.latest(ckpt_dir) if ckpt_dir else None

@@ -17,7 +17,7 @@ from pathlib import Path
 
 from cocoweave.backends.torch.codegen import generate
 from cocoweave.ir import Program
-from cocoweave.loader import load_program
+from cocoweave.ir.loader import load_program
 from cocoweave.nn import programs as nnp
 from cocoweave.plan import lower
 from cocoweave.schedule.enumerate import enumerate_schedules

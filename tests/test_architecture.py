@@ -122,7 +122,7 @@ ENV_HOMES = {"cocoweave.rankenv", "cocoweave.settings"}
 # Every other use of os.environ, with its reason; keyed by file name (not its folder, so that a move keeps its entry)
 # and variable ("*": the whole environment).
 ENV_EXCEPTIONS = {
-    ("launch", "GLOO_SOCKET_IFNAME"): "Gloo's own variable: read, and set for this process when a world meets on "
+    ("network", "GLOO_SOCKET_IFNAME"): "Gloo's own variable: read, and set for this process when a world meets on "
                                       "a loopback address",
     ("precise", "TRITON_INTERPRET"): "Triton's own switch (its interpreter), asked of Triton before 3.3",
     ("executable", "TRITON_INTERPRET"): "Triton's own switch: kernels on the CPU run only under its interpreter",
@@ -275,9 +275,10 @@ def test_the_cmdare_tables_read_gpu_bandwidth_from_the_catalog():
 
 
 def test_the_resize_model_lives_with_the_planner_and_is_imported_at_the_top():
-    model = {"predict_resizes", "progress_per_step", "parse_schedule"}
-    defined = {n.name for n in ast.parse((SRC / "elastic.py").read_text()).body if isinstance(n, ast.FunctionDef)}
-    assert not defined & model, "the resize cost model is back in elastic.py (its home: cluster/planning/resize.py)"
+    model = {"predict_resizes", "progress_per_step", "parse_resize_plan", "parse_schedule"}
+    defined = {n.name for p in (SRC / "elastic").glob("*.py") for n in ast.parse(p.read_text()).body
+               if isinstance(n, ast.FunctionDef)}
+    assert not defined & model, "the resize cost model is back in elastic/ (its home: cluster/planning/resize.py)"
     late = []
     for path in CLUSTER.rglob("*.py"):
         for fn in ast.walk(ast.parse(path.read_text(encoding="utf-8"))):
@@ -391,3 +392,39 @@ def test_only_the_backend_touches_an_executables_kept_state_and_private_members(
 def test_schedule_steps_use_no_private_member_of_a_schedule():
     """Steps map (program, stages) to new ones; the Schedule alone sets its own program and stages."""
     assert _private_uses(("schedule", "sched"), "cocoweave.schedule.schedule") == []
+
+
+# ---------------------------------------------------------------------------------------------------------
+# the package root by concern (issue #49, item 4)
+# ---------------------------------------------------------------------------------------------------------
+
+# What may sit at the package root: what every layer shares, each with its reason. Everything else lives in the
+# subpackage of its concern (launch/, checkpoint/, elastic/, storage/, equivalence/, ...).
+ROOT_MODULES = {
+    "__init__.py": "the names users import from cocoweave",
+    "__main__.py": "`python -m cocoweave`, the command line",
+    "compiler.py": "`cw.compile`, the front door from a program to something that runs",
+    "errors.py": "the exception classes every layer raises",
+    "faults.py": "fault injection and stage tracking, hooked into the backend, checkpoints, launchers and the CLI",
+    "figures.py": "matplotlib figures, drawn by the planner, the profiler, perf and the demo",
+    "jsonable.py": "the one JSON encoding of everything cocoweave writes",
+    "log.py": "cocoweave's logging",
+    "rankenv.py": "the rank's environment, read in one place (with settings: the two homes of os.environ)",
+    "rng.py": "the counter-based random numbers of dropout, identical in every backend",
+    "settings.py": "every COCOWEAVE_* variable, declared once",
+    "settings_doc.py": "docs/settings.md from the settings table (`python -m cocoweave.settings_doc`)",
+    "sharding.py": "tensor-parallel parameters as DTensors, shared by nn, optim, checkpoint, elastic and preflight",
+    "version.py": "the installed version",
+}
+ROOT_MAX_LINES = 400
+
+
+def test_the_package_root_holds_only_what_every_layer_shares():
+    loose = {p.name for p in SRC.glob("*.py")}
+    assert loose <= set(ROOT_MODULES), f"root modules outside the shared list: {sorted(loose - set(ROOT_MODULES))}"
+    assert all((p / "__init__.py").exists() for p in SRC.iterdir() if p.is_dir() and any(p.glob("*.py")))
+
+
+def test_no_package_root_module_is_over_400_lines():
+    lines = {p.name: len(p.read_text(encoding="utf-8").splitlines()) for p in SRC.glob("*.py")}
+    assert {name: n for name, n in lines.items() if n > ROOT_MAX_LINES} == {}

@@ -10,12 +10,14 @@ from pathlib import Path
 
 import pytest
 import torch
+import torch.distributed.checkpoint as dcp
 
 from cocoweave import checkpoint as ck
 from cocoweave import faults
+from cocoweave.checkpoint import files as ck_files
 from cocoweave.errors import CheckpointError
 from cocoweave.ir.layout import split_sizes
-from cocoweave.loader import load_example
+from cocoweave.ir.loader import load_example
 from cocoweave.schedule.schedule import Schedule
 
 N = 10  # uneven on 3 and 4 ranks
@@ -206,8 +208,8 @@ def test_a_damaged_checkpoint_is_refused_before_anything_is_read(tmp_path, damag
 def _load_counting_hashes(rank: int, world_size: int, path: str) -> tuple[int, str]:
     """Load `path` on every rank; (files this rank hashed, the error it got or its loaded w as text)."""
     hashed = []
-    real = ck._sha256
-    ck._sha256 = lambda f: hashed.append(f) or real(f)
+    real = ck_files._sha256
+    ck_files._sha256 = lambda f: hashed.append(f) or real(f)
     try:
         w = torch.zeros(8)
         ck.load(path, {"w": w})
@@ -215,7 +217,7 @@ def _load_counting_hashes(rank: int, world_size: int, path: str) -> tuple[int, s
     except CheckpointError as exc:
         return len(hashed), str(exc)
     finally:
-        ck._sha256 = real
+        ck_files._sha256 = real
 
 
 def test_rank_0_alone_hashes_the_files_and_every_rank_gets_its_verdict(local_world, tmp_path):
@@ -251,7 +253,7 @@ def _rewrite_manifest(path: Path) -> None:
     import json
 
     record = json.loads((path / ck.MARKER).read_text())
-    record["files"] = {f.name: {"size": f.stat().st_size, "sha256": ck._sha256(f)}
+    record["files"] = {f.name: {"size": f.stat().st_size, "sha256": ck_files._sha256(f)}
                        for f in path.iterdir() if f.name != ck.MARKER}
     (path / ck.MARKER).write_text(json.dumps(record))
 
@@ -294,10 +296,10 @@ def test_dcp_failures_become_checkpoint_errors(tmp_path, monkeypatch):
     def broken(*args, **kwargs):
         raise CheckpointException("failed", {0: (OSError(5, "Input/output error"), traceback.StackSummary())})
 
-    monkeypatch.setattr(ck.dcp, "load", broken)
+    monkeypatch.setattr(dcp, "load", broken)
     with pytest.raises(CheckpointError, match=r"loading checkpoint .* failed: OSError: \[Errno 5\] Input/output"):
         ck.load(path, {"w": torch.zeros(8)})
-    monkeypatch.setattr(ck.dcp, "save", broken)
+    monkeypatch.setattr(dcp, "save", broken)
     with pytest.raises(CheckpointError, match=r"saving checkpoint .* failed: OSError"):
         ck.save(tmp_path / "d", {"w": torch.zeros(8)})
 
@@ -322,7 +324,7 @@ def test_a_full_disk_is_named_however_deep_the_writer_wrapped_it(tmp_path, monke
                                                  traceback.StackSummary())})
 
     for broken, words in ((wrapped, "No space left on device"), (on_another_rank, "Disk quota exceeded")):
-        monkeypatch.setattr(ck.dcp, "save", broken)
+        monkeypatch.setattr(dcp, "save", broken)
         with pytest.raises(CheckpointError, match=rf"saving checkpoint .* failed: the disk is full \({words}\); "):
             ck.save(tmp_path / "d", {"w": torch.zeros(8)})
         assert not (tmp_path / "d").exists()  # nothing at the checkpoint's path (its .partial folder is not one)
@@ -364,7 +366,7 @@ def test_re_saving_a_step_never_leaves_latest_without_a_checkpoint(tmp_path, mon
     import threading
 
     if not swap:
-        monkeypatch.setattr(ck, "_exchange", lambda a, b: False)
+        monkeypatch.setattr(ck_files, "_exchange", lambda a, b: False)
     root = tmp_path / "ckpt"
     ck.save(ck.step_path(root, 1), {"w": torch.zeros(4), "step": 1})
     seen, done = [], threading.Event()
@@ -390,7 +392,7 @@ def test_re_saving_a_step_never_leaves_latest_without_a_checkpoint(tmp_path, mon
 @pytest.mark.parametrize("swap", [True, False], ids=["atomic swap", "two renames"])
 def test_a_crash_while_replacing_a_checkpoint_leaves_one_that_loads(tmp_path, monkeypatch, swap):
     if not swap:
-        monkeypatch.setattr(ck, "_exchange", lambda a, b: False)
+        monkeypatch.setattr(ck_files, "_exchange", lambda a, b: False)
     root = tmp_path / "ckpt"
     ck.save(ck.step_path(root, 2), {"w": torch.ones(4)}, step=2)
     faults.configure("stage=2,label=checkpoint,action=raise")  # between the swap (or renames) and the cleanup

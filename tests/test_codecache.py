@@ -13,12 +13,12 @@ import warnings
 import pytest
 import torch
 
-from cocoweave import codecache, statedir
 from cocoweave.backends.torch.executable import Executable
-from cocoweave.loader import load_example
+from cocoweave.ir.loader import load_example
 from cocoweave.plan import lower
 from cocoweave.schedule.enumerate import enumerate_schedules
 from cocoweave.schedule.schedule import Schedule
+from cocoweave.storage import codecache, statedir
 
 
 @pytest.fixture
@@ -43,7 +43,7 @@ def _plant(plans, key: str, marker) -> None:
 
 @pytest.mark.parametrize("how", ["world-writable", "group-writable", "another user's"])
 def test_a_cache_others_may_write_into_is_not_used_and_planted_code_never_runs(tmp_path, monkeypatch, how):
-    from cocoweave.loader import import_module_file  # how generated kernels are imported (kernels/codegen.py)
+    from cocoweave.ir.loader import import_module_file  # how generated kernels are imported (kernels/codegen.py)
 
     shared, marker = tmp_path / "shared", tmp_path / "marker"
     plans = shared / "plans"

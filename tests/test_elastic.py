@@ -1,6 +1,6 @@
 """cocoweave.elastic: batch policies split a step over any world size as promised, the sampler's order survives a
 resize through its state, AdaScale's gain follows the gradient noise it measures (the time and cost of a job under a
-resize schedule: tests/cluster/planning/test_resize.py)."""
+resize plan: tests/cluster/planning/test_resize.py)."""
 
 from __future__ import annotations
 

@@ -12,8 +12,8 @@ import torch.distributed as dist
 
 from cocoweave import faults
 from cocoweave.errors import BackendError, CocoweaveError
+from cocoweave.ir.loader import load_example
 from cocoweave.launch import LocalWorld
-from cocoweave.loader import load_example
 from cocoweave.schedule.schedule import Schedule
 
 TIMEOUT_S = 4.0  # short: two of these tests wait for it
@@ -152,7 +152,7 @@ def test_cli_run_on_the_torch_backend_names_the_failed_rank_and_stage_and_exits_
     from typer.testing import CliRunner
 
     from cocoweave.cli import app
-    from cocoweave.loader import examples_dir
+    from cocoweave.ir.loader import examples_dir
 
     monkeypatch.setenv(faults.ENV_VAR, "rank=1,stage=1,action=exit")  # read by the spawned ranks
     r = CliRunner().invoke(app, ["run", f"{examples_dir() / 'adam.py'}:adam", "-s", "N=10", "--backend", "torch",

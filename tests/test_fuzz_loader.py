@@ -19,7 +19,7 @@ from cocoweave.backends.inputs import check_inputs, make_inputs
 from cocoweave.cli import app
 from cocoweave.errors import CocoweaveError, InputError
 from cocoweave.ir.graph import Program
-from cocoweave.loader import examples_dir, load_example, load_program
+from cocoweave.ir.loader import examples_dir, load_example, load_program
 
 EXAMPLES = {name: (examples_dir() / f"{name}.py").read_text() for name in ("adam", "model_parallel")}
 FUNCS = {"adam": "adam", "model_parallel": "layer"}

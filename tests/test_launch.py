@@ -19,7 +19,7 @@ import pytest
 import torch
 import torch.distributed as dist
 
-from cocoweave import launch
+from cocoweave import faults, launch
 from cocoweave.errors import BackendError
 from cocoweave.launch import (
     LocalWorld,
@@ -29,7 +29,10 @@ from cocoweave.launch import (
     rank_state,
     spawn_and_run,
 )
-from cocoweave.trace import Tracer, merge_and_write
+from cocoweave.launch import torchrun as launch_torchrun
+from cocoweave.launch import worker as launch_worker
+from cocoweave.launch.failures import _first_line, _is_comm_failure
+from cocoweave.perf.trace import Tracer, merge_and_write
 
 # -- rank functions ----------------------------------------------------------------------------------------
 
@@ -327,9 +330,9 @@ def test_communication_failures_break_the_world():
     for message in ["[/x/gloo/transport/tcp/pair.cc:553] Connection closed by peer [127.0.0.1]:1234. GLHF",
                     "[/x/gloo/transport/tcp/unbound_buffer.cc:78] Timed out waiting 2000ms for recv",
                     "Application timeout caused pair closure"]:
-        assert launch._is_comm_failure(RuntimeError(message))
-    assert not launch._is_comm_failure(RuntimeError("shape mismatch"))
-    assert launch._first_line(RuntimeError("[/x/pair.cc:553] Connection closed by peer")) == \
+        assert _is_comm_failure(RuntimeError(message))
+    assert not _is_comm_failure(RuntimeError("shape mismatch"))
+    assert _first_line(RuntimeError("[/x/pair.cc:553] Connection closed by peer")) == \
         "Connection closed by peer"
 
 
@@ -377,10 +380,9 @@ def test_every_listening_socket_of_a_world_is_on_loopback():
 def test_a_failure_to_start_a_rank_stops_the_ones_already_started(monkeypatch, time_scale):
     import multiprocessing.context as mp_context
 
-    from cocoweave import launch
 
     started = []
-    kind = type(launch._rank_context(120.0).Process())  # the fork server is up before the count starts
+    kind = type(launch_worker._rank_context(120.0).Process())  # the fork server is up before the count starts
     original = kind.start
 
     def start(self):
@@ -463,9 +465,9 @@ def test_torchrun_rank_on_a_gpu_host_gets_its_gpu_and_nccl_with_gloo_beside(monk
     assert launch.torchrun_device(2, 3) == (torch.device("cuda", 0), "gloo")
     monkeypatch.setattr(torch.cuda, "set_device", lambda device: None)
     monkeypatch.setattr(dist, "is_initialized", lambda: False)
-    monkeypatch.setattr(launch, "_rank_store", lambda *args: None)
-    monkeypatch.setattr(launch, "_RANK", {})
-    monkeypatch.setattr(launch.faults, "track", lambda progress: None)
+    monkeypatch.setattr(launch_torchrun, "_rank_store", lambda *args: None)
+    monkeypatch.setattr(launch_torchrun, "_RANK", {})
+    monkeypatch.setattr(faults, "track", lambda progress: None)
     made = []
     monkeypatch.setattr(dist, "init_process_group", lambda backend, **kwargs: made.append(backend))
     for key, value in {"RANK": "1", "LOCAL_RANK": "1", "WORLD_SIZE": "2", "LOCAL_WORLD_SIZE": "2",

@@ -13,7 +13,7 @@ from pathlib import Path
 
 import pytest
 
-from cocoweave.lifetime import die_with_parent, run_bounded
+from cocoweave.launch.lifetime import die_with_parent, run_bounded
 
 pytestmark = pytest.mark.skipif(not sys.platform.startswith("linux"), reason="prctl and /proc are Linux's")
 
@@ -51,7 +51,7 @@ def test_a_command_that_ends_leaves_no_process_of_its_session_behind(tmp_path):
 CHILD = """
 import subprocess, sys, time
 sys.path.insert(0, {src!r})
-from cocoweave.lifetime import run_bounded
+from cocoweave.launch.lifetime import run_bounded
 try:
     run_bounded(["sh", "-c", "sleep 60 & echo $! > {pids}; wait"], {{}}, 60)
 except SystemExit as e:
@@ -75,7 +75,7 @@ def test_sigterm_to_the_starting_command_ends_the_ranks(tmp_path):
 ORPHAN = """
 import os, signal, subprocess, sys, time
 sys.path.insert(0, {src!r})
-from cocoweave.lifetime import with_parent_death
+from cocoweave.launch.lifetime import with_parent_death
 child = subprocess.Popen(with_parent_death(["sleep", "60"], signal.SIGKILL))
 time.sleep(1)  # the wrapper has set the signal and become `sleep`
 print(child.pid, flush=True)

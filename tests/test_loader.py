@@ -3,7 +3,7 @@
 import pytest
 
 from cocoweave.errors import LoadError, ProgramError
-from cocoweave.loader import load_program, parse_sizes
+from cocoweave.ir.loader import load_program, parse_sizes
 
 GOOD = """import cocoweave as cw
 
@@ -77,7 +77,7 @@ def test_parse_sizes():
 def test_import_module_file_loads_once_by_name_and_cleans_up_a_failure(tmp_path):
     import sys
 
-    from cocoweave.loader import import_module_file
+    from cocoweave.ir.loader import import_module_file
 
     path = write(tmp_path, "VALUE = 41\n", "mod_by_path.py")
     module = import_module_file("cocoweave_test_mod_by_path", path)
@@ -96,7 +96,7 @@ def test_import_module_file_loads_once_by_name_and_cleans_up_a_failure(tmp_path)
 def test_a_module_planted_under_the_same_name_on_sys_path_is_never_run(tmp_path, monkeypatch):
     import sys
 
-    from cocoweave.loader import import_module_file
+    from cocoweave.ir.loader import import_module_file
 
     planted = tmp_path / "planted"
     planted.mkdir()

@@ -9,8 +9,9 @@ import pytest
 import torch
 import torch.distributed as dist
 
-from cocoweave import launch, rankenv
+from cocoweave import faults, launch, rankenv
 from cocoweave.errors import OptimizerError, SettingsError
+from cocoweave.launch import torchrun as launch_torchrun
 from cocoweave.optim import DistributedAdamW
 from cocoweave.rankenv import LAUNCHERS, Launcher, RankEnv, missing_to_join
 
@@ -114,9 +115,9 @@ def _stub_process_group(monkeypatch) -> list[dict]:
     made: list[dict] = []
     monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
     monkeypatch.setattr(dist, "is_initialized", lambda: False)
-    monkeypatch.setattr(launch, "_rank_store", lambda *args: None)
-    monkeypatch.setattr(launch, "_RANK", {})
-    monkeypatch.setattr(launch.faults, "track", lambda progress: None)
+    monkeypatch.setattr(launch_torchrun, "_rank_store", lambda *args: None)
+    monkeypatch.setattr(launch_torchrun, "_RANK", {})
+    monkeypatch.setattr(faults, "track", lambda progress: None)
     monkeypatch.setattr(dist, "init_process_group", lambda backend, **kw: made.append({"backend": backend, **kw}))
     return made
 

@@ -8,11 +8,12 @@ from pathlib import Path
 
 import pytest
 
-from cocoweave import codecache, launch, settings
+from cocoweave import launch, settings
 from cocoweave.backends.torch.executable import default_kernels
 from cocoweave.cli.options import load_timeout
 from cocoweave.errors import SettingsError
 from cocoweave.settings_doc import markdown
+from cocoweave.storage import codecache
 
 ROOT = Path(__file__).resolve().parents[1]
 SRC = ROOT / "src" / "cocoweave"

@@ -8,10 +8,10 @@ import os
 
 import pytest
 
-from cocoweave import statedir
 from cocoweave.errors import CocoweaveError
-from cocoweave.loader import load_example
+from cocoweave.ir.loader import load_example
 from cocoweave.perf.store import MeasurementStore
+from cocoweave.storage import statedir
 from cocoweave.tune.cache import TuneCache, cached_schedule
 
 

@@ -48,7 +48,7 @@ class CheckpointError(CocoweaveError):
 
 
 class ElasticError(CocoweaveError, ValueError):
-    """An elastic-training policy, sampler state or resize schedule cannot be used as given."""
+    """An elastic-training policy, sampler state or resize plan cannot be used as given."""
 
 
 class SettingsError(CocoweaveError, ValueError):

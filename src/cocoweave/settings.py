@@ -162,13 +162,13 @@ CHECK_FINITE = Flag(
     "COCOWEAVE_CHECK_FINITE", "refuse NaN or Inf in the inputs of every run (one pass over each input; read at "
     "import)", "cocoweave.backends.inputs")
 CODE_CACHE = PathSetting(
-    "COCOWEAVE_CACHE", "the generated-code cache (modules go to its plans/ folder)", "cocoweave.codecache",
+    "COCOWEAVE_CACHE", "the generated-code cache (modules go to its plans/ folder)", "cocoweave.storage.codecache",
     default_text="$XDG_CACHE_HOME/cocoweave, else ~/.cache/cocoweave")
 CACHE_MAX_FILES = Number(
-    "COCOWEAVE_CACHE_MAX_FILES", "how many files the generated-code cache keeps", "cocoweave.codecache",
+    "COCOWEAVE_CACHE_MAX_FILES", "how many files the generated-code cache keeps", "cocoweave.storage.codecache",
     default=1000.0, default_text="1000", unit="files")
 CACHE_MAX_MB = Number(
-    "COCOWEAVE_CACHE_MAX_MB", "how many megabytes the generated-code cache keeps", "cocoweave.codecache",
+    "COCOWEAVE_CACHE_MAX_MB", "how many megabytes the generated-code cache keeps", "cocoweave.storage.codecache",
     default=100.0, default_text="100", unit="megabytes")
 TUNE_CACHE = PathSetting(
     "COCOWEAVE_TUNE_CACHE", "the tuning cache file (the best schedule per program, sizes and world)",
@@ -200,11 +200,11 @@ LOAD_TIMEOUT = Number(
 DEBUG = Flag(
     "COCOWEAVE_DEBUG", "show the traceback of an internal error of the CLI", "cocoweave.cli.common")
 MAX_LOCAL_RANKS = Whole(
-    "COCOWEAVE_MAX_LOCAL_RANKS", "the most ranks a LocalWorld may start on this machine", "cocoweave.launch",
+    "COCOWEAVE_MAX_LOCAL_RANKS", "the most ranks a LocalWorld may start on this machine", "cocoweave.launch.ranks",
     default_text="4 per core, at least 16", minimum=1)
 SPAWN_RANKS = Flag(
     "COCOWEAVE_SPAWN_RANKS", "start a LocalWorld's ranks with spawn (each imports torch itself) instead of forking "
-    "them from a server that imported torch once", "cocoweave.launch")
+    "them from a server that imported torch once", "cocoweave.launch.worker")
 TORCHRUN_REPEATS = Whole(
     "COCOWEAVE_TORCHRUN_REPEATS", "how many times the test suite repeats its torchrun test "
     "(scripts/torchrun_repeat.sh sets 50)", "tests/cli/test_torchrun.py", default=3, minimum=1)

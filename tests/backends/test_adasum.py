@@ -14,7 +14,7 @@ from hypothesis import strategies as st
 import cocoweave as cw
 from cocoweave.backends import adasum, reference
 from cocoweave.backends.inputs import make_inputs
-from cocoweave.testing import compare_results
+from cocoweave.equivalence.compare import compare_results
 
 DTYPES = (torch.float32, torch.float16, torch.bfloat16)
 # The pairing written out: fold (r0 + r1) .. until a power of two remains, then a balanced tree.

@@ -15,10 +15,10 @@ from hypothesis import strategies as st
 import cocoweave as cw
 from cocoweave.backends import reference
 from cocoweave.backends.inputs import gather_logical, make_inputs
-from cocoweave.check import check_schedules, torch_runner
-from cocoweave.loader import import_module_file
+from cocoweave.equivalence.check import check_schedules, torch_runner
+from cocoweave.equivalence.compare import compare, logical_inputs
+from cocoweave.ir.loader import import_module_file
 from cocoweave.schedule.schedule import Schedule
-from cocoweave.testing import compare, logical_inputs
 
 # the random schedules of the reference-backend property tests (tests are not a package)
 schedules = import_module_file("_equivalence_generators", str(Path(__file__).parents[1] / "schedule" /

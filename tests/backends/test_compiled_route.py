@@ -18,12 +18,12 @@ from cocoweave.backends import reference
 from cocoweave.backends.inputs import make_inputs
 from cocoweave.backends.torch import runtime
 from cocoweave.backends.torch.executable import Executable
-from cocoweave.check import check_schedules, torch_runner
-from cocoweave.loader import load_example
+from cocoweave.equivalence.check import check_schedules, torch_runner
+from cocoweave.equivalence.compare import compare
+from cocoweave.ir.loader import load_example
 from cocoweave.plan import lower
 from cocoweave.schedule.enumerate import enumerate_schedules
 from cocoweave.schedule.schedule import Schedule
-from cocoweave.testing import compare
 
 EXAMPLES = [("adam.py:adam", {"N": 13}), ("lamb.py:lamb", {"N": 13}),
             ("model_parallel.py:layer", {"B": 3, "S": 4, "H": 8}),

@@ -11,9 +11,9 @@ import cocoweave as cw
 from cocoweave.backends import reference
 from cocoweave.backends.inputs import make_inputs
 from cocoweave.backends.torch.executable import Executable
+from cocoweave.equivalence.compare import compare
 from cocoweave.plan import lower
 from cocoweave.schedule.schedule import Schedule
-from cocoweave.testing import compare
 from cocoweave.workloads import adamw
 
 

@@ -8,7 +8,7 @@ import torch
 
 from cocoweave.backends.torch.executable import Executable
 from cocoweave.errors import InputError
-from cocoweave.loader import load_example
+from cocoweave.ir.loader import load_example
 from cocoweave.plan import lower
 from cocoweave.schedule.enumerate import enumerate_schedules
 

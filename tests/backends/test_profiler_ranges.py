@@ -6,7 +6,7 @@ from __future__ import annotations
 import torch
 
 from cocoweave.backends.torch.executable import Executable
-from cocoweave.loader import load_example
+from cocoweave.ir.loader import load_example
 from cocoweave.plan import lower
 from cocoweave.schedule.enumerate import enumerate_schedules
 

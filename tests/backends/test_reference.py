@@ -11,8 +11,8 @@ import cocoweave as cw
 from cocoweave import rng
 from cocoweave.backends import adasum, reference
 from cocoweave.backends.inputs import gather_logical, make_inputs
+from cocoweave.equivalence.compare import compare, logical_inputs
 from cocoweave.errors import InputError, ProgramError
-from cocoweave.testing import compare, logical_inputs
 
 WORLDS = [1, 2, 3, 4, 8]
 EXAMPLES = Path(__file__).resolve().parents[2] / "examples"

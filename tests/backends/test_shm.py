@@ -20,11 +20,11 @@ from cocoweave.backends.results import RankResult
 from cocoweave.backends.torch import shm
 from cocoweave.backends.torch.executable import Executable
 from cocoweave.backends.torch.worker import run_schedules
+from cocoweave.equivalence.compare import compare_results
 from cocoweave.errors import BackendError
 from cocoweave.launch import LocalWorld
 from cocoweave.plan import lower
 from cocoweave.schedule.schedule import Schedule
-from cocoweave.testing import compare_results
 
 
 def _collectives(n: int, m: int, dtype: str, op: str, dim: int) -> cw.Program:

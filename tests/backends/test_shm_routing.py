@@ -12,7 +12,7 @@ import cocoweave.tune as tune
 from cocoweave.backends.torch.executable import Executable
 from cocoweave.backends.torch.runtime import RankContext
 from cocoweave.errors import OptimizerError
-from cocoweave.loader import load_example
+from cocoweave.ir.loader import load_example
 from cocoweave.optim.base import resolve_schedule
 from cocoweave.plan import lower
 from cocoweave.schedule.enumerate import enumerate_schedules, shm_offered

@@ -20,10 +20,10 @@ from cocoweave.backends import reference
 from cocoweave.backends.inputs import make_inputs
 from cocoweave.backends.torch import shm
 from cocoweave.backends.torch.worker import run_schedules
+from cocoweave.equivalence.compare import compare_results
 from cocoweave.errors import BackendError
 from cocoweave.schedule.enumerate import _on
 from cocoweave.schedule.schedule import Schedule
-from cocoweave.testing import compare_results
 
 
 def _in_dev_shm() -> list[str]:

@@ -17,13 +17,13 @@ from cocoweave.backends import reference
 from cocoweave.backends.inputs import make_inputs
 from cocoweave.backends.results import RankResult
 from cocoweave.backends.torch.worker import run_and_time, run_schedules
-from cocoweave.check import check_schedules, torch_runner, world_applicable
+from cocoweave.equivalence.check import check_schedules, torch_runner, world_applicable
+from cocoweave.equivalence.compare import compare_results
 from cocoweave.errors import BackendError
+from cocoweave.ir.loader import load_example
 from cocoweave.launch import LocalWorld
-from cocoweave.loader import load_example
 from cocoweave.schedule.enumerate import enumerate_schedules
 from cocoweave.schedule.schedule import Schedule
-from cocoweave.testing import compare_results
 
 # sizes that do not divide by 3 or 4, so that parts are uneven and some chunks are empty
 EXAMPLES = [("adam.py:adam", {"N": 13}), ("lamb.py:lamb", {"N": 13}),

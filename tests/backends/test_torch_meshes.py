@@ -11,8 +11,8 @@ from hypothesis import strategies as st
 
 import cocoweave as cw
 from cocoweave import workloads
-from cocoweave.check import check_schedules, torch_runner
-from cocoweave.loader import import_module_file, load_example
+from cocoweave.equivalence.check import check_schedules, torch_runner
+from cocoweave.ir.loader import import_module_file, load_example
 from cocoweave.schedule.enumerate import enumerate_schedules
 from cocoweave.schedule.schedule import Schedule
 

@@ -9,8 +9,8 @@ from pathlib import Path
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from cocoweave.check import check_schedules, torch_runner
-from cocoweave.loader import import_module_file
+from cocoweave.equivalence.check import check_schedules, torch_runner
+from cocoweave.ir.loader import import_module_file
 
 # programs() and schedules() of the reference-backend property tests (tests are not a package)
 _generators = import_module_file("_equivalence_generators", str(Path(__file__).parents[1] / "schedule" /

@@ -90,5 +90,5 @@ def restore_logging():
 def test_verbose_logs_the_launch_on_stderr_apart_from_the_json(restore_logging):
     r = invoke("-v", "run", ADAM, "-s", "N=8", "--backend", "torch", "-n", "1", "--json", "-")
     assert r.exit_code == 0, r.output
-    assert "cocoweave.launch INFO: local world of 1 ranks started (gloo on cpu)" in r.stderr
+    assert "cocoweave.launch.world INFO: local world of 1 ranks started (gloo on cpu)" in r.stderr
     json.loads(r.stdout)  # logging never mixes with the JSON

@@ -15,7 +15,7 @@ import cocoweave.launch
 from cocoweave.cli import app
 from cocoweave.cli.options import check_fits, check_output, parse_seconds, parse_world_sizes
 from cocoweave.errors import LoadError
-from cocoweave.loader import load_example
+from cocoweave.ir.loader import load_example
 
 ROOT = Path(__file__).resolve().parents[2]
 ADAM = f"{ROOT / 'examples/adam.py'}:adam"

@@ -20,13 +20,13 @@ from cocoweave.backends import reference
 from cocoweave.backends.inputs import make_inputs
 from cocoweave.backends.torch.codegen import generate
 from cocoweave.backends.torch.worker import run_schedules
+from cocoweave.equivalence.compare import compare_results
 from cocoweave.errors import CocoweaveError, ScheduleError
-from cocoweave.loader import load_example
+from cocoweave.ir.loader import load_example
 from cocoweave.perf.costmodel import AlphaBeta, Calibration, PlanCoster, predict_plan
 from cocoweave.plan import lower
 from cocoweave.schedule.enumerate import enumerate_schedules
 from cocoweave.schedule.schedule import Schedule
-from cocoweave.testing import compare_results
 
 
 def naive_all_reduce(ctx: Any, x: torch.Tensor, op: str, group: Any, out: Any) -> torch.Tensor:

@@ -8,7 +8,7 @@ from pathlib import Path
 
 import pytest
 
-from cocoweave.loader import import_module_file
+from cocoweave.ir.loader import import_module_file
 
 SCRIPT = Path(__file__).resolve().parents[2] / "examples" / "train_gpt_pipeline.py"
 

@@ -2,8 +2,7 @@
 
 import pytest
 import torch
-
-from cocoweave.kernels import adam_step, adam_step_multi
+from baselines import adam_step, adam_step_multi
 
 SHAPES = [(33, 17), (1,), (1000,), (0,), (7, 3, 5), (2048,)]
 STEPS = 3

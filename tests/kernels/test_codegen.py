@@ -23,13 +23,13 @@ from cocoweave.backends import reference
 from cocoweave.backends.inputs import make_inputs
 from cocoweave.backends.torch.executable import Executable
 from cocoweave.backends.torch.worker import run_schedules
+from cocoweave.equivalence.compare import compare, compare_results
 from cocoweave.errors import BackendError
+from cocoweave.ir.loader import load_example
 from cocoweave.kernels.codegen import MAX_BLOCK, NoKernel, build_fused_kernels, kernel_spec
-from cocoweave.loader import load_example
 from cocoweave.plan import lower
 from cocoweave.schedule.enumerate import enumerate_schedules
 from cocoweave.schedule.schedule import Schedule
-from cocoweave.testing import compare, compare_results
 
 EXAMPLES = {  # sizes that split unevenly over 2 and 3 ranks
     "adam": ("adam.py:adam", {"N": 101}),
@@ -216,7 +216,7 @@ import cocoweave as cw
 from cocoweave import rng
 from cocoweave.backends.inputs import make_inputs
 from cocoweave.kernels.codegen import FusedKernel, kernel_spec
-from cocoweave.loader import load_example
+from cocoweave.ir.loader import load_example
 from cocoweave.plan import lower
 from cocoweave.schedule.enumerate import enumerate_schedules
 from cocoweave.schedule.schedule import Schedule

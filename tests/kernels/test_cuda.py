@@ -14,7 +14,7 @@ pytestmark = pytest.mark.skipif(not torch.cuda.is_available() or os.environ.get(
 
 
 def test_adamw_kernel_equals_torch_adamw_on_cuda() -> None:
-    from cocoweave.kernels import adam_step
+    from baselines import adam_step
 
     torch.manual_seed(0)
     p = torch.randn(1 << 20, device="cuda")
@@ -30,7 +30,7 @@ def test_adamw_kernel_equals_torch_adamw_on_cuda() -> None:
 
 
 def test_lamb_with_eps_zero_has_finite_norms_on_cuda() -> None:
-    from cocoweave.kernels import lamb_step
+    from baselines import lamb_step
 
     w, g = torch.randn(4096 + 100, device="cuda"), torch.randn(4096 + 100, device="cuda")
     norms = lamb_step(w, g, torch.zeros_like(w), torch.zeros_like(w), lr=1e-3, step=1, eps=0.0)
@@ -40,7 +40,7 @@ def test_lamb_with_eps_zero_has_finite_norms_on_cuda() -> None:
 def test_generated_kernels_equal_torch_ops_on_cuda() -> None:
     from cocoweave.backends.inputs import make_inputs
     from cocoweave.backends.torch.executable import Executable
-    from cocoweave.loader import load_example
+    from cocoweave.ir.loader import load_example
     from cocoweave.plan import lower
     from cocoweave.schedule.enumerate import enumerate_schedules
 

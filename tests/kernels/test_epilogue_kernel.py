@@ -91,7 +91,9 @@ def test_result_dtype_promotes_like_the_torch_path() -> None:
 
 
 def test_tensors_on_the_wrong_device_are_refused_with_a_sentence(monkeypatch: pytest.MonkeyPatch) -> None:
-    from cocoweave.kernels import adam_step, multi_tensor
+    from baselines import adam_step
+
+    from cocoweave.kernels import multi_tensor
 
     x = torch.randn(4, 8)
     with pytest.raises(ValueError, match="one device; got .* on meta beside"):

@@ -2,8 +2,7 @@
 
 import pytest
 import torch
-
-from cocoweave.kernels import lamb_apply, lamb_norms, lamb_step, lamb_step_multi
+from baselines import lamb_apply, lamb_norms, lamb_step, lamb_step_multi
 
 OPTS = dict(beta1=0.9, beta2=0.99, eps=1e-6, weight_decay=0.01)
 STEPS = 3

@@ -2,8 +2,7 @@
 
 import pytest
 import torch
-
-from cocoweave.kernels import sgd_step, sgd_step_multi
+from baselines import sgd_step, sgd_step_multi
 
 CASES = [  # momentum, dampening, nesterov, weight_decay
     (0.0, 0.0, False, 0.0),

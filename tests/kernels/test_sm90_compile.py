@@ -26,7 +26,8 @@ def test_kernels_compile_for_sm90_with_wide_accesses() -> None:
     say enable_fp_fusion=False, whatever Triton's default); none uses an approximate log2 or rsqrt (generated exp
     and pow are libdevice's, whose expf keeps an ex2.approx after exact range reduction)."""
     env = dict(os.environ, TRITON_INTERPRET="0", TRITON_DEFAULT_FP_FUSION="1",
-               PYTHONPATH=os.pathsep.join([str(HERE.parents[1] / "src"), os.environ.get("PYTHONPATH", "")]))
+               PYTHONPATH=os.pathsep.join([str(HERE.parents[1] / "src"), str(HERE.parents[1] / "benchmarks"),
+                                           os.environ.get("PYTHONPATH", "")]))
     run = subprocess.run([sys.executable, str(HERE / "sm90_compile.py")], env=env, capture_output=True,
                          text=True, timeout=300)
     assert run.returncode == 0, run.stderr[-3000:]

@@ -46,7 +46,7 @@ def _pipeline(rank: int, world_size: int, how: str) -> str:
     microbatches = 2 if rank == 1 and how == "microbatches" else 4
     try:
         Pipeline(mesh, n_blocks=2, block=lambda i: nn.Linear(4, 4), loss_fn=nn.functional.mse_loss,
-                 microbatches=microbatches, schedule=schedule)
+                 microbatches=microbatches, pipeline_schedule=schedule)
         return "built"
     except ParallelConfigError as exc:
         return str(exc)

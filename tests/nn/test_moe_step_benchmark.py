@@ -7,7 +7,7 @@ import json
 from pathlib import Path
 
 from cocoweave import launch
-from cocoweave.loader import import_module_file
+from cocoweave.ir.loader import import_module_file
 
 SCRIPT = Path(__file__).resolve().parents[2] / "benchmarks" / "moe_step.py"
 

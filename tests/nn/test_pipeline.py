@@ -87,7 +87,7 @@ def pipeline_case(rank: int, world_size: int, tp: int, pp: int, schedule: str, m
         return TransformerBlock(D, H, dropout=0.2, group=tp_group, sequence_parallel=sp).load_reference(blocks[i])
 
     pipe = Pipeline(mesh, n_blocks=BLOCKS, block=block, first=lambda: embed, last=lambda: head, loss_fn=ce,
-                    microbatches=m, schedule=schedule, sliced=sliced, sequence_parallel=sp)
+                    microbatches=m, pipeline_schedule=schedule, sliced=sliced, sequence_parallel=sp)
     dp, dp_rank = mesh.size(0), group_rank(mesh.get_group("dp"))
     x, y = batch(n)
     share = n // dp
@@ -206,3 +206,30 @@ def gloo_gpu_case(rank: int, world_size: int) -> str:
 def test_a_pipeline_on_gpus_over_gloo_is_one_sentence(world4) -> None:
     """torch's engine would hand CUDA tensors to Gloo's send, which fails deep inside with 'Bad address'."""
     assert "needs NCCL between stages" in world4.run(gloo_gpu_case)[0]
+
+
+def renamed_case(rank: int, world_size: int) -> tuple[str, str, bool, str]:
+    import warnings
+
+    mesh = parallel_mesh(tensor_parallel=2, pipeline_parallel=2)
+    make = dict(n_blocks=2, block=lambda i: TransformerBlock(D, H, group=mesh.get_group("tp")), first=Embed,
+                last=Head, loss_fn=ce, microbatches=2)
+    with warnings.catch_warnings():
+        warnings.simplefilter("error", DeprecationWarning)  # the new names warn about nothing
+        new = Pipeline(mesh, pipeline_schedule="gpipe", **make)
+        assert (new.pipeline_schedule_name, type(new.pipeline_schedule).__name__) == ("gpipe", "ScheduleGPipe")
+    with pytest.warns(DeprecationWarning, match=r"Pipeline\(pipeline_schedule=\.\.\.\)"):
+        pipe = Pipeline(mesh, schedule="gpipe", **make)
+    with pytest.warns(DeprecationWarning, match="Pipeline.pipeline_schedule "):
+        engine = pipe.schedule
+    with pytest.warns(DeprecationWarning, match="Pipeline.pipeline_schedule_name"):
+        name = pipe.schedule_name
+    with pytest.raises(ParallelConfigError, match="give pipeline_schedule= only"):
+        Pipeline(mesh, schedule="gpipe", pipeline_schedule="interleaved1f1b", **make)
+    return pipe.pipeline_schedule_name, type(pipe.pipeline_schedule).__name__, engine is pipe.pipeline_schedule, name
+
+
+def test_the_old_schedule_keyword_and_attributes_still_work_for_one_release_with_a_warning(world4) -> None:
+    """Pipeline(schedule=) is Pipeline(pipeline_schedule=) (a schedule in cocoweave is a CoCoNet Schedule): the old
+    keyword builds the schedule it names, and .schedule / .schedule_name read the renamed attributes, each warning."""
+    assert world4.run(renamed_case) == [("gpipe", "ScheduleGPipe", True, "gpipe")] * 4

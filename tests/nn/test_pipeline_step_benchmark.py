@@ -5,7 +5,7 @@ from __future__ import annotations
 
 from pathlib import Path
 
-from cocoweave.loader import import_module_file
+from cocoweave.ir.loader import import_module_file
 
 SCRIPT = Path(__file__).resolve().parents[2] / "benchmarks" / "pipeline_step.py"
 

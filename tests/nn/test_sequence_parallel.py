@@ -12,7 +12,7 @@ import torch
 import torch.nn.functional as F
 
 from cocoweave.errors import ParallelConfigError
-from cocoweave.loader import import_module_file
+from cocoweave.ir.loader import import_module_file
 from cocoweave.nn import llama_plan, parallelize
 
 _tp = import_module_file("_parallelize_cases", str(Path(__file__).with_name("test_parallelize.py")))

@@ -12,7 +12,7 @@ import torch
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from cocoweave.check import check_schedules, torch_runner
+from cocoweave.equivalence.check import check_schedules, torch_runner
 from cocoweave.errors import ParallelConfigError, ProgramError
 from cocoweave.ir import Program, Replicated
 from cocoweave.ir.ops import dropout

@@ -10,7 +10,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from cocoweave.check import check_schedules
+from cocoweave.equivalence.check import check_schedules
 from cocoweave.errors import ParallelConfigError
 from cocoweave.nn import ColumnParallelLinear
 from cocoweave.nn import init as nn_init

@@ -9,7 +9,7 @@ import pytest
 
 from cocoweave.cluster.cmdare.regression import mape
 from cocoweave.errors import CocoweaveError
-from cocoweave.loader import load_example
+from cocoweave.ir.loader import load_example
 from cocoweave.perf.correction import Correction, accuracy, scatter_png, training_rows
 from cocoweave.perf.costmodel import FEATURES
 from cocoweave.perf.measure import Measurement, records

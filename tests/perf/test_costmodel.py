@@ -9,7 +9,7 @@ import numpy as np
 import pytest
 
 from cocoweave.errors import CocoweaveError
-from cocoweave.loader import load_example
+from cocoweave.ir.loader import load_example
 from cocoweave.perf.costmodel import (
     AlphaBeta,
     Calibration,

@@ -7,7 +7,7 @@ from __future__ import annotations
 import pytest
 
 from cocoweave import workloads
-from cocoweave.loader import load_example
+from cocoweave.ir.loader import load_example
 from cocoweave.perf.costmodel import AlphaBeta, Calibration, predict_plan
 from cocoweave.plan import lower
 from cocoweave.schedule.schedule import Schedule

@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from cocoweave.loader import load_example
+from cocoweave.ir.loader import load_example
 from cocoweave.perf.calibrate import Spec, combine, fit, microbench
 from cocoweave.perf.measure import measure_schedules
 from cocoweave.schedule.enumerate import enumerate_schedules

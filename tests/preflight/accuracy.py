@@ -36,7 +36,7 @@ def build(tp: int, pp: int, schedule: str, m: int, d: int, heads: int, blocks: i
                                                                            group=mesh.get_group("tp"),
                                                                            sequence_parallel=sp),
                     first=lambda: nn.Embedding(V, d), last=lambda: nn.Linear(d, V), loss_fn=ce, microbatches=m,
-                    schedule=schedule, sequence_parallel=sp)
+                    pipeline_schedule=schedule, sequence_parallel=sp)
 
 
 def memory_case(rank: int, world_size: int, tp: int, pp: int, schedule: str, m: int, n: int, seq: int, d: int,

@@ -95,8 +95,8 @@ def hook_case(rank: int, world_size: int) -> str:
     mesh = parallel_mesh(tensor_parallel=2, pipeline_parallel=2)
     pipe = Pipeline(mesh, n_blocks=2, block=lambda i: TransformerBlock(D, H, group=mesh.get_group("tp"), seed=i),
                     first=lambda: nn.Embedding(V, D), last=lambda: nn.Linear(D, V), loss_fn=ce, microbatches=2,
-                    schedule="gpipe")
-    pipe.schedule_name = {0: ["0F0", "0B0", "0F1", "0B1"], 1: ["1F1", "1B1", "1F0", "1B0"]}
+                    pipeline_schedule="gpipe")
+    pipe.pipeline_schedule_name = {0: ["0F0", "0B0", "0F1", "0B1"], 1: ["1F1", "1B1", "1F0", "1B0"]}
     x = torch.randint(0, V, (2, T))
     with pytest.raises(PreflightError) as e:
         pipe.step(x, x)

@@ -8,11 +8,11 @@ import pytest
 import cocoweave as cw
 from cocoweave.backends import reference
 from cocoweave.backends.inputs import make_inputs
+from cocoweave.equivalence.compare import compare_results
 from cocoweave.errors import ProgramError, ScheduleError
 from cocoweave.schedule.enumerate import enumerate_schedules
 from cocoweave.schedule.schedule import Schedule
 from cocoweave.schedule.steps import Reorder, Split
-from cocoweave.testing import compare_results
 
 
 def program() -> tuple[cw.Program, cw.Value]:

@@ -4,9 +4,9 @@ change results (the reference backend runs every algorithm the same way)."""
 import pytest
 
 import cocoweave as cw
-from cocoweave.check import check_schedules
+from cocoweave.equivalence.check import check_schedules
 from cocoweave.errors import ScheduleError
-from cocoweave.loader import load_example
+from cocoweave.ir.loader import load_example
 from cocoweave.plan import Collective, FusedCollective, lower
 from cocoweave.schedule.enumerate import enumerate_schedules
 from cocoweave.schedule.schedule import Schedule

@@ -2,8 +2,8 @@
 
 import pytest
 
-from cocoweave.check import check_schedules
-from cocoweave.loader import load_example
+from cocoweave.equivalence.check import check_schedules
+from cocoweave.ir.loader import load_example
 from cocoweave.schedule.enumerate import enumerate_schedules
 
 

@@ -5,7 +5,7 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 import cocoweave as cw
-from cocoweave.check import check_schedules
+from cocoweave.equivalence.check import check_schedules
 from cocoweave.errors import ScheduleError
 from cocoweave.schedule.schedule import Schedule
 

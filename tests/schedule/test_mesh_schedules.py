@@ -9,7 +9,7 @@ from hypothesis import strategies as st
 
 import cocoweave as cw
 from cocoweave import workloads
-from cocoweave.check import check_schedules
+from cocoweave.equivalence.check import check_schedules
 from cocoweave.errors import ScheduleError
 from cocoweave.schedule.schedule import Schedule
 from cocoweave.schedule.steps import Split, Step

@@ -10,7 +10,7 @@ import json
 import pytest
 
 from cocoweave.errors import ScheduleError
-from cocoweave.loader import load_example
+from cocoweave.ir.loader import load_example
 from cocoweave.schedule.schedule import Schedule
 from cocoweave.schedule.steps import STEPS, Algorithm, AsSlice, Fuse, Overlap, Reorder, Split, Step
 

@@ -4,7 +4,7 @@ import pytest
 
 import cocoweave as cw
 from cocoweave.errors import ScheduleError
-from cocoweave.loader import load_example
+from cocoweave.ir.loader import load_example
 from cocoweave.schedule.schedule import Schedule
 
 

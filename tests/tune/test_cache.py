@@ -9,7 +9,7 @@ import pytest
 
 from cocoweave.compiler import compile as cw_compile
 from cocoweave.errors import CocoweaveError
-from cocoweave.loader import load_example
+from cocoweave.ir.loader import load_example
 from cocoweave.schedule.enumerate import enumerate_schedules
 from cocoweave.tune import TuneCache, auto_schedule, cache_key, cached_schedule
 

@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import pytest
 
-from cocoweave.loader import load_example
+from cocoweave.ir.loader import load_example
 from cocoweave.perf.measure import Measurement
 from cocoweave.schedule.enumerate import enumerate_schedules
 from cocoweave.tune import TuneCache, cache_key, cached_schedule, tune

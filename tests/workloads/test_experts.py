@@ -10,9 +10,9 @@ from hypothesis import strategies as st
 from cocoweave import workloads
 from cocoweave.backends import reference
 from cocoweave.backends.inputs import gather_logical, make_inputs
-from cocoweave.check import check_schedules, torch_runner
+from cocoweave.equivalence.check import check_schedules, torch_runner
+from cocoweave.equivalence.compare import compare, logical_inputs
 from cocoweave.schedule.enumerate import enumerate_schedules
-from cocoweave.testing import compare, logical_inputs
 
 
 def experts_torch(x, w1, w3, w2):

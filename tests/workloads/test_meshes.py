@@ -6,10 +6,10 @@ import pytest
 from cocoweave import workloads
 from cocoweave.backends import reference
 from cocoweave.backends.inputs import gather_logical, make_inputs
-from cocoweave.check import check_schedules
-from cocoweave.loader import load_example
+from cocoweave.equivalence.check import check_schedules
+from cocoweave.equivalence.compare import compare, logical_inputs
+from cocoweave.ir.loader import load_example
 from cocoweave.schedule.enumerate import enumerate_schedules
-from cocoweave.testing import compare, logical_inputs
 
 
 def block_output(program, world):
@@ -64,7 +64,7 @@ def test_adam_can_weight_the_gradient_average_by_batch_size():
 
 
 def test_check_skips_world_sizes_the_mesh_does_not_fit():
-    from cocoweave.check import world_applicable
+    from cocoweave.equivalence.check import world_applicable
 
     p = load_example("tp2d.py:mlp")
     assert world_applicable(p, 4) is None

@@ -7,9 +7,9 @@ from __future__ import annotations
 import pytest
 import torch
 
-from cocoweave.check import check_schedules, world_applicable
+from cocoweave.equivalence.check import check_schedules, world_applicable
 from cocoweave.errors import ProgramError
-from cocoweave.loader import load_example
+from cocoweave.ir.loader import load_example
 from cocoweave.schedule.enumerate import enumerate_schedules
 from cocoweave.workloads import adam, adamw, boundary, lamb, layer, reduce_gradient, sgd
 

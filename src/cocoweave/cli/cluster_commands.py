@@ -240,16 +240,16 @@ def plan_command(
     from cocoweave.cluster.catalog import load_catalog
     from cocoweave.cluster.cmdare.tables import find_data_dir
     from cocoweave.cluster.planning.planner import plan_cluster, resize_predictions
-    from cocoweave.cluster.planning.resize import parse_schedule
+    from cocoweave.cluster.planning.resize import parse_resize_plan
     from cocoweave.cluster.planning.step_times import profile_for_model
 
     check_writable(json_path)
     out = human(json_path)
-    schedule = parse_schedule(resizes) if resizes is not None else None
+    resize_plan = parse_resize_plan(resizes) if resizes is not None else None
     if sum(x is not None for x in (model, profile, llm)) != 1:
         raise CocoweaveError("give exactly one of --model NAME, --profile FILE or --llm SPEC.")
     if llm is not None:
-        if schedule is not None or steps is not None:
+        if resize_plan is not None or steps is not None:
             raise CocoweaveError("--llm plans by --tokens and has no resize schedule: leave out --steps and --resizes.")
         _plan_llm_command(out, llm, tokens, catalog, deadline, budget, stack, max_gpus, png, json_path, data)
         return
@@ -281,7 +281,7 @@ def plan_command(
     if result.unfinishable:
         out.print(f"[dim]{result.unfinishable} spot configurations left out: revoked faster than they "
                   "make progress.[/]")
-    elastic = {} if schedule is None else resize_predictions(prof, best, n_steps, schedule)
+    elastic = {} if resize_plan is None else resize_predictions(prof, best, n_steps, resize_plan)
     if elastic:
         out.print(_resize_table(elastic, best))
         for name, pred in elastic.items():

@@ -15,15 +15,15 @@ from typing import Annotated, Any, Literal
 import typer
 
 from .. import jsonable, settings
-from ..atomic import write_text
 from ..errors import BackendError, LoadError
 from ..ir.graph import Program
 from ..ir.layout import Sliced
+from ..ir.loader import load_program, parse_sizes, symbolic_sizes
 from ..ir.types import DTYPES, bind_shape
 from ..launch import check_local_ranks, check_seconds
-from ..loader import load_program, parse_sizes, symbolic_sizes
 from ..schedule.enumerate import enumerate_schedules
 from ..schedule.schedule import Schedule
+from ..storage.atomic import write_text
 
 DEFAULT_WORLD = "4"
 DEFAULT_TIMEOUT_S = 60.0

@@ -32,7 +32,7 @@ def parse_bytes(text: str) -> float:
 
 def load_job(spec: str) -> Any:
     """What FILE.py:FUNCTION returns when called without arguments: a PipelineJob or a Trace."""
-    from ..loader import load_module, split_spec
+    from ..ir.loader import load_module, split_spec
     from ..preflight import PipelineJob, Trace
 
     path, name = split_spec(spec)

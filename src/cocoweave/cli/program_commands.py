@@ -202,7 +202,7 @@ def _finish(schedule: Schedule, per_rank: list[dict], world_size: int, where: st
     """The JSON document of a torch run from each rank's `run_and_time` result; writes the trace."""
     times = step_times([r["times_ms"] for r in per_rank]) if iters else []
     if trace is not None:
-        from ..trace import merge_and_write
+        from ..perf.trace import merge_and_write
 
         try:
             merge_and_write({i: r["events"] for i, r in enumerate(per_rank)}, trace)

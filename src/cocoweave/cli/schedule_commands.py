@@ -7,13 +7,13 @@ from typing import Annotated, Any
 import typer
 from rich.text import Text
 
-from ..check import CheckRow, check_schedules, torch_runner, world_applicable
+from ..equivalence.check import CheckRow, check_schedules, torch_runner, world_applicable
+from ..equivalence.compare import TOLERANCES
 from ..errors import LoadError
 from ..ir.graph import Program
 from ..ir.types import DTYPES
 from ..schedule.enumerate import enumerate_schedules
 from ..schedule.schedule import Schedule
-from ..testing import TOLERANCES
 from .common import EXIT_MISMATCH, console, fail, table, user_errors
 from .options import (
     DEFAULT_TIMEOUT_S,

@@ -11,7 +11,7 @@ import typer
 from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
 from rich.text import Text
 
-from ..check import world_applicable
+from ..equivalence.check import world_applicable
 from ..errors import CocoweaveError, LoadError
 from ..schedule.schedule import Schedule
 from .common import console, err_console, fail, table, user_errors

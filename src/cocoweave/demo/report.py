@@ -16,8 +16,8 @@ import torch
 from rich.table import Table
 
 from .. import jsonable
+from ..perf.trace import merge_and_write
 from ..rankenv import cores
-from ..trace import merge_and_write
 from ..version import __version__
 from .runner import BaselineRow, DemoResult, Row, WorkloadResult
 

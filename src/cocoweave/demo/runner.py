@@ -29,13 +29,13 @@ from ..backends.inputs import make_inputs
 from ..backends.results import RankResult
 from ..backends.torch.executable import Executable, default_kernels
 from ..backends.torch.worker import step_time_ms, timed_steps, trace_events
-from ..check import check_schedules, world_applicable
+from ..equivalence.check import check_schedules, world_applicable
+from ..equivalence.compare import compare_results
 from ..ir.graph import Program
 from ..launch import rank_state
 from ..plan import lower
 from ..schedule.enumerate import enumerate_schedules
 from ..schedule.schedule import Schedule
-from ..testing import compare_results
 from ..workloads import adam, boundary, layer
 from .baselines import BASELINES, Baseline
 

@@ -17,7 +17,7 @@ rsqrt (1 / sqrt) are correctly rounded (div_rn, sqrt_rn), exp and pow are libdev
 launches disable FMA contraction, as torch computes.
 Dropout hashes each element's logical index with `cocoweave.kernels.rng`, so masks are bit-identical to
 `cocoweave.rng`. New state is stored over the state tensor it replaces where that is safe (see
-`_Gen.over_state`), so an Adam step moves 28 bytes per parameter like kernels/adam.py.
+`_Gen.over_state`), so an Adam step moves 28 bytes per parameter like benchmarks/baselines/adam.py.
 
 No kernel (the stage stays torch ops): reductions (sum, max, min, norm), layer_norm, matmul; float64
 values; a live-out Replicated value that a sliced stage would compute only on this rank's slice; and
@@ -39,15 +39,15 @@ import torch
 import triton
 
 from .. import rng
-from ..codecache import source_file
 from ..errors import BackendError
 from ..ir import registry as R
 from ..ir.graph import Value
 from ..ir.layout import slice_bounds
+from ..ir.loader import import_module_file
 from ..ir.printer import operand
 from ..ir.types import DTYPES, bind_shape, promote
-from ..loader import import_module_file
 from ..plan import Compute, Memory, Plan, RankView
+from ..storage.codecache import source_file
 from .precise import interpreted
 
 log = logging.getLogger("cocoweave.kernels")

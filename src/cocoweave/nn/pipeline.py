@@ -9,7 +9,7 @@ is the last op of a stage module (keep this rank's slice) and the first op of th
     mesh = parallel_mesh(tensor_parallel=2, pipeline_parallel=2)
     pipe = Pipeline(mesh, n_blocks=8, block=lambda i: TransformerBlock(512, 8, group=mesh.get_group("tp")),
                     first=lambda: Embed(...), last=lambda: Head(...), loss_fn=cross_entropy,
-                    microbatches=8, schedule="1f1b")
+                    microbatches=8, pipeline_schedule="1f1b")
     opt = DistributedAdamW(pipe.parameters(), process_group=mesh.get_group("dp"))
     opt.zero_grad(); loss = pipe.step(tokens, targets, step=s); opt.step()
 
@@ -19,6 +19,7 @@ PipelineBoundary is the same boundary by hand (send_forward / recv_forward), out
 from __future__ import annotations
 
 import contextlib
+import warnings
 from collections.abc import Callable, Iterator, Sequence
 from typing import Any
 
@@ -184,18 +185,40 @@ class StageModule(nn.Module):
         return x
 
 
+def _warn_renamed(old: str, new: str) -> None:
+    warnings.warn(f"{old} is renamed {new} (a schedule in cocoweave is a CoCoNet Schedule); the old name goes in "
+                  "the next release", DeprecationWarning, stacklevel=3)
+
+
+def _renamed_schedule_keyword(schedule: str, pipeline_schedule: str) -> str:
+    """The pipeline schedule named by the deprecated keyword `schedule=`, with a DeprecationWarning; refused when
+    `pipeline_schedule=` names another."""
+    if pipeline_schedule != "1f1b" and pipeline_schedule != schedule:
+        raise ParallelConfigError(f"Pipeline got schedule={schedule!r} and pipeline_schedule={pipeline_schedule!r}; "
+                                  "give pipeline_schedule= only (schedule= is its old name)")
+    warnings.warn("Pipeline(schedule=...) is renamed Pipeline(pipeline_schedule=...) (a schedule in cocoweave is a "
+                  "CoCoNet Schedule); the old keyword goes in the next release", DeprecationWarning, stacklevel=3)
+    return schedule
+
+
 class Pipeline:
     """This rank's part of a model cut into pipeline stages over `mesh` (parallel_mesh's dims "dp", "pp", "tp"),
     run by a torch.distributed.pipelining schedule. `block(i)` builds block i (called only for this rank's
     blocks), `first()` the input module of stage 0, `last()` the output module of the last stage; `loss_fn(output,
-    target)` is the mean loss of a micro-batch. `sliced` sends 1/tp of each activation between stages;
-    `sequence_parallel` says the blocks were built with sequence_parallel=True (see StageModule)."""
+    target)` is the mean loss of a micro-batch. `pipeline_schedule` names torch's pipeline schedule (SCHEDULES:
+    gpipe, 1f1b, interleaved1f1b, loopedbfs; `schedule=` is its old name, kept for one release with a
+    DeprecationWarning: a "schedule" in cocoweave is a CoCoNet Schedule). `sliced` sends 1/tp of each activation
+    between stages; `sequence_parallel` says the blocks were built with sequence_parallel=True (see StageModule).
+
+    `pipeline_schedule_name` is that name and `pipeline_schedule` torch's schedule object that `step` runs."""
 
     def __init__(self, mesh: Any, *, n_blocks: int, block: Callable[[int], nn.Module],
                  first: Callable[[], nn.Module] | None = None, last: Callable[[], nn.Module] | None = None,
                  loss_fn: Callable[[torch.Tensor, torch.Tensor], torch.Tensor], microbatches: int,
-                 schedule: str = "1f1b", sliced: bool = True, sequence_parallel: bool = False,
-                 device: torch.device | None = None) -> None:
+                 pipeline_schedule: str = "1f1b", sliced: bool = True, sequence_parallel: bool = False,
+                 device: torch.device | None = None, schedule: str | None = None) -> None:
+        if schedule is not None:
+            pipeline_schedule = _renamed_schedule_keyword(schedule, pipeline_schedule)
         names = tuple(getattr(mesh, "mesh_dim_names", None) or ())
         if not {"dp", "pp", "tp"} <= set(names):
             raise ParallelConfigError(f"Pipeline needs a DeviceMesh with dims 'dp', 'pp' and 'tp' "
@@ -203,12 +226,13 @@ class Pipeline:
         pp = mesh.size(names.index("pp"))
         from .pipeline_engine import CountingStage, check_schedule  # the engine, imported on first use
 
-        cls, per_rank = check_schedule(schedule, microbatches, pp)
+        cls, per_rank = check_schedule(pipeline_schedule, microbatches, pp)
         if dist.is_initialized() and mesh.size() == dist.get_world_size():  # every rank runs the same pipeline
-            agree_on_build(None, "a pipeline", "Pipeline", schedule=schedule, microbatches=microbatches,
+            agree_on_build(None, "a pipeline", "Pipeline", pipeline_schedule=pipeline_schedule,
+                           microbatches=microbatches,
                            n_blocks=n_blocks, sliced=sliced, sequence_parallel=sequence_parallel,
                            mesh=dict(zip(names, mesh.shape)))
-        self.mesh, self.microbatches, self.schedule_name = mesh, microbatches, schedule
+        self.mesh, self.microbatches, self.pipeline_schedule_name = mesh, microbatches, pipeline_schedule
         self.n_blocks, self.sliced = n_blocks, sliced
         self.preflight = True  # step() checks the schedule's communication before the first step (no tensors)
         self.tp_group, self.pp_group, self.dp_group = (mesh.get_group(d) for d in ("tp", "pp", "dp"))
@@ -236,12 +260,29 @@ class Pipeline:
         # after the backwards (scale_grads): a data-parallel optimizer that reduces gradients as they arrive
         # (DistributedAdamW) refuses gradients changed after backward, and the sum is the batch's mean either way.
         self.loss_fn = loss_fn
-        self.schedule = cls(stage_arg, microbatches, loss_fn=self._scaled_loss, scale_grads=False)
+        self.pipeline_schedule = cls(stage_arg, microbatches, loss_fn=self._scaled_loss, scale_grads=False)
         self.has_first = 0 in self.stage_ids
         self.has_last = self.num_stages - 1 in self.stage_ids
 
     def _scaled_loss(self, output: torch.Tensor, target: torch.Tensor) -> torch.Tensor:
         return self.loss_fn(output, target) / self.microbatches
+
+    @property
+    def schedule(self) -> Any:
+        """Deprecated name of `pipeline_schedule` (torch's schedule object); kept for one release."""
+        _warn_renamed("Pipeline.schedule", "Pipeline.pipeline_schedule")
+        return self.pipeline_schedule
+
+    @property
+    def schedule_name(self) -> Any:
+        """Deprecated name of `pipeline_schedule_name`; kept for one release."""
+        _warn_renamed("Pipeline.schedule_name", "Pipeline.pipeline_schedule_name")
+        return self.pipeline_schedule_name
+
+    @schedule_name.setter
+    def schedule_name(self, value: Any) -> None:
+        _warn_renamed("Pipeline.schedule_name", "Pipeline.pipeline_schedule_name")
+        self.pipeline_schedule_name = value
 
     def parameters(self) -> Iterator[nn.Parameter]:
         """This rank's parameters (all its stages)."""
@@ -302,7 +343,7 @@ class Pipeline:
         kwargs = {"target": targets.to(self.device) if self.has_last else None, "losses": losses,
                   "step": int(step), "positions": positions.to(self.device)}
         with (no_sync() if no_sync is not None else contextlib.nullcontext()):
-            self.schedule.step(*args, **kwargs)
+            self.pipeline_schedule.step(*args, **kwargs)
         total = torch.stack([x.detach().double() for x in losses]).sum() if losses else \
             torch.zeros((), dtype=torch.float64, device=self.device)
         if self.pp_size > 1:

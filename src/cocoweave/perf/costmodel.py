@@ -19,14 +19,14 @@ from typing import Any
 import numpy as np
 
 from .. import collectives, settings
-from ..atomic import write_text
 from ..errors import CocoweaveError
 from ..ir import registry as R
 from ..ir.graph import Value
 from ..ir.layout import largest_position, part_shape
 from ..ir.types import DTYPES, bind_shape
 from ..plan import P2P, Collective, Compute, FusedCollective, MatMul, Overlap, Plan, Stage
-from ..statedir import state_dir
+from ..storage.atomic import write_text
+from ..storage.statedir import state_dir
 
 COLLECTIVE_OPS = R.names(R.COLLECTIVE)
 COMM_OPS = R.names(R.COLLECTIVE, R.P2P)

@@ -30,7 +30,7 @@ import pyarrow.parquet as pq
 
 from cocoweave import settings
 from cocoweave.errors import StoreError
-from cocoweave.statedir import state_dir
+from cocoweave.storage.statedir import state_dir
 
 STORE_ENV = settings.STORE.name
 DEFAULT_STORE = Path(".cocoweave") / "store"

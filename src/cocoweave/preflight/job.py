@@ -146,7 +146,7 @@ def job_of(pipeline: Any, *, batch: int, seq: int, d_model: int | None = None, d
     d_ff = getattr(getattr(blocks[0], "fc1", None), "out_features", None) if blocks else None
     names = tuple(pipeline.mesh.mesh_dim_names)
     sizes = dict(zip(names, pipeline.mesh.shape))
-    return PipelineJob(pp=pipeline.pp_size, tp=sizes["tp"], dp=sizes["dp"], schedule=pipeline.schedule_name,
+    return PipelineJob(pp=pipeline.pp_size, tp=sizes["tp"], dp=sizes["dp"], schedule=pipeline.pipeline_schedule_name,
                        microbatches=pipeline.microbatches, n_blocks=pipeline.n_blocks, batch=batch, seq=seq,
                        d_model=int(d_model), dtype=dtype, sliced=bool(getattr(pipeline, "sliced", True)), heads=heads,
                        d_ff=d_ff,

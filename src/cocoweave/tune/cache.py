@@ -20,11 +20,11 @@ from typing import Any
 from filelock import FileLock, Timeout
 
 from .. import settings
-from ..atomic import write_text
 from ..errors import CocoweaveError, ScheduleError
 from ..ir.graph import Program
 from ..schedule.schedule import Schedule
-from ..statedir import state_dir
+from ..storage.atomic import write_text
+from ..storage.statedir import state_dir
 
 log = logging.getLogger(__name__)
 
@@ -106,7 +106,7 @@ def cached_schedule(program: Program, sizes: Mapping[str, int], world_size: int,
     """The cached choice for this problem rebuilt on `program`, or None (with a warning saying why) if nothing
     usable is cached: a cache that cannot be read counts as no choice, so training never fails because of it."""
     try:
-        cache = cache or TuneCache()  # a refused state folder (cocoweave.statedir) counts as no choice, with a warning
+        cache = cache or TuneCache()  # a refused state folder (storage.statedir): no choice, with a warning
         entry = cache.get(cache_key(program, sizes, world_size, backend, device))
     except CocoweaveError as exc:
         warnings.warn(f"{str(exc).rstrip('.')}; using no tuned schedule", stacklevel=2)

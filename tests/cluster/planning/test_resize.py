@@ -1,4 +1,4 @@
-"""The time and cost of a job under a resize schedule follow from its step times and its batch policy: restarts,
+"""The time and cost of a job under a resize plan follow from its step times and its batch policy: restarts,
 checkpoints, the steps a revocation loses, and the progress a step makes (moved here from tests/test_elastic.py
 with the model)."""
 
@@ -6,7 +6,7 @@ from __future__ import annotations
 
 import pytest
 
-from cocoweave.cluster.planning.resize import Resize, parse_schedule, predict_resizes, progress_per_step
+from cocoweave.cluster.planning.resize import Resize, parse_resize_plan, predict_resizes, progress_per_step
 from cocoweave.elastic import BatchPolicy
 from cocoweave.errors import ElasticError
 
@@ -60,12 +60,12 @@ def test_a_phase_without_ranks_waits_for_free_and_an_endless_one_never_finishes(
     assert not stuck.finished and stuck.progress == 36
 
 
-def test_resize_schedules_parse_and_bad_ones_are_one_sentence():
-    assert parse_schedule("8:2, 4:1.5,0:0.5,8") == [Resize(8, 2.0), Resize(4, 1.5), Resize(0, 0.5), Resize(8)]
+def test_resize_plans_parse_and_bad_ones_are_one_sentence():
+    assert parse_resize_plan("8:2, 4:1.5,0:0.5,8") == [Resize(8, 2.0), Resize(4, 1.5), Resize(0, 0.5), Resize(8)]
     for text, message in [("8:x", "must look like RANKS:HOURS"), ("-1:2", "at least 0"), ("8:0", "positive"),
                           ("8,4:1", "only the last item"), ("8:inf", "finite")]:
         with pytest.raises(ElasticError, match=message):
-            parse_schedule(text)
+            parse_resize_plan(text)
     with pytest.raises(ElasticError, match="no positive step time for 4 ranks .*known for 8"):
         predict_resizes(BatchPolicy.keep_global(8), 10, {8: 1.0}, SPOT, 1.0)
 
@@ -75,9 +75,16 @@ def test_bad_step_counts_are_one_sentence_and_the_model_is_importable_from_elast
                             ({"base_steps": True}, "base steps must be an integer"),
                             ({"base_steps": 10, "checkpoint_every": 0}, "the checkpoint interval must be an integer")]:
         with pytest.raises(ElasticError, match=message):
-            predict_resizes(BatchPolicy.keep_global(8), step_time_s={8: 1.0}, schedule=SPOT, price_per_rank_hour=1.0,
+            predict_resizes(BatchPolicy.keep_global(8), step_time_s={8: 1.0}, resize_plan=SPOT, price_per_rank_hour=1.0,
                             **kwargs)
     from cocoweave import elastic
 
-    assert (elastic.predict_resizes, elastic.parse_schedule, elastic.Resize) == (predict_resizes, parse_schedule,
+    assert (elastic.predict_resizes, elastic.parse_resize_plan, elastic.Resize) == (predict_resizes, parse_resize_plan,
                                                                                  Resize)
+
+
+def test_the_old_name_parse_schedule_still_parses_with_a_deprecation_warning():
+    from cocoweave import elastic
+
+    with pytest.warns(DeprecationWarning, match="parse_resize_plan"):
+        assert elastic.parse_schedule("8:2,4") == parse_resize_plan("8:2,4") == [Resize(8, 2.0), Resize(4)]

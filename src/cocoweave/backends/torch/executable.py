@@ -15,13 +15,13 @@ import torch
 import torch.distributed as dist
 
 from ... import faults, settings
-from ...codecache import write_source
 from ...errors import BackendError, InputError
 from ...ir.graph import Program, make_layout
 from ...ir.layout import Replicated, cut, part_bounds, part_shape, placements
 from ...ir.semantics import Place, dropout_index
 from ...ir.types import DTYPES, bind_shape
 from ...plan import Collective, FusedCollective, Memory, Plan
+from ...storage.codecache import write_source
 from .. import inputs as _inputs
 from ..inputs import RankInputs, bound_sizes, check_rank_inputs, local_shape
 from ..results import RankResult

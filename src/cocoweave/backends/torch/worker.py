@@ -88,7 +88,7 @@ def _time(exe: Executable, inputs: RankInputs, world_size: int, iters: int, warm
 
 
 def trace_events(rank: int, spans: Sequence[tuple[str, str, int, int, int | None]]) -> list[dict[str, Any]]:
-    """RankContext spans (name, stream, start ns, end ns, chunk) as cocoweave.trace events."""
+    """RankContext spans (name, stream, start ns, end ns, chunk) as cocoweave.perf.trace events."""
     return [{"name": name, "rank": rank, "stream": stream, "start_ns": t0, "dur_ns": t1 - t0, "chunk": chunk,
              "args": {}} for name, stream, t0, t1, chunk in spans]
 

@@ -163,9 +163,9 @@ def plan_cluster(profile: WorkloadProfile, catalog: Catalog, steps: int, deadlin
                 unfinishable)
 
 
-def resize_predictions(profile: WorkloadProfile, option: Option, steps: int, schedule: Sequence) -> dict:
-    """The job of `steps` steps under a resize schedule (`resize.parse_schedule`) on `option`'s machine type and
-    pricing, under each batch policy (`steps` counted at the profiled global batch, which the schedule's first
+def resize_predictions(profile: WorkloadProfile, option: Option, steps: int, resize_plan: Sequence) -> dict:
+    """The job of `steps` steps under a resize plan (`resize.parse_resize_plan`) on `option`'s machine type and
+    pricing, under each batch policy (`steps` counted at the profiled global batch, which the plan's first
     world size runs):
 
     - keep_global: the profiled global batch at every size, so a step takes the profile's time at that size;
@@ -179,11 +179,11 @@ def resize_predictions(profile: WorkloadProfile, option: Option, steps: int, sch
     times = {p.workers: p.step_time_s for p in points_for(profile, machine) if p.ps == option.ps}
     node_price = machine.spot_per_hour if option.pricing == "spot" else machine.on_demand_per_hour
     price = node_price / machine.gpus_per_node
-    base = next(r.world for r in schedule if r.world)
+    base = next(r.world for r in resize_plan if r.world)
     kw = {"restart_s": machine.startup_s, "checkpoint_s": profile.checkpoint_s}
-    keep = predict_resizes(BatchPolicy.keep_global(base), steps, times, schedule, price, **kw)
+    keep = predict_resizes(BatchPolicy.keep_global(base), steps, times, resize_plan, price, **kw)
     if base not in times:  # keep_global has said which size has no step time
         return {"keep_global": keep}
-    scaled = {r.world: times[base] for r in schedule if r.world}
-    scale = predict_resizes(BatchPolicy.scale(base, base, "linear"), steps, scaled, schedule, price, **kw)
+    scaled = {r.world: times[base] for r in resize_plan if r.world}
+    scale = predict_resizes(BatchPolicy.scale(base, base, "linear"), steps, scaled, resize_plan, price, **kw)
     return {"keep_global": keep, "scale (linear lr)": scale}

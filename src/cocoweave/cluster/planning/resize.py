@@ -1,13 +1,14 @@
-"""The time and cost of a job under a resize schedule, for each batch policy (the planner's question for elastic
+"""The time and cost of a job under a resize plan, for each batch policy (the planner's question for elastic
 jobs): restarts, checkpoints, the steps a revocation loses, and the progress a step makes under the policy
 (`cocoweave.elastic.BatchPolicy`, the runtime's). `cocoweave plan --resizes` applies it to a planned job.
 
-    predict_resizes(policy, base_steps, step_time_s, parse_schedule("8:2,4:1.5,8"), price_per_rank_hour)
+    predict_resizes(policy, base_steps, step_time_s, parse_resize_plan("8:2,4:1.5,8"), price_per_rank_hour)
 """
 
 from __future__ import annotations
 
 import math
+import warnings
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
@@ -22,13 +23,13 @@ SECONDS_PER_HOUR = 3600.0
 
 @dataclass(frozen=True)
 class Resize:
-    """One phase of a resize schedule: `world` ranks (0: none, the job waits) for `hours` (None: until the end)."""
+    """One phase of a resize plan: `world` ranks (0: none, the job waits) for `hours` (None: until the end)."""
 
     world: int
     hours: float | None = None
 
 
-def parse_schedule(text: str) -> list[Resize]:
+def parse_resize_plan(text: str) -> list[Resize]:
     """'8:2,4:1.5,0:0.5,8' -> 8 ranks for 2 hours, 4 for 1.5, none for 0.5, then 8 until the job ends."""
     phases = []
     items = [s.strip() for s in text.split(",")]
@@ -37,15 +38,23 @@ def parse_schedule(text: str) -> list[Resize]:
         try:
             phase = Resize(int(world), float(hours) if colon else None)
         except ValueError:
-            raise ElasticError(f"resize schedule item {item!r} must look like RANKS:HOURS, e.g. 8:2,4:1.5,8") \
+            raise ElasticError(f"resize plan item {item!r} must look like RANKS:HOURS, e.g. 8:2,4:1.5,8") \
                 from None
         if phase.world < 0 or (phase.hours is not None and not (0 < phase.hours < math.inf)):
-            raise ElasticError(f"resize schedule item {item!r} needs a rank count of at least 0 and a positive, "
+            raise ElasticError(f"resize plan item {item!r} needs a rank count of at least 0 and a positive, "
                                "finite number of hours")
         if phase.hours is None and i != len(items) - 1:
-            raise ElasticError(f"only the last item of a resize schedule may leave out its hours, not {item!r}")
+            raise ElasticError(f"only the last item of a resize plan may leave out its hours, not {item!r}")
         phases.append(phase)
     return phases
+
+
+def parse_schedule(text: str) -> list[Resize]:
+    """Deprecated name of `parse_resize_plan` (a "schedule" in cocoweave is a CoCoNet Schedule); kept for one
+    release."""
+    warnings.warn("parse_schedule is renamed parse_resize_plan; the old name goes in the next release",
+                  DeprecationWarning, stacklevel=2)
+    return parse_resize_plan(text)
 
 
 @dataclass(frozen=True)
@@ -63,7 +72,7 @@ class PhaseCost:
 
 @dataclass(frozen=True)
 class ElasticPrediction:
-    """The predicted run of a job under a resize schedule and a batch policy."""
+    """The predicted run of a job under a resize plan and a batch policy."""
 
     policy: str
     finished: bool
@@ -115,18 +124,18 @@ def _run_phase(needed: int, step_s: float, budget_s: float | None, restart_s: fl
 
 
 def predict_resizes(policy: BatchPolicy, base_steps: int, step_time_s: Mapping[int, float],
-                    schedule: Sequence[Resize], price_per_rank_hour: float, *, restart_s: float = 60.0,
+                    resize_plan: Sequence[Resize], price_per_rank_hour: float, *, restart_s: float = 60.0,
                     checkpoint_every: int | None = None, checkpoint_s: float = 0.0,
                     noise_scale: float | None = None) -> ElasticPrediction:
     """Time and cost of a job of `base_steps` optimizer steps at the base global batch, run under `policy` through
-    `schedule`, from its step time at each world size (`step_time_s[world]`, seconds: measured or predicted for the
+    `resize_plan`, from its step time at each world size (`step_time_s[world]`, seconds: measured or predicted for the
     per-rank batch the policy gives there).
 
     Every phase with ranks starts with `restart_s` (start, rendezvous, load the checkpoint). With
     `checkpoint_every` steps, each checkpoint costs `checkpoint_s` and a resize loses the steps after the last one
     (a revocation); without, the job checkpoints once (`checkpoint_s`) when a phase ends and loses nothing (a
     drained resize). Ranks are paid from their phase's start until it ends or the job does; a phase of 0 ranks
-    waits for free. Unfinished when the schedule ends first."""
+    waits for free. Unfinished when the plan ends first."""
     counts = {"the job's base steps": base_steps}
     if checkpoint_every is not None:
         counts["the checkpoint interval"] = checkpoint_every
@@ -137,18 +146,18 @@ def predict_resizes(policy: BatchPolicy, base_steps: int, step_time_s: Mapping[i
                         ("price_per_rank_hour", price_per_rank_hour)):
         if not (0 <= value < math.inf):
             raise ElasticError(f"{name} must be a finite number of at least 0, got {value!r}")
-    if not schedule:
-        raise ElasticError("the resize schedule is empty")
-    for n, phase in enumerate(schedule):
-        if phase.hours is None and n != len(schedule) - 1:
-            raise ElasticError(f"only the last phase of a resize schedule may be open-ended, not phase {n + 1}")
+    if not resize_plan:
+        raise ElasticError("the resize plan is empty")
+    for n, phase in enumerate(resize_plan):
+        if phase.hours is None and n != len(resize_plan) - 1:
+            raise ElasticError(f"only the last phase of a resize plan may be open-ended, not phase {n + 1}")
         t = step_time_s.get(phase.world)
         if phase.world and (t is None or not (0 < t < math.inf)):
             raise ElasticError(f"no positive step time for {phase.world} ranks (step times are known for "
                                f"{', '.join(map(str, sorted(step_time_s))) or 'no world size'})")
         progress_per_step(policy, phase.world or 1, noise_scale)  # AdaScale without a noise scale
     done, hours, cost, phases = 0.0, 0.0, 0.0, []
-    for phase in schedule:
+    for phase in resize_plan:
         if phase.world == 0:
             if phase.hours is None:
                 break  # no ranks until the end: the job never finishes

@@ -13,7 +13,7 @@ from pathlib import Path
 from torch.distributed.elastic.multiprocessing.errors import record
 
 from cocoweave.cluster.profiling.recorder import install_from_env
-from cocoweave.lifetime import die_with_parent
+from cocoweave.launch.lifetime import die_with_parent
 
 
 @record  # an uncaught exception goes to torchrun's error file for this rank: the parent names the root cause
@@ -21,7 +21,7 @@ def main(argv: list[str]) -> None:
     """Run `argv[0]` (a Python file) with arguments `argv[1:]` as its `__main__`, hooks installed."""
     if not argv:
         raise SystemExit("usage: python -m cocoweave.cluster.profiling.rank_entry SCRIPT.py [ARGS...]")
-    die_with_parent()  # a rank ends with its torchrun agent, however the agent ends (lifetime.py)
+    die_with_parent()  # a rank ends with its torchrun agent, however the agent ends (launch/lifetime.py)
     install_from_env()
     script = Path(argv[0])
     sys.argv = [str(script), *argv[1:]]

@@ -30,7 +30,7 @@ from torch.distributed.elastic.multiprocessing.errors import ProcessFailure
 from cocoweave.cluster.profiling import recorder
 from cocoweave.cluster.profiling.io_summary import merge_io, summarise_io
 from cocoweave.errors import CocoweaveError
-from cocoweave.lifetime import run_bounded
+from cocoweave.launch.lifetime import run_bounded
 from cocoweave.rankenv import cores
 
 PHASES = ("data_ms", "forward_ms", "backward_ms", "update_ms")
@@ -227,7 +227,7 @@ def run_world(script: Path, script_args: Sequence[str], world_size: int, steps: 
         env["PYTHONPATH"] = os.pathsep.join([src, *filter(None, [env.get("PYTHONPATH")])])
         start, busy0, ours0 = time.perf_counter(), machine_busy_s(), _children_cpu_s()
         try:
-            # its own session and a parent-death signal: ended with this command on every exit path (lifetime.py)
+            # its own session and a parent-death signal: ended with this command on every exit path (launch/lifetime.py)
             proc = run_bounded(torchrun_command(script, script_args, world_size, logs), env, timeout_s)
         except subprocess.TimeoutExpired:
             raise ProfileError(f"{script} on {ranks(world_size)} did not finish within {timeout_s:g} s (raise "

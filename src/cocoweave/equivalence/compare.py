@@ -8,9 +8,9 @@ from dataclasses import dataclass
 
 import torch
 
-from .backends.inputs import RankInputs, gather_logical
-from .backends.results import RankResult
-from .ir.graph import Program
+from ..backends.inputs import RankInputs, gather_logical
+from ..backends.results import RankResult
+from ..ir.graph import Program
 
 # (atol, rtol) per dtype: float32 allows reassociation; halves allow one rounding per fused chain.
 TOLERANCES = {

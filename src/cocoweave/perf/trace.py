@@ -18,7 +18,7 @@ from collections.abc import Iterator, Mapping, Sequence
 from contextlib import contextmanager
 from typing import Any
 
-from . import jsonable
+from .. import jsonable
 
 Event = dict[str, Any]  # {"name", "rank", "stream", "start_ns", "dur_ns", "chunk", "args"}
 

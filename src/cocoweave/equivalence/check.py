@@ -10,12 +10,12 @@ from collections.abc import Callable, Mapping, Sequence
 from dataclasses import asdict, dataclass
 from typing import Any
 
-from .backends import reference
-from .backends.inputs import make_inputs
-from .errors import CocoweaveError, ProgramError
-from .ir.graph import Program
-from .schedule.schedule import Schedule
-from .testing import compare_results
+from ..backends import reference
+from ..backends.inputs import make_inputs
+from ..errors import CocoweaveError, ProgramError
+from ..ir.graph import Program
+from ..schedule.schedule import Schedule
+from .compare import compare_results
 
 Runner = Callable[[Schedule, list, Mapping[str, int]], list]
 BatchRunner = Callable[[Sequence[Schedule], list, Mapping[str, int]], list[list]]  # results per schedule
@@ -55,7 +55,7 @@ def torch_runner(world: Any, device: str = "cpu", kernels: str | None = None) ->
     collectives cannot go on after one rank fails)."""
 
     def run(schedules: Sequence[Schedule], inputs: list, sizes: Mapping[str, int]) -> list[list]:
-        from .backends.torch.worker import run_schedules
+        from ..backends.torch.worker import run_schedules
 
         per_rank = world.run(run_schedules, list(schedules), inputs, dict(sizes), device, kernels)
         return [[r[i] for r in per_rank] for i in range(len(schedules))]

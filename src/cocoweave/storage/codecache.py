@@ -26,9 +26,9 @@ import tempfile
 import warnings
 from pathlib import Path
 
-from . import settings
+from .. import settings
+from ..errors import CocoweaveError
 from .atomic import write_text
-from .errors import CocoweaveError
 from .statedir import check_private_folder
 
 log = logging.getLogger(__name__)

@@ -9,7 +9,7 @@ import os
 import stat
 from pathlib import Path
 
-from .errors import CocoweaveError
+from ..errors import CocoweaveError
 
 NAME = ".cocoweave"
 

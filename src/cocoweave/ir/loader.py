@@ -23,8 +23,8 @@ from collections.abc import Iterator, Mapping
 from pathlib import Path
 from types import ModuleType
 
-from .errors import LoadError, ProgramError
-from .ir.graph import Program
+from ..errors import LoadError, ProgramError
+from .graph import Program
 
 
 def parse_sizes(items: list[str] | None) -> dict[str, int]:
@@ -215,7 +215,7 @@ def symbolic_sizes(program: Program, sizes: Mapping[str, int]) -> dict[str, int]
 
 def examples_dir() -> Path:
     """The repository's examples/ folder (next to src/)."""
-    return Path(__file__).resolve().parents[2] / "examples"
+    return Path(__file__).resolve().parents[3] / "examples"
 
 
 def load_example(spec: str, **sizes: int) -> Program:
