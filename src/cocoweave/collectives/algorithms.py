@@ -81,6 +81,7 @@ class Algorithm:
 
 _TABLE: dict[str, Algorithm] = {}
 _VARIANTS: dict[str, Algorithm] = {}  # those registered inside another's call, by name
+_INSIDE: dict[str, tuple[Algorithm, ...]] = {}  # the variants by the algorithm they run inside (what pricing asks)
 _GENERATION = [0]  # bumped by every change of the table: memoised enumerations key on it
 _IMPLEMENTATIONS: dict[str, dict[tuple[str, str], Callable[..., Any]]] = {}  # backend -> (algorithm, op) -> fn
 
@@ -104,10 +105,10 @@ def register(algorithm: Algorithm, implementations: Mapping[str, Mapping[str, Ca
             raise CocoweaveError(f"collective algorithm {algorithm.name!r} runs inside the {algorithm.inside} "
                                  "algorithm's call; it has no implementations or enumerated schedules of its own")
         _VARIANTS[algorithm.name] = algorithm
-        _GENERATION[0] += 1
+        _changed()
         return algorithm
     _TABLE[algorithm.name] = algorithm
-    _GENERATION[0] += 1
+    _changed()
     for backend, ops in (implementations or {}).items():
         implement(backend, algorithm.name, **ops)
     return algorithm
@@ -119,10 +120,18 @@ def unregister(name: str) -> None:
         raise CocoweaveError(f"the {DEFAULT} algorithm cannot be removed")
     _TABLE.pop(name, None)
     _VARIANTS.pop(name, None)
-    _GENERATION[0] += 1
+    _changed()
     for impls in _IMPLEMENTATIONS.values():
         for key in [k for k in impls if k[0] == name]:
             del impls[key]
+
+
+def _changed() -> None:
+    """Bump the generation and regroup the variants after a change of the table."""
+    _GENERATION[0] += 1
+    _INSIDE.clear()
+    for variant in _VARIANTS.values():
+        _INSIDE[variant.inside] = (*_INSIDE.get(variant.inside, ()), variant)
 
 
 def get(name: str) -> Algorithm:
@@ -142,7 +151,7 @@ def entry(name: str) -> Algorithm:
 
 def variants(name: str) -> tuple[Algorithm, ...]:
     """The algorithms registered inside `name`'s call, in registration order."""
-    return tuple(a for a in _VARIANTS.values() if a.inside == name)
+    return _INSIDE.get(name, ())
 
 
 def generation() -> int:

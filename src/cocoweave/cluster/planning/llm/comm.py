@@ -6,8 +6,6 @@ message, as NCCL's tuner picks: the algorithms and their formulas are the collec
 
 from __future__ import annotations
 
-from dataclasses import replace
-
 from cocoweave.cluster.planning.llm.system import System
 from cocoweave.collectives import DEFAULT
 from cocoweave.collectives.pricing import KINDS, Link, fastest, seconds, spread_seconds
@@ -34,9 +32,9 @@ def group_link(system: System, size: int, stride: int) -> Link | None:
         raise PlanningError(f"machine {system.machine.name} names no inter_node network for a group across nodes.")
     rails = max(1, min(size, per_node // stride)) if stride < per_node else 1
     link = Link.of(inter.key, inter.bandwidth_gb_s, inter.latency_us, system.eff.inter, rails)
-    if intra is not None:
-        link = replace(link, bandwidth=min(link.bandwidth, _intra(system).bandwidth))
-    return link
+    if intra is None:
+        return link
+    return Link(link.name, min(link.bandwidth, _intra(system).bandwidth), link.latency)
 
 
 def _intra(system: System) -> Link:
