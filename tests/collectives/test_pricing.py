@@ -19,7 +19,7 @@ from cocoweave.cluster.profiling.hardware_model import comm_ms
 from cocoweave.cluster.profiling.host_scaling import Traffic
 from cocoweave.collectives.pricing import Link
 from cocoweave.errors import CocoweaveError
-from cocoweave.loader import load_example
+from cocoweave.ir.loader import load_example
 from cocoweave.perf.costmodel import AlphaBeta, Calibration, PlanCoster
 from cocoweave.plan import lower
 from cocoweave.schedule.enumerate import enumerate_schedules
