@@ -428,3 +428,48 @@ def test_the_package_root_holds_only_what_every_layer_shares():
 def test_no_package_root_module_is_over_400_lines():
     lines = {p.name: len(p.read_text(encoding="utf-8").splitlines()) for p in SRC.glob("*.py")}
     assert {name: n for name, n in lines.items() if n > ROOT_MAX_LINES} == {}
+
+
+# -- one pricing model of links and collectives (issue #49, item 1) ------------------------------------------------
+
+LINK_FIGURES = {"bandwidth", "latency", "bandwidth_gb_s", "latency_us"}  # a link's (catalog's, Link's) figures
+PRICING = "collectives/pricing.py"
+
+
+def _link_arithmetic(path: Path) -> list[int]:
+    """Lines of `path` computing with a link's bandwidth or latency (an operand named or attributed so)."""
+    lines = []
+    for node in ast.walk(ast.parse(path.read_text(encoding="utf-8"))):
+        if isinstance(node, ast.BinOp):
+            sides = (node.left, node.right)
+            if LINK_FIGURES & {s.attr if isinstance(s, ast.Attribute) else getattr(s, "id", None) for s in sides}:
+                lines.append(node.lineno)
+    return lines
+
+
+def _calls_of(path: Path, attr: str) -> list[int]:
+    return [n.lineno for n in ast.walk(ast.parse(path.read_text(encoding="utf-8")))
+            if isinstance(n, ast.Call) and isinstance(n.func, ast.Attribute) and n.func.attr == attr]
+
+
+def test_collectives_are_priced_by_one_model():
+    """Only collectives/pricing.py turns a link's bandwidth and latency into seconds, from the algorithms' registered
+    traffic and steps; the tuner's cost model, the profiler's hardware model and the LLM planner price through it
+    (no formula, ring-or-tree choice or host_scaling wrapper of their own); `modellable` and the missing-GPU
+    error are written once (cluster/catalog.py)."""
+    where = {str(p.relative_to(SRC)): lines for p in SRC.rglob("*.py") if (lines := _link_arithmetic(p))}
+    assert list(where) == [PRICING], where
+    outside = [p for p in SRC.rglob("*.py") if p.parent.name != "collectives"]
+    assert {str(p.relative_to(SRC)): c for p in outside if (c := _calls_of(p, "traffic"))} == {}
+    assert [m for m, ts in GRAPH.items() if "cocoweave.collectives.traffic" in ts
+            and not m.startswith("cocoweave.collectives")] == []
+    for reader in ("cocoweave.perf.costmodel", "cocoweave.cluster.profiling.hardware_model",
+                   "cocoweave.cluster.planning.llm.comm"):
+        assert "cocoweave.collectives.pricing" in GRAPH[reader], reader
+    assert not [t for t in GRAPH["cocoweave.cluster.planning.llm.comm"] if t.startswith("cocoweave.cluster.profiling")]
+    defs = [f"{p.relative_to(SRC)}" for p in SRC.rglob("*.py") for n in ast.walk(ast.parse(p.read_text("utf-8")))
+            if isinstance(n, ast.FunctionDef) and n.name == "modellable"]
+    assert defs == ["cluster/catalog.py"], defs
+    sentences = [f"{p.relative_to(SRC)}" for p in SRC.rglob("*.py")
+                 if "has no spec-sheet entry" in p.read_text(encoding="utf-8")]
+    assert sentences == ["cluster/catalog.py"], sentences

@@ -84,6 +84,25 @@ class Catalog:
     launch_us: float = 0.0
     source: str = ""
 
+    def gpu_of(self, machine: MachineType) -> GPUSpec:
+        """The spec-sheet entry of `machine`'s GPU (what modelling it needs); PlanningError where there is none."""
+        gpu = self.gpus.get(machine.gpu)
+        if gpu is None:
+            raise PlanningError(f"the catalog {self.source} has no spec-sheet entry for GPU {machine.gpu} "
+                                f"(machine {machine.name}); add it under 'gpus'.")
+        return gpu
+
+    def modellable(self, machine: MachineType, dtype: str | None = None, whole_nodes: bool = False) -> bool:
+        """Whether this catalog has what modelling `machine` needs: its GPU's figures (with `dtype`'s peak, where
+        given) and a network for its world; with `whole_nodes` (the LLM planner: whole nodes, each group on its own
+        link) the network across nodes and, past one GPU per node, the one inside."""
+        gpu = self.gpus.get(machine.gpu)
+        if gpu is None or dtype is not None and dtype not in gpu.tflops:
+            return False
+        if whole_nodes:
+            return machine.inter_node is not None and (machine.gpus_per_node == 1 or machine.intra_node is not None)
+        return machine.inter_node is not None or machine.intra_node is not None
+
 
 NonNegative = Annotated[float, Field(ge=0, allow_inf_nan=False)]
 Positive = Annotated[float, Field(gt=0, allow_inf_nan=False)]

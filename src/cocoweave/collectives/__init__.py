@@ -1,5 +1,5 @@
-"""Collective algorithms, below every layer that reads them: the table (`algorithms`) and what each collective
-moves (`traffic`)."""
+"""Collective algorithms, below every layer that reads them: the table (`algorithms`), what each collective
+moves (`traffic`) and the one pricing model of collectives on a link (`pricing`)."""
 
 from .algorithms import (
     DEFAULT,
@@ -8,6 +8,7 @@ from .algorithms import (
     UnknownAlgorithmError,
     algorithms,
     choose,
+    entry,
     generation,
     get,
     implement,
@@ -17,9 +18,10 @@ from .algorithms import (
     register,
     unregister,
     uses,
+    variants,
 )
 from .traffic import moved, steps
 
-__all__ = ["DEFAULT", "FUSED", "Algorithm", "UnknownAlgorithmError", "algorithms", "choose", "generation", "get",
-           "implement", "implementation", "implementations", "moved", "names", "register", "steps", "unregister",
-           "uses"]
+__all__ = ["DEFAULT", "FUSED", "Algorithm", "UnknownAlgorithmError", "algorithms", "choose", "entry", "generation",
+           "get", "implement", "implementation", "implementations", "moved", "names", "register", "steps",
+           "unregister", "uses", "variants"]

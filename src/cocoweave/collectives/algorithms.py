@@ -5,6 +5,11 @@ One entry per algorithm ("library": torch.distributed's call; "ring": point-to-p
 ring; "shm": shared memory between the ranks of one host). Enumeration, schedule legality, the torch code
 generator, the cost model, calibration and the optimizer's automatic choice all read this table; adding an
 algorithm is one `register` call. An algorithm the table does not know is an `UnknownAlgorithmError`.
+
+An algorithm registered `inside` another runs only within that one's call, which picks it by itself where it is
+faster ("tree": NCCL's double binary tree inside the library's all-reduce): it is priced with that call
+(collectives/pricing.py: the LLM planner's NCCL), never scheduled on its own, so `get`, `names` and enumeration do
+not offer it; `variants` lists them.
 """
 
 from __future__ import annotations
@@ -14,7 +19,8 @@ from dataclasses import dataclass
 from typing import Any, Literal, TypeVar
 
 from ..errors import CocoweaveError
-from .traffic import moved
+from .traffic import moved, tree_moved, tree_steps
+from .traffic import steps as message_steps
 
 DEFAULT = "library"  # the algorithm of a stage nobody chose one for
 FUSED = "fused"  # the operation name of a fused RS-C-AG stage run as one (for `Algorithm.fuses`)
@@ -39,7 +45,9 @@ class Algorithm:
     `devices`: the device types whose tensors it serves (None: all); `one_host`: its ranks must share a host (else
     the backend runs the library's); `enumerated`: (base, stage kinds) enumeration moves onto it; `auto`: how the
     optimizer's automatic choice treats schedules on it; `priced_as`: whose calibrated lines price it where a
-    calibration has none of its own; `traffic(op, p)`: the fraction of the tensor a rank moves."""
+    calibration has none of its own; `traffic(op, p)`: the fraction of the tensor a rank moves; `steps(op, p)`:
+    its message steps (each paying a link's latency); `inside`: the algorithm whose call runs it where faster (not
+    schedulable on its own)."""
 
     name: str
     collectives: tuple[str, ...]
@@ -52,6 +60,8 @@ class Algorithm:
     auto: Auto = "default"
     priced_as: str | None = DEFAULT
     traffic: Callable[[str, int], float] = moved
+    steps: Callable[[str, int], int] = message_steps
+    inside: str | None = None
     doc: str = ""
 
     def implements(self, op: str) -> bool:
@@ -70,6 +80,8 @@ class Algorithm:
 
 
 _TABLE: dict[str, Algorithm] = {}
+_VARIANTS: dict[str, Algorithm] = {}  # those registered inside another's call, by name
+_INSIDE: dict[str, tuple[Algorithm, ...]] = {}  # the variants by the algorithm they run inside (what pricing asks)
 _GENERATION = [0]  # bumped by every change of the table: memoised enumerations key on it
 _IMPLEMENTATIONS: dict[str, dict[tuple[str, str], Callable[..., Any]]] = {}  # backend -> (algorithm, op) -> fn
 
@@ -77,8 +89,9 @@ _IMPLEMENTATIONS: dict[str, dict[tuple[str, str], Callable[..., Any]]] = {}  # b
 def register(algorithm: Algorithm, implementations: Mapping[str, Mapping[str, Callable[..., Any]]] | None = None
              ) -> Algorithm:
     """Add `algorithm` to the table, with its implementations per backend ({"torch": {"all_reduce": fn}}), and
-    return it. A name is registered once."""
-    if algorithm.name in _TABLE:
+    return it. A name is registered once. One registered `inside` another joins that one's variants instead (it
+    has no implementations of its own)."""
+    if algorithm.name in _TABLE or algorithm.name in _VARIANTS:
         raise CocoweaveError(f"collective algorithm {algorithm.name!r} is already registered")
     if not algorithm.name.isidentifier():
         raise CocoweaveError(f"collective algorithm name {algorithm.name!r} is not an identifier")
@@ -86,8 +99,16 @@ def register(algorithm: Algorithm, implementations: Mapping[str, Mapping[str, Ca
         if base not in BASES:
             raise CocoweaveError(f"algorithm {algorithm.name!r} names enumeration base {base!r}; "
                                  f"choose one of {', '.join(BASES)}")
+    if algorithm.inside is not None:
+        get(algorithm.inside)
+        if implementations or algorithm.enumerated:
+            raise CocoweaveError(f"collective algorithm {algorithm.name!r} runs inside the {algorithm.inside} "
+                                 "algorithm's call; it has no implementations or enumerated schedules of its own")
+        _VARIANTS[algorithm.name] = algorithm
+        _changed()
+        return algorithm
     _TABLE[algorithm.name] = algorithm
-    _GENERATION[0] += 1
+    _changed()
     for backend, ops in (implementations or {}).items():
         implement(backend, algorithm.name, **ops)
     return algorithm
@@ -98,10 +119,19 @@ def unregister(name: str) -> None:
     if name == DEFAULT:
         raise CocoweaveError(f"the {DEFAULT} algorithm cannot be removed")
     _TABLE.pop(name, None)
-    _GENERATION[0] += 1
+    _VARIANTS.pop(name, None)
+    _changed()
     for impls in _IMPLEMENTATIONS.values():
         for key in [k for k in impls if k[0] == name]:
             del impls[key]
+
+
+def _changed() -> None:
+    """Bump the generation and regroup the variants after a change of the table."""
+    _GENERATION[0] += 1
+    _INSIDE.clear()
+    for variant in _VARIANTS.values():
+        _INSIDE[variant.inside] = (*_INSIDE.get(variant.inside, ()), variant)
 
 
 def get(name: str) -> Algorithm:
@@ -111,6 +141,17 @@ def get(name: str) -> Algorithm:
     except KeyError:
         raise UnknownAlgorithmError(f"unknown collective algorithm {name!r}; "
                                     f"choose one of {', '.join(_TABLE)}") from None
+
+
+def entry(name: str) -> Algorithm:
+    """The registration of `name`, schedulable or a variant run inside another's call (what pricing reads);
+    UnknownAlgorithmError if there is none."""
+    return _VARIANTS[name] if name in _VARIANTS else get(name)
+
+
+def variants(name: str) -> tuple[Algorithm, ...]:
+    """The algorithms registered inside `name`'s call, in registration order."""
+    return _INSIDE.get(name, ())
 
 
 def generation() -> int:
@@ -188,3 +229,6 @@ SHM = register(Algorithm(
     enumerated=(("each", ("collective", "fused", "p2p")), ("fused", ("collective", "fused", "p2p"))),
     auto="preferred",
     doc="shared memory between the ranks of one host, CPU tensors only (its segments are the host's memory)"))
+TREE = register(Algorithm(
+    "tree", ("all_reduce",), traffic=tree_moved, steps=tree_steps, inside=DEFAULT,
+    doc="NCCL's double binary tree, which the library's all-reduce runs instead of its ring where it is faster"))

@@ -3,8 +3,9 @@
 Bandwidth-optimal collectives (a ring, or the library's NCCL/Gloo call): an all-reduce moves 2(p-1)/p of the
 tensor per rank in 2(p-1) steps, a reduce-scatter or all-gather (p-1)/p in p-1 steps, a broadcast or reduce the
 whole tensor in log2(p) steps (a tree), an all-to-all (p-1)/p of the rank's part in p-1 pairwise steps, a
-point-to-point message the whole tensor in one (the receiving side moves nothing). The cost model, calibration
-and the cluster's step scaling all read these; this is their one home.
+point-to-point message the whole tensor in one (the receiving side moves nothing). NCCL's double binary tree
+all-reduce (`tree_moved`, `tree_steps`) moves twice the tensor in 2 log2(p) steps. The algorithms' registrations
+name these (collectives/algorithms.py) and collectives/pricing.py turns them into seconds; this is their one home.
 """
 
 from __future__ import annotations
@@ -41,3 +42,20 @@ def steps(kind: str, p: int) -> int:
     if kind in ("p2p", "send", "recv"):
         return 1 if p > 1 else 0
     raise CocoweaveError(f"unknown collective {kind!r}: the traffic of {', '.join(KINDS)} is known")
+
+
+def tree_moved(kind: str, p: int) -> float:
+    """Fraction of the tensor one rank moves in a double binary tree all-reduce over p ranks (Sanders et al. 2009,
+    NCCL's tree): the tensor reduced up one tree and broadcast down, pipelined, twice it whatever p; other
+    collectives as `moved`."""
+    if kind == "all_reduce":
+        return 2.0 if p > 1 else 0.0
+    return moved(kind, p)
+
+
+def tree_steps(kind: str, p: int) -> int:
+    """Message steps one rank takes in a double binary tree all-reduce over p ranks: the depth of the tree up and
+    down, 2 ceil(log2 p); other collectives as `steps`."""
+    if kind == "all_reduce":
+        return 2 * math.ceil(math.log2(p)) if p > 1 else 0
+    return steps(kind, p)

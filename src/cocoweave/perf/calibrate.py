@@ -18,9 +18,9 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
-from .. import collectives
 from ..backends.torch.ring import ring_all_gather, ring_reduce_scatter
 from ..backends.torch.worker import timed_steps
+from ..collectives import pricing
 from ..ir.types import DTYPES
 from .costmodel import AlphaBeta, Calibration, fit_alpha_beta
 
@@ -83,7 +83,7 @@ def _collectives(world_size: int, rank: int, n: int, dev: torch.device) -> dict[
 def _moved(key: str, p: int) -> float:
     """The fraction of its tensor a rank moves in benchmark `key` ("all_reduce/ring") at p ranks."""
     op, algorithm = key.split("/")
-    return collectives.get(algorithm).traffic(op, p)
+    return pricing.moved(op, p, algorithm)
 
 
 def microbench(rank: int, world_size: int, spec: Spec) -> list[dict[str, Any]]:

@@ -1,7 +1,8 @@
 """Analytic cost model: a schedule's step time from its Plan.
 
 Each collective costs alpha + beta x bytes moved per rank (by operation and algorithm, as the table of collective
-algorithms says: cocoweave.collectives), each computation op costs a launch overhead + bytes / bandwidth (a
+algorithms says and collectives/pricing.py reads it: the bytes a rank moves, and a line fitted on another algorithm's
+calls carried to this one's message steps), each computation op costs a launch overhead + bytes / bandwidth (a
 roofline on memory traffic), a matmul an overhead + flops / rate; a chunked (overlapped) chain runs as a pipeline:
 every part's per-chunk time, plus (chunks - 1) x the slowest part, plus a per-chunk overhead. The constants come
 from `perf calibrate` (`Calibration`); `fit_alpha_beta` fits them from microbenchmarks.
@@ -19,6 +20,7 @@ from typing import Any
 import numpy as np
 
 from .. import collectives, settings
+from ..collectives import pricing
 from ..errors import CocoweaveError
 from ..ir import registry as R
 from ..ir.graph import Value
@@ -62,11 +64,24 @@ class Calibration:
     def collective(self, op: str, algorithm: str) -> AlphaBeta:
         """The fitted line of `op` with `algorithm`, falling back to the lines of the algorithm the table prices it
         as (the library's), then all_reduce's; UnknownAlgorithmError for an algorithm the table does not know."""
+        return self._line(op, algorithm)[1]
+
+    def collective_at(self, op: str, algorithm: str, p: int) -> AlphaBeta:
+        """`collective`'s line for `op` on `algorithm` at p ranks: a line of `op` fitted on the calls of the
+        algorithm it is priced as, its per-call latency carried to this algorithm's message steps."""
+        fitted_on, line = self._line(op, algorithm)
+        if fitted_on is None or fitted_on == algorithm:
+            return line
+        return AlphaBeta(line.alpha_ms * pricing.latency_scale(op, p, algorithm, fitted_on), line.beta_ms_per_mb)
+
+    def _line(self, op: str, algorithm: str) -> tuple[str | None, AlphaBeta]:
+        """(the algorithm whose `op` calls the line was fitted on, or None for another operation's line; the line)."""
         priced_as = collectives.get(algorithm).priced_as
-        for key in [f"{o}/{a}" for o in (op, "all_reduce") for a in (algorithm, priced_as) if a is not None]:
-            if key in self.collectives:
-                return self.collectives[key]
-        return AlphaBeta(0.0, 0.0)
+        for o in (op, "all_reduce"):
+            for a in (algorithm, priced_as):
+                if a is not None and f"{o}/{a}" in self.collectives:
+                    return (a if o == op else None), self.collectives[f"{o}/{a}"]
+        return None, AlphaBeta(0.0, 0.0)
 
     def kernel(self, dtype: str) -> AlphaBeta:
         """The memory-traffic line of computation in `dtype` (float32's if that dtype was not calibrated)."""
@@ -175,6 +190,7 @@ class Term:
     key: str  # "all_reduce/library", dtype
     amount: float  # bytes moved, bytes of memory traffic, or flops
     count: int = 1  # launches (ops) this term stands for
+    ranks: int = 0  # a collective's group size (its message steps depend on it)
 
 
 def _comm_term(v: Value, algorithm: str, sizes: Mapping[str, int], world_size: int, backend_wire: str) -> Term:
@@ -185,8 +201,8 @@ def _comm_term(v: Value, algorithm: str, sizes: Mapping[str, int], world_size: i
     whole = local_bytes(src if v.op != "all_gather" else v, sizes, world_size)
     if backend_wire == "gloo" and v.dtype in ("float16", "bfloat16"):
         whole *= 2  # Gloo reduces half types in float32
-    moved = collectives.get(algorithm).traffic(v.op, p)
-    return Term("comm", f"{v.op}/{algorithm}", whole * moved if p > 1 else 0.0, 1 if p > 1 else 0)
+    moved = pricing.moved(v.op, p, algorithm)
+    return Term("comm", f"{v.op}/{algorithm}", whole * moved if p > 1 else 0.0, 1 if p > 1 else 0, p)
 
 
 def _kernel_terms(values: Sequence[Value], sizes: Mapping[str, int], world_size: int, fused: bool,
@@ -245,7 +261,7 @@ class PlanCoster:
         if term.count == 0:
             return 0.0
         if term.kind == "comm":
-            line = self.cal.collective(*term.key.split("/"))
+            line = self.cal.collective_at(*term.key.split("/"), term.ranks)
         elif term.kind == "kernel":
             line = self.cal.kernel(term.key)
         else:

@@ -3,10 +3,12 @@
 Compute: every operation the profiler counted (FLOPs, bytes, dtype) is priced by its roofline on the
 target GPU, max(FLOPs / (peak x e_compute), bytes / (HBM bandwidth x e_memory), launch), with the
 per-rank work scaled to the target world size as it scaled on the measured worlds. Communication: the
-collectives each rank called, priced by the alpha-beta model of a ring on the slowest link the world
-spans (NVLink or PCIe inside a node, the node's network across nodes): hops x latency + the fraction of
-the tensor a rank moves / (bandwidth x e_network). No overlap of communication with computation is
-assumed (DDP overlaps its all-reduce with the backward pass: the figure is an upper bound there).
+collectives each rank called, priced by the one alpha-beta model of collectives (collectives/pricing.py) on the
+slowest link the world spans (NVLink or PCIe inside a node, the node's network across nodes): steps x latency +
+the fraction of the tensor a rank moves / (bandwidth x e_network), on the library's own algorithm (its ring; a
+profile's traffic is summed over a step's calls, so NCCL's per-message choice of a tree is not modelled). No
+overlap of communication with computation is assumed (DDP overlaps its all-reduce with the backward pass: the
+figure is an upper bound there).
 """
 
 from __future__ import annotations
@@ -14,7 +16,9 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from cocoweave.cluster.catalog import Catalog, GPUSpec, MachineType, NetworkSpec
-from cocoweave.cluster.profiling.host_scaling import TRAFFIC, Traffic, counted_total, work_share_fit
+from cocoweave.cluster.profiling.host_scaling import Traffic, counted_total, known_kind, work_share_fit
+from cocoweave.collectives import DEFAULT, entry
+from cocoweave.collectives.pricing import Link, seconds
 from cocoweave.errors import PlanningError
 
 FLOAT_DTYPES = ("float32", "float16", "bfloat16", "float64", "tfloat32", "float8")
@@ -98,29 +102,24 @@ def link_of(machine: MachineType, p: int, catalog: Catalog) -> NetworkSpec | Non
     return catalog.networks[key]
 
 
-def comm_ms(traffic: Traffic, link: NetworkSpec | None, p: int, catalog: Catalog) -> float:
-    """Alpha-beta time of one rank's collectives per step at p ranks over `link`."""
+def comm_ms(traffic: Traffic, link: NetworkSpec | None, p: int, catalog: Catalog, algorithm: str = DEFAULT
+            ) -> float:
+    """Alpha-beta time of one rank's collectives per step at p ranks over `link`, each kind on `algorithm` where
+    it implements that kind (else the library's call); a kind the table has no traffic for, as a message."""
     if link is None or p <= 1:
         return 0.0
-    bandwidth = link.bandwidth_gb_s * 1e9 * catalog.efficiency["network"]
+    on = Link.of(link.key, link.bandwidth_gb_s, link.latency_us, catalog.efficiency["network"])
     total = 0.0
     for kind, (calls, nbytes) in traffic.kinds.items():
-        moved, hops = TRAFFIC.get(kind, TRAFFIC["p2p"])
-        total += calls * (hops(p) * link.latency_us * 1e-6) + moved(p) * nbytes / bandwidth
+        known = known_kind(kind)
+        total += seconds(known, nbytes, p, on, algorithm if entry(algorithm).implements(known) else DEFAULT, calls)
     return 1e3 * total
 
 
 def modelled_step(work: WorkCounts, traffic: Traffic, machine: MachineType, p: int, catalog: Catalog) -> ModelledStep:
     """The modelled step of the profiled workload on p GPUs of `machine`."""
-    gpu = catalog.gpus.get(machine.gpu)
-    if gpu is None:
-        raise PlanningError(f"the catalog {catalog.source} has no spec-sheet entry for GPU {machine.gpu} "
-                            f"(machine {machine.name}); add it under 'gpus'.")
+    gpu = catalog.gpu_of(machine)
     link = link_of(machine, p, catalog)
     return ModelledStep(machine.name, machine.gpu, p, compute_ms(work, gpu, p, catalog),
                         comm_ms(traffic, link, p, catalog), None if link is None else link.key)
 
-
-def modellable(machine: MachineType, catalog: Catalog) -> bool:
-    """Whether the catalog has what modelling `machine` needs (its GPU's figures and a network)."""
-    return machine.gpu in catalog.gpus and (machine.inter_node is not None or machine.intra_node is not None)

@@ -48,18 +48,15 @@ import math
 import statistics
 from collections.abc import Sequence
 from dataclasses import asdict, dataclass, field, replace
-from functools import partial
 
 import numpy as np
 from scipy.optimize import nnls
 
 from cocoweave.cluster.profiling.io_summary import input_cpu_ms, input_main_cpu_ms, input_wait_ms
 from cocoweave.cluster.profiling.worlds import WorldRun, ranks
-from cocoweave.collectives import traffic
+from cocoweave.collectives.pricing import KINDS, moved, steps
 from cocoweave.errors import CocoweaveError
 
-# Per collective kind: (fraction of the tensor a rank moves at p ranks, message steps of the ring at p ranks).
-TRAFFIC = {kind: (partial(traffic.moved, kind), partial(traffic.steps, kind)) for kind in traffic.KINDS}
 KAPPAS = [k / 100 for k in range(101)]  # the busy-cores factors tried (0 to +100% CPU time with every core busy)
 LABELS = {"all_reduce": "all-reduce", "reduce_scatter": "reduce-scatter", "all_gather": "all-gather"}
 
@@ -88,18 +85,23 @@ class Traffic:
         return cls({k: (v[0], v[1]) for k, v in kinds.items()})
 
     def megabytes(self, p: int) -> float:
-        """MB a rank moves per step on p ranks."""
-        return sum(TRAFFIC.get(k, TRAFFIC["p2p"])[0](p) * b for k, (_, b) in self.kinds.items()) / 1e6
+        """MB a rank moves per step on p ranks (the library's algorithms; a kind of unknown traffic as a message)."""
+        return sum(moved(known_kind(k), p) * b for k, (_, b) in self.kinds.items()) / 1e6
 
     def hops(self, p: int) -> float:
         """Message steps per rank per step on p ranks."""
-        return sum(TRAFFIC.get(k, TRAFFIC["p2p"])[1](p) * n for k, (n, _) in self.kinds.items())
+        return sum(steps(known_kind(k), p) * n for k, (n, _) in self.kinds.items())
 
     def shares(self, p: int) -> dict[str, float]:
         """Each kind's share of the bytes moved at p ranks (equal shares when nothing moves)."""
-        moved = {k: TRAFFIC.get(k, TRAFFIC["p2p"])[0](p) * b for k, (_, b) in self.kinds.items()}
-        total = sum(moved.values())
-        return {k: (v / total if total else 1.0 / len(moved)) for k, v in moved.items()}
+        by_kind = {k: moved(known_kind(k), p) * b for k, (_, b) in self.kinds.items()}
+        total = sum(by_kind.values())
+        return {k: (v / total if total else 1.0 / len(by_kind)) for k, v in by_kind.items()}
+
+
+def known_kind(kind: str) -> str:
+    """`kind` where the collectives table knows its traffic, else a point-to-point message's."""
+    return kind if kind in KINDS else "p2p"
 
 
 @dataclass(frozen=True)

@@ -16,7 +16,7 @@ from typing import Any
 
 from cocoweave.cluster.catalog import Catalog
 from cocoweave.cluster.planning.step_times import ProfilePoint, WorkloadProfile
-from cocoweave.cluster.profiling.hardware_model import ModelledStep, WorkCounts, modellable, modelled_step
+from cocoweave.cluster.profiling.hardware_model import ModelledStep, WorkCounts, modelled_step
 from cocoweave.cluster.profiling.host_scaling import (
     HostScaling,
     StepParts,
@@ -183,7 +183,7 @@ class RunProfile:
     def modelled(self, catalog: Catalog, sizes: Sequence[int]) -> list[ModelledStep]:
         """MODELLED steps on every catalog machine that can be modelled, at each size."""
         work, traffic = self._work_traffic()
-        return [modelled_step(work, traffic, m, p, catalog) for m in catalog.machines if modellable(m, catalog)
+        return [modelled_step(work, traffic, m, p, catalog) for m in catalog.machines if catalog.modellable(m)
                 for p in sizes]
 
     def _work_traffic(self) -> tuple[WorkCounts, Traffic]:
@@ -208,7 +208,7 @@ class RunProfile:
         points, skipped = [], []
         input_ms = self.model.input_wait(1)  # the input pipeline runs on the host's CPU, not on the GPU
         for machine in catalog.machines:
-            if not modellable(machine, catalog):
+            if not catalog.modellable(machine):
                 continue
             if need_bytes > catalog.gpus[machine.gpu].memory_gb * 1e9:
                 skipped.append(machine.name)

@@ -37,13 +37,6 @@ class LLMPlan:
         return self.layouts[(option.machine.name, option.workers)]
 
 
-def modellable(machine: MachineType, catalog: Catalog, dtype: str) -> bool:
-    """Whether the catalog has the GPU's figures (for `dtype`) and the links the LLM model prices."""
-    gpu = catalog.gpus.get(machine.gpu)
-    return (gpu is not None and dtype in gpu.tflops and machine.inter_node is not None
-            and (machine.gpus_per_node == 1 or machine.intra_node is not None))
-
-
 def gpu_counts(machine: MachineType, min_gpus: int, max_gpus: int) -> list[int]:
     """Whole nodes, doubling: gpus_per_node x 1, 2, 4, ... within [min_gpus, max_gpus]."""
     out, n = [], machine.gpus_per_node
@@ -89,7 +82,7 @@ def plan_llm(spec: TransformerSpec, catalog: Catalog, tokens: float, stack: Stac
     if not (math.isfinite(tokens) and tokens > 0):
         raise PlanningError(f"the number of tokens to train must be positive, got {tokens}.")
     check_max_gpus(max_gpus)
-    machines = [m for m in catalog.machines if modellable(m, catalog, spec.dtype)]
+    machines = [m for m in catalog.machines if catalog.modellable(m, spec.dtype, whole_nodes=True)]
     if not machines:
         raise PlanningError(f"no machine of the catalog {catalog.source} has a GPU with {spec.dtype} figures and "
                             "the networks the LLM model needs (gpus: tflops; machines: intra_node, inter_node).")

@@ -6,7 +6,6 @@ from __future__ import annotations
 from dataclasses import dataclass, replace
 
 from cocoweave.cluster.catalog import Catalog, GPUSpec, MachineType, NetworkSpec
-from cocoweave.errors import PlanningError
 
 
 @dataclass(frozen=True)
@@ -136,10 +135,7 @@ def system_for(machine: MachineType, catalog: Catalog, eff: Efficiency | Stack |
     """The System of a catalog machine under a stack's constants (those calibrated on the GPU's family where the
     stack has them), or under `eff` as given (`calibrated_here`: fitted on this GPU's family); constants not
     calibrated on the GPU take the catalog's measured `gemm_efficiency` where it gives one."""
-    gpu = catalog.gpus.get(machine.gpu)
-    if gpu is None:
-        raise PlanningError(f"the catalog {catalog.source} has no spec-sheet entry for GPU {machine.gpu} "
-                            f"(machine {machine.name}); add it under 'gpus'.")
+    gpu = catalog.gpu_of(machine)
     if isinstance(eff, Stack):
         calibrated = eff.efficiency(gpu.family)
         eff = calibrated or eff.eff
