@@ -42,11 +42,6 @@ def dropout_key(seed: int, rank: int) -> int:
     return rng.dropout_key(int(seed), rank)
 
 
-def keep_mask(index: torch.Tensor, p: float, key: int) -> torch.Tensor:
-    """Which elements dropout keeps: the counter-based hash (cocoweave.rng) of their logical indices."""
-    return rng.triple32((index & rng.MASK32) ^ key) >= rng.keep_threshold(p)
-
-
 def apply_dropout(x: torch.Tensor, keep: torch.Tensor, p: float) -> torch.Tensor:
     """Zero the dropped elements of x and scale the kept ones by 1 / (1 - p)."""
     if p == 0.0:
@@ -56,7 +51,7 @@ def apply_dropout(x: torch.Tensor, keep: torch.Tensor, p: float) -> torch.Tensor
 
 def dropout(x: torch.Tensor, index: torch.Tensor, p: float, key: int) -> torch.Tensor:
     """Counter-based dropout on precomputed logical indices (a seed known only at run time)."""
-    return x if p == 0.0 else apply_dropout(x, keep_mask(index, p, key), p)
+    return x if p == 0.0 else apply_dropout(x, rng.keep_mask(index, key, rng.keep_threshold(p)), p)
 
 
 def reduce(op: str, x: torch.Tensor, dims: tuple[int, ...], keepdim: bool) -> torch.Tensor:
@@ -227,7 +222,7 @@ class RankContext:
         depends only on the seed, the logical index and the rank), so it is hashed once and kept."""
         mask = self._masks.get((name, key))
         if mask is None:
-            mask = self._masks[(name, key)] = keep_mask(self.indices[name], p, key)
+            mask = self._masks[(name, key)] = rng.keep_mask(self.indices[name], key, rng.keep_threshold(p))
         return mask
 
     def buffer(self, key: Any, shape: Sequence[int], dtype: torch.dtype,
