@@ -26,12 +26,12 @@ class CollectiveKind:
     `attrs`: the value's attributes; `rebuild(program, args, attrs)`: the operation applied again by rewrites;
     `reference(v, parts, combine)`: the results per rank of the group's operands `parts` (`combine(op, parts,
     weights)` reduces tensors as the reference backend does); `call(v, local_shape)`: the runtime call's arguments
-    after the operand, as (before the group, after it) with keyword pairs; `shares(v)`: the part sizes it passes
-    as `shares=` (None: equal); `moved(p)`/`steps(p)`: its traffic where traffic.py has no formula for it;
-    `benchmark(b)`: the library call calibration times on buffers `b` (x, part, full, exchanged: float32 tensors of
-    n, n/p, n and n elements); `recorded`: torch.distributed function -> (index of the tensor whose bytes count,
-    whether it is one rank's part) the profiler counts as this kind; `chunkable`: an overlapped chain may chunk
-    it; `opens_chain`: enumeration chunks it with the matmul after it (MoE's dispatch)."""
+    after the operand, as (before the group, after it) with keyword pairs (a None value left out); `shares(v)`: the
+    part sizes it passes as `shares=` (None: equal); `moved(p)`/`steps(p)`: its traffic where traffic.py has no
+    formula for it; `benchmark(b)`: the library call calibration times on `b` (x, part, full, exchanged: float32
+    tensors of n, n/p, n and n elements; p, rank); `recorded`: torch.distributed function -> (index of the tensor
+    whose bytes count, whether it is one rank's part) the profiler counts as this kind; `chunkable`: an overlapped
+    chain may chunk it; `opens_chain`: enumeration chunks it with the matmul after it (MoE's dispatch)."""
 
     name: str
     token: str

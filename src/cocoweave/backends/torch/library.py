@@ -18,12 +18,9 @@ import torch
 import torch.distributed as dist
 
 from ... import collectives
+from . import runtime
 from .ring import parts, with_dim
 from .runtime import _REDUCE, RankContext
-
-# torch 2.13 renamed the tensor collectives; older releases (the GPU machine's 2.11) have the old names
-_ALL_GATHER = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
-_REDUCE_SCATTER = getattr(dist, "reduce_scatter_single", None) or dist.reduce_scatter_tensor
 
 
 def all_reduce(ctx: RankContext, x: torch.Tensor, op: str, group: Any, out: Any, async_op: bool = False) -> Any:
@@ -84,7 +81,7 @@ def reduce_scatter(ctx: RankContext, x: torch.Tensor, op: str, dim: int, group: 
             inp[r * c:r * c + stop - start].copy_(wire[start:stop])
     part = ctx.buffer((out, "part"), (c, *rest), wire.dtype)
     reduce_op, divide = ctx._reduce_op(op, part)
-    work = _REDUCE_SCATTER(part, inp, op=reduce_op, group=group, async_op=async_op)
+    work = runtime._REDUCE_SCATTER(part, inp, op=reduce_op, group=group, async_op=async_op)
 
     return ctx.done(work if async_op else None,
                       _scattered(ctx, x, dim, mine, part, "avg" if divide else "sum", n, out), async_op)
@@ -124,12 +121,12 @@ def all_gather(ctx: RankContext, x: torch.Tensor, dim: int, total: int, group: A
     full_shape = with_dim(x.shape, dim, total)
     res = into if into is not None else ctx.buffer(out, full_shape, x.dtype)
     if total % n == 0 and dim == 0 and x.is_contiguous() and res.is_contiguous() and shares is None:
-        work = _ALL_GATHER(res, x, group=group, async_op=async_op)
+        work = runtime._ALL_GATHER(res, x, group=group, async_op=async_op)
         return ctx.done(work if async_op else None, lambda: res, async_op)
     inp = ctx.buffer((out, "in"), (c, *rest), x.dtype)
     inp[:xt.shape[0]].copy_(xt)
     gathered = ctx.buffer((out, "gathered"), (c * n, *rest), x.dtype)
-    work = _ALL_GATHER(gathered, inp, group=group, async_op=async_op)
+    work = runtime._ALL_GATHER(gathered, inp, group=group, async_op=async_op)
 
     def finish() -> torch.Tensor:
         rt = res.movedim(dim, 0)

@@ -27,6 +27,10 @@ from .ring import with_dim  # noqa: F401 - generated code calls rt.with_dim
 
 _REDUCE = {"sum": dist.ReduceOp.SUM, "avg": dist.ReduceOp.SUM, "max": dist.ReduceOp.MAX, "min": dist.ReduceOp.MIN}
 KERNELS_HINT = "COCOWEAVE_KERNELS=torch (op by op) or =compiled"
+# torch 2.13 renamed the tensor collectives; older releases (the GPU machine's 2.11) have the old names (the library
+# algorithm calls them through this module: a test counting collectives wraps them here)
+_ALL_GATHER = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
+_REDUCE_SCATTER = getattr(dist, "reduce_scatter_single", None) or dist.reduce_scatter_tensor
 _NAMED: list[Any] = [None, {}]  # (collectives.generation(), the torch backend's implementations by name) it was read at
 
 
