@@ -21,6 +21,7 @@ from cocoweave.backends.inputs import make_inputs
 from cocoweave.backends.torch.codegen import generate
 from cocoweave.backends.torch.worker import run_schedules
 from cocoweave.cluster.profiling import recorder
+from cocoweave.equivalence.compare import compare_results
 from cocoweave.errors import CocoweaveError, ProgramError
 from cocoweave.ir import registry as R
 from cocoweave.ir.layout import Local
@@ -28,7 +29,6 @@ from cocoweave.ir.ops import collective_operand, collective_result, refuse
 from cocoweave.perf import calibrate
 from cocoweave.plan import lower
 from cocoweave.schedule.schedule import Schedule
-from cocoweave.equivalence.compare import compare_results
 
 
 def gather(x: Any, root: int = 0, axis: str | None = None) -> cw.Value:
