@@ -264,7 +264,7 @@ def check_epilogue() -> None:
             record_check(name, [out], [ref[sl]], TOL[dtype])
             ones = torch.ones_like(out)  # out = scale where kept, 0 where dropped
             kept = bias_dropout_residual(ones, None, torch.zeros_like(ones), P_DROP, 7, **where) != 0
-            same = bool(torch.equal(kept, rng.keep_mask(index[sl], P_DROP, 7, 2)))
+            same = bool(torch.equal(kept, rng.keep_mask(index[sl], rng.dropout_key(7, 2), rng.keep_threshold(P_DROP))))
             RESULTS["checks"].append({"name": f"{name} mask", "rel_err": float(not same), "tol": 0.0,
                                       "ok": same})
     free()

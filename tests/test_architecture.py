@@ -473,3 +473,65 @@ def test_collectives_are_priced_by_one_model():
     sentences = [f"{p.relative_to(SRC)}" for p in SRC.rglob("*.py")
                  if "has no spec-sheet entry" in p.read_text(encoding="utf-8")]
     assert sentences == ["cluster/catalog.py"], sentences
+
+
+# -- collective kinds: each one registration (cocoweave.collectives.kinds), issue #49 items 4-5 --------------------
+REWRITE_KINDS = ("all_reduce", "reduce_scatter", "all_gather")  # the schedule algebra's own: split, reorder, fuse
+KIND_HOMES = ("collectives/", "ir/ops.py")  # the table of kinds, and the built-in kinds' registrations
+
+
+def _tested_strings(tree: ast.AST) -> list[ast.Constant]:
+    """String constants a module branches on or tabulates by: the operands of comparisons (`op == "x"`,
+    `op in ("x", "y")`), the keys of dict literals and `case` values."""
+    found: list[ast.AST] = []
+    for n in ast.walk(tree):
+        if isinstance(n, ast.Compare):
+            found += [n.left, *n.comparators]
+        elif isinstance(n, ast.Dict):
+            found += [k for k in n.keys if k is not None]
+        elif isinstance(n, ast.MatchValue):
+            found.append(n.value)
+    return [c for f in found for c in ast.walk(f) if isinstance(c, ast.Constant) and isinstance(c.value, str)]
+
+
+def _kind_spellings(src: Path = SRC) -> list[str]:
+    """(file:line string) of every branch or table outside the kinds' homes on a kind the schedule algebra does not
+    single out ("all_to_all"), or on a kind's library benchmark ("all_reduce/library")."""
+    from cocoweave import collectives
+
+    names = {k.name for k in collectives.all_kinds()}
+    named = names - set(REWRITE_KINDS)
+    benchmarks = {f"{k}/{collectives.DEFAULT}" for k in names}
+    found = []
+    for path in sorted(src.rglob("*.py")):
+        rel = str(path.relative_to(src))
+        if rel.startswith(KIND_HOMES):
+            continue
+        for c in _tested_strings(ast.parse(path.read_text(encoding="utf-8"))):
+            if c.value in named or c.value in benchmarks:
+                found.append(f"{rel}:{c.lineno} {c.value!r}")
+    return found
+
+
+def test_a_collective_kinds_facts_are_spelt_only_in_its_registration():
+    """Its token, meaning, runtime call, traffic, benchmark and recorded functions sit in its CollectiveKind; the
+    reference backend, the code generator, schedules, calibration and the recorder read them from there (no
+    `if op == "all_to_all"` and no table keyed by kinds elsewhere)."""
+    assert "all_to_all" in {k.name for k in __import__("cocoweave").collectives.all_kinds()}
+    assert _kind_spellings() == []
+
+
+def test_a_rank_context_keeps_resources_and_each_algorithm_its_collectives():
+    """RankContext (backends/torch/runtime.py) defines none of the collectives registered for the torch backend:
+    each algorithm's are functions of a context in their own module (library.py, ring_algorithm.py,
+    shm_algorithm.py)."""
+    from cocoweave import collectives
+    from cocoweave.backends.torch import algorithms  # noqa: F401 - registers the torch backend's collectives
+
+    tree = ast.parse((SRC / "backends" / "torch" / "runtime.py").read_text("utf-8"))
+    context = next(n for n in tree.body if isinstance(n, ast.ClassDef) and n.name == "RankContext")
+    defined = {n.name for n in ast.walk(context) if isinstance(n, ast.FunctionDef)}
+    registered = set(collectives.implementations("torch"))
+    assert {"all_reduce", "ring_all_reduce", "shm_all_gather", "fused_ring", "send_recv"} <= registered
+    assert defined & registered == set()
+    assert len((SRC / "backends" / "torch" / "runtime.py").read_text("utf-8").splitlines()) <= 420

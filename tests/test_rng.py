@@ -21,6 +21,6 @@ def test_known_values_do_not_change():
 def test_keep_rate_and_threshold():
     idx = rng.logical_index((256, 256))
     for p in (0.0, 0.1, 0.5, 0.9):
-        rate = rng.keep_mask(idx, p, seed=3).float().mean().item()
+        rate = rng.keep_mask(idx, rng.dropout_key(3), rng.keep_threshold(p)).float().mean().item()
         assert abs(rate - (1 - p)) < 0.01
     assert rng.keep_threshold(0.0) == 0

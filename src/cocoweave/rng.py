@@ -74,9 +74,11 @@ def random_bits(index: torch.Tensor, seed: int, rank: int = NO_RANK) -> torch.Te
     return triple32((index.to(torch.int64) & MASK32) ^ dropout_key(seed, rank))
 
 
-def keep_mask(index: torch.Tensor, p: float, seed: int, rank: int = NO_RANK) -> torch.Tensor:
-    """Boolean keep-mask for logical element indices `index`."""
-    return random_bits(index, seed, rank) >= keep_threshold(p)
+def keep_mask(index: torch.Tensor, key: int, threshold: int) -> torch.Tensor:
+    """Boolean keep-mask for logical element indices `index`, under a key (`dropout_key(seed, rank)`) and a threshold
+    (`keep_threshold(p)`) computed once on the host: the one signature of the torch runtime's and the Triton
+    kernels' (kernels/rng.py) keep-masks."""
+    return triple32((index.to(torch.int64) & MASK32) ^ key) >= threshold
 
 
 def logical_index(shape: tuple[int, ...], device: torch.device | str = "cpu") -> torch.Tensor:
@@ -91,5 +93,5 @@ def dropout(x: torch.Tensor, index: torch.Tensor, p: float, seed: int, rank: int
     """Dropout of `x` whose elements sit at logical positions `index` (same shape as x)."""
     if p == 0.0:
         return x
-    keep = keep_mask(index, p, seed, rank)
+    keep = keep_mask(index, dropout_key(seed, rank), keep_threshold(p))
     return torch.where(keep, x * (1.0 / (1.0 - p)), torch.zeros((), dtype=x.dtype, device=x.device))

@@ -132,7 +132,8 @@ def test_dropout_keys_follow_the_runtime_seed_and_the_rank_of_local_tensors() ->
     for r, kernel in kernels.items():
         for sd in (5, 6):
             (y,) = kernel(ones, sd)
-            assert torch.equal(y != 0, rng.keep_mask(rng.logical_index((3, 7)), 0.5, sd, r)), (r, sd)
+            keep = rng.keep_mask(rng.logical_index((3, 7)), rng.dropout_key(sd, r), rng.keep_threshold(0.5))
+            assert torch.equal(y != 0, keep), (r, sd)
 
 
 def test_index_arithmetic_is_64_bit_past_2_31_elements() -> None:

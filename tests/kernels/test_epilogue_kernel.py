@@ -46,7 +46,8 @@ def test_mask_of_slices_is_the_logical_mask(dim: int, rank: int) -> None:
         x = torch.ones(full[sl].shape)  # out = scale where kept, 0 where dropped
         out = bias_dropout_residual(x, None, torch.zeros_like(x), 0.3, seed=9, rank=rank, dim=dim,
                                     offset=offset, full_size=n, block=128)
-        assert torch.equal(out != 0, rng.keep_mask(full[sl], 0.3, 9, rank)), (dim, offset)
+        keep = rng.keep_mask(full[sl], rng.dropout_key(9, rank), rng.keep_threshold(0.3))
+        assert torch.equal(out != 0, keep), (dim, offset)
 
 
 def test_sliced_bias_and_values_on_a_slice() -> None:
@@ -67,7 +68,7 @@ def test_index_wraps_mod_2_32() -> None:
     a, j, c = torch.meshgrid(torch.arange(2), torch.arange(4), torch.arange(8), indexing="ij")
     index = a * (full_size * 8) + (offset + j) * 8 + c
     assert index.max() > 2**32
-    assert torch.equal(out != 0, rng.keep_mask(index, 0.5, 2))
+    assert torch.equal(out != 0, rng.keep_mask(index, rng.dropout_key(2), rng.keep_threshold(0.5)))
 
 
 def test_rejects_bad_arguments() -> None:

@@ -6,14 +6,15 @@ against. It never modifies its inputs; updated state is returned per rank.
 
 from __future__ import annotations
 
-from collections.abc import Callable, Mapping, Sequence
+from collections.abc import Mapping, Sequence
 from typing import Any
 
 import torch
 
-from ..errors import InputError
+from .. import collectives
+from ..ir import registry as R
 from ..ir.graph import Program, Value
-from ..ir.layout import Position, slice_bounds, split_sizes
+from ..ir.layout import Position, slice_bounds
 from ..ir.semantics import HALF, Place, compute
 from ..ir.types import bind_shape
 from ..plan import Overlap, Plan, Stage, lower
@@ -49,45 +50,11 @@ def combine(op: str, parts: Sequence[torch.Tensor], weights: Sequence[int] | Non
     return out.to(dtype)
 
 
-def _root(v: Value, n: int) -> int:
-    if v.attrs["root"] >= n:
-        raise InputError(f"{v.op} `{v.name}`: root {v.attrs['root']} is outside its group of {n} ranks")
-    return v.attrs["root"]
-
-
-def _reduce(v: Value, parts: list[torch.Tensor]) -> list[torch.Tensor]:
-    root, res = _root(v, len(parts)), combine(v.attrs["op"], parts)
-    return [res if r == root else p.clone() for r, p in enumerate(parts)]
-
-
-def _scatter(v: Value, parts: list[torch.Tensor]) -> list[torch.Tensor]:
-    whole = combine(v.attrs["op"], parts, v.attrs.get("weights"))
-    sizes = split_sizes(whole.shape[v.attrs["dim"]], v.attrs.get("shares") or len(parts))
-    return [part.clone() for part in whole.split(sizes, v.attrs["dim"])]
-
-
-def _all_to_all(v: Value, parts: list[torch.Tensor]) -> list[torch.Tensor]:
-    """The ranks' parts along the operand's sliced dimension, joined, then cut into the parts along v's."""
-    whole = torch.cat(parts, dim=v.args[0].along(v.attrs["axis"]).dim)
-    sizes = split_sizes(whole.shape[v.attrs["dim"]], v.attrs.get("shares") or len(parts))
-    return [part.clone() for part in whole.split(sizes, v.attrs["dim"])]
-
-
-# communication operation -> (value, the operands of the ranks it runs over) -> result per rank
-COLLECTIVES: dict[str, Callable[[Value, list[torch.Tensor]], list[torch.Tensor]]] = {
-    "all_reduce": lambda v, parts: [combine(v.attrs["op"], parts, v.attrs.get("weights"))] * len(parts),
-    "reduce_scatter": _scatter,
-    "all_gather": lambda v, parts: [torch.cat(parts, dim=v.attrs["dim"])] * len(parts),
-    "all_to_all": _all_to_all,
-    "broadcast": lambda v, parts: [parts[_root(v, len(parts))]] * len(parts),
-    "reduce": _reduce,
-    "send": lambda v, parts: list(parts),
-}
-
-
 def collective(v: Value, parts: list[torch.Tensor]) -> list[torch.Tensor]:
-    """Result per group rank of communication value `v` given the group's operands (fresh tensors)."""
-    return [t.clone() for t in COLLECTIVES[v.op](v, parts)]
+    """Result per group rank of communication value `v` given the group's operands (fresh tensors): a send hands
+    each its own, a collective kind means what its registration says (collectives/kinds.py)."""
+    out = list(parts) if v.op == "send" else collectives.kind(v.op).reference(v, parts, combine)
+    return [t.clone() for t in out]
 
 
 # -- driver -----------------------------------------------------------------------------------
@@ -193,7 +160,7 @@ def _evaluate(v: Value, env: Mapping[Value, list[Any]], inputs: Sequence[RankInp
         src = v.args[0].group.ranks(world)
         for r, t in zip(ranks, collective(v, [_get(env, v.args[0])[s] for s in src])):
             out[r] = t
-    elif v.op in COLLECTIVES:
+    elif R.group(v.op) == R.COLLECTIVE:
         for line in v.group.lines(world, v.attrs.get("axis")):
             for r, t in zip(line, collective(v, [_get(env, v.args[0])[s] for s in line])):
                 out[r] = t

@@ -19,6 +19,7 @@ from dataclasses import dataclass
 from typing import Any, Literal, TypeVar
 
 from ..errors import CocoweaveError
+from . import kinds
 from .traffic import moved, tree_moved, tree_steps
 from .traffic import steps as message_steps
 
@@ -47,7 +48,8 @@ class Algorithm:
     optimizer's automatic choice treats schedules on it; `priced_as`: whose calibrated lines price it where a
     calibration has none of its own; `traffic(op, p)`: the fraction of the tensor a rank moves; `steps(op, p)`:
     its message steps (each paying a link's latency); `inside`: the algorithm whose call runs it where faster (not
-    schedulable on its own)."""
+    schedulable on its own); `every_kind`: it runs every registered collective kind
+    (collectives/kinds.py) besides `collectives`."""
 
     name: str
     collectives: tuple[str, ...]
@@ -63,10 +65,11 @@ class Algorithm:
     steps: Callable[[str, int], int] = message_steps
     inside: str | None = None
     doc: str = ""
+    every_kind: bool = False
 
     def implements(self, op: str) -> bool:
         """Whether this algorithm runs operation `op` (a collective, "send", or "fused")."""
-        return op in self.collectives
+        return op in self.collectives or (self.every_kind and kinds.find(op) is not None)
 
     def reduces(self, op: str | None) -> bool:
         """Whether it can reduce with `op` (None: the operation does not reduce)."""
@@ -155,8 +158,9 @@ def variants(name: str) -> tuple[Algorithm, ...]:
 
 
 def generation() -> int:
-    """A number that changes whenever an algorithm is registered or removed (what was enumerated before is stale)."""
-    return _GENERATION[0]
+    """A number that changes whenever an algorithm or a collective kind is registered or removed (what was
+    enumerated before is stale)."""
+    return _GENERATION[0] + kinds.version()
 
 
 def names() -> tuple[str, ...]:
@@ -183,6 +187,7 @@ def implement(backend: str, algorithm: str, **ops: Callable[..., Any]) -> None:
             raise CocoweaveError(f"{backend}'s implementation of {op} on {algorithm} is named {fn.__name__!r}, as "
                                  f"its implementation of {same[1]} on {same[0]} is; give it another name")
         impls[(algorithm, op)] = fn
+    _GENERATION[0] += 1  # the backends' lookups by name are stale
 
 
 def implementation(backend: str, algorithm: str, op: str) -> Callable[..., Any]:
@@ -217,9 +222,17 @@ def choose(schedules: Sequence[S], device: str, shared_host: bool) -> list[S]:
 
 
 ORDERED = ("sum", "avg", "max", "min")  # the reductions that combine piece by piece in any order of ranks
+def _forget_kind(op: str) -> None:
+    """Drop every implementation of collective kind `op` (unregistered)."""
+    for impls in _IMPLEMENTATIONS.values():
+        for key in [k for k in impls if k[1] == op]:
+            del impls[key]
+
+
+kinds.hook(lambda kind: None, _forget_kind)
 LIBRARY = register(Algorithm(
-    DEFAULT, ("all_reduce", "reduce_scatter", "all_gather", "all_to_all", "broadcast", "reduce", "send"), overlaps=True,
-    priced_as=None, doc="torch.distributed's call (NCCL, Gloo): asynchronous, chunked under overlap"))
+    DEFAULT, ("send",), overlaps=True, priced_as=None, every_kind=True,
+    doc="torch.distributed's call (NCCL, Gloo): asynchronous, chunked under overlap"))
 RING = register(Algorithm(
     "ring", ("all_reduce", "reduce_scatter", "all_gather", FUSED), ORDERED, fuses=True,
     enumerated=(("written", ("collective",)), ("fused", ("fused",))), auto="never",

@@ -13,6 +13,7 @@ from __future__ import annotations
 import math
 
 from ..errors import CocoweaveError
+from .kinds import find
 
 KINDS = ("all_reduce", "reduce_scatter", "all_gather", "all_to_all", "broadcast", "reduce", "p2p", "send", "recv")
 
@@ -28,6 +29,8 @@ def moved(kind: str, p: int) -> float:
         return 1.0 if p > 1 else 0.0
     if kind == "recv":
         return 0.0
+    if (k := find(kind)) is not None and k.moved is not None:  # a registered kind with its own formula
+        return k.moved(p)
     raise CocoweaveError(f"unknown collective {kind!r}: the traffic of {', '.join(KINDS)} is known")
 
 
@@ -41,6 +44,8 @@ def steps(kind: str, p: int) -> int:
         return math.ceil(math.log2(p)) if p > 1 else 0
     if kind in ("p2p", "send", "recv"):
         return 1 if p > 1 else 0
+    if (k := find(kind)) is not None and k.steps is not None:
+        return k.steps(p)
     raise CocoweaveError(f"unknown collective {kind!r}: the traffic of {', '.join(KINDS)} is known")
 
 

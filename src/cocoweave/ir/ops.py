@@ -10,10 +10,14 @@ import builtins
 from collections.abc import Sequence
 from typing import Any
 
-from ..errors import ProgramError
+import torch
+import torch.distributed as dist
+
+from ..collectives import CollectiveKind, register_kind
+from ..errors import InputError, ProgramError
 from . import registry as R
 from .graph import Group, Program, Value, make_layout, user_location
-from .layout import Layout, Local, Placement, Replicated, Sliced, check_shares, placements
+from .layout import Layout, Local, Placement, Replicated, Sliced, check_shares, placements, split_sizes
 from .types import Shape, broadcast_shapes, canonical_dtype, is_float, promote
 
 REDUCE_OPS = ("sum", "avg", "max", "min", "adasum")  # how a collective combines the ranks' tensors
@@ -572,8 +576,31 @@ def _weights(name: str, x: Value, op: str, weights: Any, i: int) -> tuple[int, .
     return None if w is None or len(set(w)) == 1 else w
 
 
-@operation("all_reduce", R.COLLECTIVE, ("op", "axis", "weights"),
-           rebuild=lambda p, args, a: all_reduce(args[0], a["op"], a["axis"], a["weights"]))
+def wire_reduction(v: Value) -> str:
+    """The reduction a collective's runtime call runs: a weighted average sums operands scaled by their weights."""
+    return "sum" if v.attrs.get("weights") is not None else v.attrs["op"]
+
+
+def collective_operand(name: str, x: Any, axis: str | None) -> tuple[Value, int, str | None, Placement]:
+    """What a collective kind's builder starts from: its operand as a tensor value, the index of the mesh axis it
+    runs over, that axis as the value's attribute (None without a mesh of several axes) and the operand's placement
+    along it."""
+    x = _tensor_operand(name, x)
+    i, ax = _axis(name, x, axis)
+    return x, i, ax, _at(x, i, len(_axes(x.group)))
+
+
+def collective_result(name: str, x: Value, attrs: dict[str, Any], i: int, placement: Placement) -> Value:
+    """Add collective `name` of `x` to its program: x's dtype, shape and group, x's layout with `placement` along
+    mesh axis `i` (the layout rule's answer)."""
+    return x.program._add(name, (x,), attrs, x.dtype, x.shape, _with(x, i, placement), x.group)
+
+
+def refuse(name: str, x: Value, rule: str) -> ProgramError:
+    """The error of a collective kind's builder refusing operand `x`: where it was written, the operand, the rule."""
+    return _fail(name, (x,), rule)
+
+
 def all_reduce(x: Value, op: str = "sum", axis: str | None = None, weights: Sequence[int] | None = None) -> Value:
     """Combine the Local tensors of the ranks along mesh axis `axis` with `op`; each of them gets the result
     (Replicated along the axis). `weights` (one positive int per rank, e.g. its sample count) make "avg" the
@@ -592,8 +619,14 @@ def all_reduce(x: Value, op: str = "sum", axis: str | None = None, weights: Sequ
                           _with(x, i, Replicated), x.group)
 
 
-@operation("reduce_scatter", R.COLLECTIVE, ("op", "dim", "axis", "shares", "weights"),
-           rebuild=lambda p, args, a: reduce_scatter(args[0], a["op"], a["dim"], a["axis"], a["shares"], a["weights"]))
+register_kind(CollectiveKind(
+    "all_reduce", "AR", all_reduce, attrs=("op", "axis", "weights"),
+    rebuild=lambda p, args, a: all_reduce(args[0], a["op"], a["axis"], a["weights"]),
+    reference=lambda v, parts, combine: [combine(v.attrs["op"], parts, v.attrs.get("weights"))] * len(parts),
+    call=lambda v, shape: ((wire_reduction(v),), ()),
+    benchmark=lambda b: lambda: dist.all_reduce(b.x), recorded={"all_reduce": (0, False)}))
+
+
 def reduce_scatter(x: Value, op: str = "sum", dim: int = 0, axis: str | None = None,
                    shares: Sequence[int] | None = None, weights: Sequence[int] | None = None) -> Value:
     """Combine the Local tensors of the ranks along `axis` with `op`; the i-th of them keeps part i along
@@ -614,8 +647,21 @@ def reduce_scatter(x: Value, op: str = "sum", dim: int = 0, axis: str | None = N
                           x.dtype, x.shape, _with(x, i, out), x.group)
 
 
-@operation("all_gather", R.COLLECTIVE, ("dim", "axis"),
-           rebuild=lambda p, args, a: all_gather(args[0], a["dim"], a["axis"]))
+def _scatter(v: Value, parts: list[torch.Tensor], combine: Any) -> list[torch.Tensor]:
+    whole = combine(v.attrs["op"], parts, v.attrs.get("weights"))
+    sizes = split_sizes(whole.shape[v.attrs["dim"]], v.attrs.get("shares") or len(parts))
+    return [part.clone() for part in whole.split(sizes, v.attrs["dim"])]
+
+
+register_kind(CollectiveKind(
+    "reduce_scatter", "RS", reduce_scatter, attrs=("op", "dim", "axis", "shares", "weights"),
+    rebuild=lambda p, args, a: reduce_scatter(args[0], a["op"], a["dim"], a["axis"], a["shares"], a["weights"]),
+    reference=_scatter, call=lambda v, shape: ((wire_reduction(v), v.attrs["dim"]), ()),
+    shares=lambda v: v.attrs.get("shares"),
+    benchmark=lambda b: lambda: dist.reduce_scatter_tensor(b.part, b.x[: b.part.numel() * b.p]),
+    recorded={"reduce_scatter_tensor": (1, False), "reduce_scatter_single": (1, False)}))
+
+
 def all_gather(x: Value, dim: int | None = None, axis: str | None = None) -> Value:
     """Concatenate the slices of the ranks along `axis`; each of them gets the whole (Replicated along it)."""
     x = _tensor_operand("all_gather", x)
@@ -631,8 +677,16 @@ def all_gather(x: Value, dim: int | None = None, axis: str | None = None) -> Val
                           _with(x, i, Replicated), x.group)
 
 
-@operation("all_to_all", R.COLLECTIVE, ("dim", "axis", "shares"),
-           rebuild=lambda p, args, a: all_to_all(args[0], a["dim"], a["axis"], a["shares"]))
+register_kind(CollectiveKind(
+    "all_gather", "AG", all_gather, attrs=("dim", "axis"),
+    rebuild=lambda p, args, a: all_gather(args[0], a["dim"], a["axis"]),
+    reference=lambda v, parts, combine: [torch.cat(parts, dim=v.attrs["dim"])] * len(parts),
+    call=lambda v, shape: ((v.attrs["dim"], shape[v.attrs["dim"]]), ()),
+    shares=lambda v: v.args[0].along(v.attrs.get("axis")).shares,
+    benchmark=lambda b: lambda: dist.all_gather_into_tensor(b.full, b.part),
+    recorded={"all_gather_into_tensor": (0, False), "all_gather_single": (0, False), "all_gather": (1, True)}))
+
+
 def all_to_all(x: Value, dim: int, axis: str | None = None, shares: Sequence[int] | None = None) -> Value:
     """Move the slicing of a tensor Sliced along one dimension across the ranks of `axis` to dimension `dim`
     (Sliced(dim, shares): equal parts, or in proportion to `shares`): each rank sends every other rank the piece of
@@ -656,8 +710,27 @@ def all_to_all(x: Value, dim: int, axis: str | None = None, shares: Sequence[int
                           _with(x, i, out), x.group)
 
 
-@operation("broadcast", R.COLLECTIVE, ("root", "axis"),
-           rebuild=lambda p, args, a: broadcast(args[0], a["root"], a["axis"]))
+def _exchange(v: Value, parts: list[torch.Tensor], combine: Any) -> list[torch.Tensor]:
+    """The ranks' parts along the operand's sliced dimension, joined, then cut into the parts along v's."""
+    whole = torch.cat(parts, dim=v.args[0].along(v.attrs["axis"]).dim)
+    sizes = split_sizes(whole.shape[v.attrs["dim"]], v.attrs.get("shares") or len(parts))
+    return [part.clone() for part in whole.split(sizes, v.attrs["dim"])]
+
+
+def _exchange_call(v: Value, shape: tuple[int, ...]) -> tuple[tuple[Any, ...], tuple[tuple[str, Any], ...]]:
+    """The operand's sliced dimension, the result's, the whole size along the former; its parts' shares."""
+    src = v.args[0].along(v.attrs.get("axis"))
+    return (src.dim, v.attrs["dim"], shape[src.dim]), (("src_shares", src.shares),)
+
+
+register_kind(CollectiveKind(
+    "all_to_all", "A2A", all_to_all, attrs=("dim", "axis", "shares"),
+    rebuild=lambda p, args, a: all_to_all(args[0], a["dim"], a["axis"], a["shares"]),
+    reference=_exchange, call=_exchange_call, shares=lambda v: v.attrs.get("shares"),
+    benchmark=lambda b: lambda: dist.all_to_all_single(b.exchanged, b.x), recorded={"all_to_all_single": (1, False)},
+    opens_chain=True))
+
+
 def broadcast(x: Value, root: int = 0, axis: str | None = None) -> Value:
     """Every rank along `axis` gets the tensor of rank `root` along it (Replicated along the axis)."""
     x = _tensor_operand("broadcast", x)
@@ -670,8 +743,20 @@ def broadcast(x: Value, root: int = 0, axis: str | None = None) -> Value:
                           x.group)
 
 
-@operation("reduce", R.COLLECTIVE, ("op", "root", "axis"),
-           rebuild=lambda p, args, a: reduce(args[0], a["op"], a["root"], a["axis"]))
+def _root(v: Value, n: int) -> int:
+    if v.attrs["root"] >= n:
+        raise InputError(f"{v.op} `{v.name}`: root {v.attrs['root']} is outside its group of {n} ranks")
+    return v.attrs["root"]
+
+
+register_kind(CollectiveKind(
+    "broadcast", "BC", broadcast, attrs=("root", "axis"),
+    rebuild=lambda p, args, a: broadcast(args[0], a["root"], a["axis"]),
+    reference=lambda v, parts, combine: [parts[_root(v, len(parts))]] * len(parts),
+    call=lambda v, shape: ((v.attrs["root"],), ()),
+    benchmark=lambda b: lambda: dist.broadcast(b.x, 0), recorded={"broadcast": (0, False)}, chunkable=False))
+
+
 def reduce(x: Value, op: str = "sum", root: int = 0, axis: str | None = None) -> Value:
     """Combine the Local tensors of the ranks along `axis` with `op` onto rank `root` along it; the other
     ranks keep their own input (the result is Local)."""
@@ -683,6 +768,18 @@ def reduce(x: Value, op: str = "sum", root: int = 0, axis: str | None = None) ->
     if not isinstance(root, int) or root < 0:
         raise _fail("reduce", (x,), f"root must be a non-negative group rank, got {root!r}")
     return x.program._add("reduce", (x,), {"op": op, "root": root, "axis": ax}, x.dtype, x.shape, x.layout, x.group)
+
+
+def _reduce_to_root(v: Value, parts: list[torch.Tensor], combine: Any) -> list[torch.Tensor]:
+    root, res = _root(v, len(parts)), combine(v.attrs["op"], parts)
+    return [res if r == root else p.clone() for r, p in enumerate(parts)]
+
+
+register_kind(CollectiveKind(
+    "reduce", "R", reduce, attrs=("op", "root", "axis"),
+    rebuild=lambda p, args, a: reduce(args[0], a["op"], a["root"], a["axis"]),
+    reference=_reduce_to_root, call=lambda v, shape: ((v.attrs["op"], v.attrs["root"]), ()),
+    benchmark=lambda b: lambda: dist.reduce(b.x, 0), recorded={"reduce": (0, False)}, chunkable=False))
 
 
 @operation("send", R.P2P, ("to",),

@@ -1,10 +1,12 @@
 """The one table of operations: every DSL operation's name, group, attributes, builder and meaning.
 
-`ops.py` registers each operation as it defines it (`@operation(...)`); everything else asks this table
+`ops.py` registers each operation as it defines it (`@operation(...)`; a collective through its kind's
+registration, collectives/kinds.py, which this table follows); everything else asks this table
 instead of switching on name strings: rewrites rebuild a value through `REGISTRY[v.op].rebuild`, the
 reference backend evaluates a computation through `REGISTRY[v.op].meaning` (semantics.py), and each
 backend keeps one table of its own keyed by operation name. Adding an operation touches its builder
-here (through ops.py), its meaning, and one entry per backend table.
+here (through ops.py), its meaning, and one entry per backend table; adding a collective kind is its
+registration (collectives.CollectiveKind) and its implementation per backend.
 """
 
 from __future__ import annotations
@@ -13,6 +15,7 @@ from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
+from ..collectives import kinds
 from ..errors import ProgramError
 
 if TYPE_CHECKING:
@@ -73,6 +76,20 @@ def register(name: str, group: str, attrs: Sequence[str] = (), build: Callable[.
         raise AssertionError(f"operation {name!r} is registered twice")
     d = REGISTRY[name] = OpDef(name, group, tuple(attrs), build, rebuild)
     return d
+
+
+def unregister(name: str) -> None:
+    """Remove operation `name` (a collective kind unregistered)."""
+    REGISTRY.pop(name, None)
+
+
+def _add_kind(kind: kinds.CollectiveKind) -> None:
+    """A collective kind registered (collectives/kinds.py) becomes an operation of the COLLECTIVE group."""
+    register(kind.name, COLLECTIVE, kind.attrs, kind.build,
+             kind.rebuild or (lambda program, args, a: kind.build(*args)))
+
+
+kinds.hook(_add_kind, unregister)
 
 
 def set_meaning(name: str, meaning: Callable[..., Any]) -> None:

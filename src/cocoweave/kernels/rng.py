@@ -28,7 +28,8 @@ def triple32(x):
 
 @triton.jit
 def keep_mask(index, key, threshold):
-    """Keep-mask of logical indices (tl.uint32, i.e. mod 2^32) for a host-computed key and threshold."""
+    """Keep-mask of logical indices (tl.uint32, i.e. mod 2^32) for a host-computed key and threshold: the signature
+    of `cocoweave.rng.keep_mask`, which the torch runtime calls."""
     return triple32(index ^ key.to(tl.uint32)) >= threshold.to(tl.uint32)
 
 

@@ -10,6 +10,7 @@ measurement store; the fitted alpha-beta lines to `calibration_path(...)`.
 from __future__ import annotations
 
 import statistics
+import types
 import warnings
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass
@@ -18,6 +19,7 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
+from .. import collectives
 from ..backends.torch.ring import ring_all_gather, ring_reduce_scatter
 from ..backends.torch.worker import timed_steps
 from ..collectives import pricing
@@ -48,21 +50,18 @@ def _timed(fn: Callable[[], Any], iters: int, warmup: int, world_size: int, devi
 
 
 def _collectives(world_size: int, rank: int, n: int, dev: torch.device) -> dict[str, tuple[float, Callable[[], Any]]]:
-    """name -> (bytes moved per rank, the call) for a float32 tensor of n elements; what each moves is the table
-    of collective algorithms' (cocoweave.collectives)."""
+    """name -> (bytes moved per rank, the call) for a float32 tensor of n elements (a multiple of p): each collective
+    kind's library call, the ring's, point to point; what each moves is the table of collective algorithms'
+    (cocoweave.collectives)."""
     p = world_size
     x = torch.randn(n, device=dev)
     part = torch.empty(n // p, device=dev)
     full = torch.empty(n // p * p, device=dev)
-    exchanged = torch.empty(n, device=dev)  # all_to_all: n is a multiple of p (microbench rounds it)
+    # the buffers each collective kind's benchmark reads (collectives/kinds.py): its library call, timed
+    buffers = types.SimpleNamespace(x=x, part=part, full=full, exchanged=torch.empty(n, device=dev), p=p, rank=rank)
     whole = 4 * n
     calls: dict[str, Callable[[], Any]] = {
-        "all_reduce/library": lambda: dist.all_reduce(x),
-        "reduce_scatter/library": lambda: dist.reduce_scatter_tensor(part, x[: n // p * p]),
-        "all_gather/library": lambda: dist.all_gather_into_tensor(full, part),
-        "all_to_all/library": lambda: dist.all_to_all_single(exchanged, x),
-        "broadcast/library": lambda: dist.broadcast(x, 0),
-        "reduce/library": lambda: dist.reduce(x, 0),
+        **{f"{k.name}/{collectives.DEFAULT}": k.benchmark(buffers) for k in collectives.all_kinds() if k.benchmark},
         "reduce_scatter/ring": lambda: ring_reduce_scatter(x, 0, "sum", None, part),
         "all_gather/ring": lambda: ring_all_gather(part, 0, None, full),
         "all_reduce/ring": lambda: (ring_reduce_scatter(x, 0, "sum", None, part), ring_all_gather(part, 0, None, x)),

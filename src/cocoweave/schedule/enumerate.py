@@ -128,7 +128,8 @@ def _chains(s: Schedule) -> list[list[Stage]]:
     dispatch -> experts -> combine: the experts of one chunk of tokens run while the next chunk moves)."""
     st, out = s.stages, []
     for i, x in enumerate(st):
-        if getattr(x, "op", None) == "all_to_all" and i + 1 < len(st) and st[i + 1].kind == "matmul":
+        opens = (k := collectives.kinds.find(getattr(x, "op", ""))) is not None and k.opens_chain
+        if opens and i + 1 < len(st) and st[i + 1].kind == "matmul":
             out.append(st[i:i + 2])
             j = i + 1
             while j < len(st) and st[j].kind in ("matmul", "compute"):

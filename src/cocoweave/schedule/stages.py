@@ -25,9 +25,6 @@ from .rewrite import axis_of, on_axis
 
 COMPUTE_OPS = R.names(*R.COMPUTE_GROUPS)
 ELEMENTWISE_OPS = R.names(*R.ELEMENTWISE_GROUPS)
-TOKENS = {"all_reduce": "AR", "reduce_scatter": "RS", "all_gather": "AG", "all_to_all": "A2A", "broadcast": "BC",
-          "reduce": "R"}
-CHUNKABLE_COMM = ("all_reduce", "reduce_scatter", "all_gather", "all_to_all", "send")
 # How a communication stage moves its data, and where each way is legal: the table of collective algorithms
 # (cocoweave.collectives).
 
@@ -104,7 +101,7 @@ class Collective(Stage):
 
     @property
     def label(self) -> str:
-        return TOKENS[self.op] + ("" if self.algorithm == "library" else f"@{self.algorithm}")
+        return collectives.kinds.token(self.op) + ("" if self.algorithm == "library" else f"@{self.algorithm}")
 
 
 @dataclass(frozen=True)
@@ -368,7 +365,8 @@ def chunk_dim(program: Program, members: list[str], names: str) -> int:
     for v in vals:
         if R.group(v.op) in (R.REDUCTION, R.NORMALISATION):
             raise ScheduleError(f"cannot overlap {names}: `{v.name} = {v.op}(...)` reduces across the chunks")
-        if R.is_communication(v.op) and v.op not in CHUNKABLE_COMM:
+        kind = collectives.kinds.find(v.op)
+        if kind is not None and not kind.chunkable:  # a send is chunked piece by piece
             raise ScheduleError(f"cannot overlap {names}: a {v.op} cannot be chunked")
         if v.op == "all_reduce" and v.attrs["op"] == "adasum":
             raise ScheduleError(f"cannot overlap {names}: adasum all_reduce `{v.name}` combines whole tensors "

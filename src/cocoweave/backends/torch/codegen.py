@@ -16,6 +16,7 @@ from ... import collectives, rng
 from ...ir import registry as R
 from ...ir.graph import Value
 from ...ir.layout import slice_bounds
+from ...ir.ops import wire_reduction
 from ...ir.printer import operand
 from ...ir.semantics import local_rank
 from ...ir.types import bind_shape
@@ -189,7 +190,9 @@ class Emitter:
         into = self.memory.into.get(id(v))
         if into is not None:  # gathered straight into the state it becomes
             tail += f", into={self.var(into.state)}" + (", deferrable=True" if into.deferrable else "")
-        return COMM[v.op](self, v, x, self.group(v), tail)
+        if v.op == "send":
+            return self.send(v, x, tail)
+        return self.collective(v, x, self.group(v), tail)
 
     def group(self, v: Value) -> str:
         """The process group communication value v runs over: its mesh axis' line through this rank, or its group."""
@@ -197,18 +200,17 @@ class Emitter:
         return f'ctx.group("{axis if axis is not None else v.args[0].group.name}")'
 
     def shares(self, v: Value) -> tuple[int, ...] | None:
-        """The shares of the parts a reduce_scatter, all_gather or all_to_all splits (None: equal parts)."""
-        if v.op in ("reduce_scatter", "all_to_all"):
-            return v.attrs.get("shares")
-        if v.op == "all_gather":
-            return v.args[0].along(v.attrs.get("axis")).shares
-        return None
+        """The shares of the parts a collective splits, as its kind says (None: equal parts, or not a collective)."""
+        kind = collectives.kinds.find(v.op)
+        return None if kind is None else kind.shares(v)
 
-    def all_to_all(self, v: Value, x: str, g: str, tail: str) -> str:
-        src = v.args[0].along(v.attrs.get("axis"))
-        more = f", src_shares={src.shares}" if src.shares is not None else ""
-        return (f"ctx.{self.method(v)}({x}, {src.dim}, {v.attrs['dim']}, {self.view.local_shape(v)[src.dim]}, "
-                f"{g}{more}{tail})")
+    def collective(self, v: Value, x: str, g: str, tail: str) -> str:
+        """The runtime call of collective `v`: the operand, the arguments its kind gives (collectives/kinds.py), the
+        group, then its keyword arguments."""
+        before, after = collectives.kind(v.op).call(v, self.view.local_shape(v))
+        args = "".join(f", {a!r}" for a in before)
+        more = "".join(f", {k}={a!r}" for k, a in after if a is not None)
+        return f"ctx.{self.method(v)}({x}{args}, {g}{more}{tail})"
 
     def send(self, v: Value, x: str, tail: str) -> str:
         src = v.args[0].group.ranks(self.view.world_size)
@@ -222,10 +224,6 @@ class Emitter:
             shape = f"rt.with_dim({shape}, {dim - (nd - v.ndim)}, {se}[1])"
         return (f"ctx.{self.method(v)}({x if sending else 'None'}, peer={peer}, sending={sending}, "
                 f"shape={shape}, dtype=torch.{v.dtype}{tail})")
-
-    def op(self, v: Value) -> str:
-        """The reduction a collective runs: a weighted average sums operands scaled by their weights."""
-        return "sum" if v.attrs.get("weights") is not None else v.attrs["op"]
 
     def method(self, v: Value) -> str:
         """The runtime method communication value v calls on the stage's algorithm: its registered implementation
@@ -297,20 +295,6 @@ HOST: dict[str, Callable[[Value, list[str]], str]] = {
     "where": lambda v, a: f"({a[1]} if {a[0]} else {a[2]})",
     "cast": lambda v, a: {"bool": "bool", "int32": "int", "int64": "int"}.get(v.dtype, "float") + f"({a[0]})",
 }
-
-# communication -> (emitter, value, operand, group, tail arguments) -> runtime call
-COMM: dict[str, Callable[[Emitter, Value, str, str, str], str]] = {
-    "all_reduce": lambda em, v, x, g, t: f"ctx.{em.method(v)}({x}, {em.op(v)!r}, {g}{t})",
-    "reduce_scatter": lambda em, v, x, g, t:
-        f"ctx.{em.method(v)}({x}, {em.op(v)!r}, {v.attrs['dim']}, {g}{t})",
-    "all_gather": lambda em, v, x, g, t:
-        f"ctx.{em.method(v)}({x}, {v.attrs['dim']}, {em.view.local_shape(v)[v.attrs['dim']]}, {g}{t})",
-    "all_to_all": lambda em, v, x, g, t: em.all_to_all(v, x, g, t),
-    "broadcast": lambda em, v, x, g, t: f"ctx.{em.method(v)}({x}, {v.attrs['root']}, {g}{t})",
-    "reduce": lambda em, v, x, g, t: f"ctx.{em.method(v)}({x}, {v.attrs['op']!r}, {v.attrs['root']}, {g}{t})",
-    "send": lambda em, v, x, g, t: em.send(v, x, t),
-}
-
 
 def generate(plan: Plan, rank: int, world_size: int, sizes: Mapping[str, int],
              fused: Mapping[int, Any] | None = None, memory: Memory | None = None) -> str:
@@ -406,7 +390,7 @@ def _launch(em: Emitter) -> list[str]:
 
 def _emit_value(em: Emitter, v: Value, indent: int, async_op: bool = False) -> bool:
     """Emit v if this rank takes part in it; True if it did."""
-    if v.op in COMM:
+    if R.is_communication(v.op):
         if not em.view.in_group(v) and not (v.op == "send" and em.view.in_group(v.args[0])):
             return False
         em.emit(f"{em.var(v)} = {em.communicate(v, async_op)}", indent)
@@ -515,6 +499,6 @@ def _emit_fused_ring(em: Emitter, stage: FusedCollective, index: int) -> None:
 
     outs = f"[{', '.join(em.var(a) for a in ags)}], [{', '.join(em.var(v) for v in kept)}]"
     em.emit(f"{outs} = ctx.{runtime_method(stage.algorithm, collectives.FUSED)}(", 2)
-    em.emit(f"{x}, {rs.attrs['dim']}, {em.op(rs)!r}, {g}, ring{index},", 3)
+    em.emit(f"{x}, {rs.attrs['dim']}, {wire_reduction(rs)!r}, {g}, ring{index},", 3)
     shares = f", shares={rs.attrs['shares']}" if rs.attrs.get("shares") is not None else ""
     em.emit(f"gathered=[{', '.join(spec(a) for a in ags)}], kept=[{', '.join(spec(v) for v in kept)}]{shares})", 3)

@@ -35,7 +35,7 @@ import torch
 import torch.distributed as dist
 from torch.utils._python_dispatch import TorchDispatchMode
 
-from ... import settings
+from ... import collectives, settings
 from ...rankenv import RankEnv
 from . import io_recorder
 from .io_recorder import IoRecorder
@@ -43,14 +43,11 @@ from .io_recorder import IoRecorder
 DIR_ENV, STEPS_ENV, WARMUP_ENV = settings.PROFILE_DIR.name, settings.PROFILE_STEPS.name, settings.PROFILE_WARMUP.name
 COUNTED_STEP = 1  # the untimed step whose operations are counted (step 0 has no start boundary)
 
-# Collectives wrapped at torch.distributed's Python surface: name -> (index of the tensor whose bytes count,
-# whether that tensor holds one rank's part of the whole, e.g. all_gather's input). isend/irecv stay as they
-# are (P2POp accepts only the originals); their bytes are counted in batch_isend_irecv.
-COLLECTIVES: dict[str, tuple[int, bool]] = {
-    "all_reduce": (0, False), "reduce_scatter_tensor": (1, False), "reduce_scatter_single": (1, False),
-    "all_gather_into_tensor": (0, False), "all_gather_single": (0, False), "all_gather": (1, True),
-    "all_to_all_single": (1, False), "broadcast": (0, False), "reduce": (0, False), "send": (0, False),
-    "recv": (0, False), "batch_isend_irecv": (0, False),
+# Point-to-point calls wrapped at torch.distributed's Python surface: name -> (kind, index of the tensor whose bytes
+# count, whether it holds one rank's part); each collective kind names its own functions (collectives/kinds.py).
+# isend/irecv stay as they are (P2POp accepts only the originals); their bytes are counted in batch_isend_irecv.
+P2P: dict[str, tuple[str, int, bool]] = {
+    "send": ("send", 0, False), "recv": ("recv", 0, False), "batch_isend_irecv": ("p2p", 0, False),
 }
 # cocoweave's shared-memory collectives (backends/torch/shm.py; the optimizers' default on one host): name ->
 # (kind, index of the tensor whose bytes count, whether it holds one rank's part). Their first argument is the group.
@@ -60,9 +57,10 @@ SHM_COLLECTIVES: dict[str, tuple[str, int, bool]] = {
     "gather_common": ("all_gather", 3, True),
     "open_all_reduce": ("all_reduce", 4, False),  # split in two (the TP layers' MM-AR@shm||MMw): bytes, no wall time
 }
-KIND = {"reduce_scatter_tensor": "reduce_scatter", "reduce_scatter_single": "reduce_scatter",
-        "all_gather_into_tensor": "all_gather", "all_gather_single": "all_gather", "all_to_all_single": "all_to_all",
-        "batch_isend_irecv": "p2p"}
+def watched() -> dict[str, tuple[str, int, bool]]:
+    """Every torch.distributed function the recorder wraps, as in P2P: each registered collective kind's (e.g.
+    all_gather (1, True): its list of tensors, one rank's part) and the point-to-point ones."""
+    return {**collectives.kinds.recorded(), **P2P}
 
 
 def _nbytes(t: Any) -> int:
@@ -224,7 +222,7 @@ class StepRecorder:
 
     def collective(self, name: str, fn: Callable[..., Any]) -> Callable[..., Any]:
         """`fn` (a torch.distributed function) recording its count, bytes and synchronous wall time."""
-        index, part = COLLECTIVES[name]
+        kind, index, part = watched()[name]
 
         def wrapped(*args: Any, **kwargs: Any) -> Any:
             if name == "batch_isend_irecv":  # bytes sent by this rank; the wait happens elsewhere
@@ -240,7 +238,7 @@ class StepRecorder:
             start = self.clock()
             result = fn(*args, **kwargs)
             sync = not kwargs.get("async_op", False) and name != "batch_isend_irecv"
-            self._count(KIND.get(name, name), size, nbytes, 1e3 * (self.clock() - start) if sync else 0.0)
+            self._count(kind, size, nbytes, 1e3 * (self.clock() - start) if sync else 0.0)
             return result
 
         wrapped.__wrapped__ = fn  # type: ignore[attr-defined]
@@ -292,7 +290,7 @@ def install(recorder: StepRecorder) -> None:
     register_optimizer_step_post_hook(recorder.optimizer_post)
     register_module_forward_pre_hook(recorder.module_pre)
     register_module_forward_hook(recorder.module_post)
-    for name in COLLECTIVES:
+    for name in watched():
         if hasattr(dist, name):
             setattr(dist, name, recorder.collective(name, getattr(dist, name)))
     from ...backends.torch import shm
