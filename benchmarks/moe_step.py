@@ -16,7 +16,10 @@ in every variant: zero_grad, forward, cross-entropy, backward, one flat all-redu
 ones over every rank, the experts' over dp, all divided by the world: the data-parallel mean), torch.optim.AdamW
 (fused) over plain tensors (a DTensor parameter's local tensor, as DistributedAdamW updates it). Variants:
 
-  cocoweave   cocoweave.nn.MoE (experts over the mesh's "ep" dim)
+  cocoweave   cocoweave.nn.MoE (experts over the mesh's "ep" dim); its all-to-alls and count exchange go through
+              shared memory, the ranks being on one host (backends/torch/shm_all_to_all.py)
+  cocoweave-gloo  the same layer with every all-to-all through Gloo's all_to_all_single (moe_dispatch's
+              library_start_all_to_all / library_exchange_counts): what the layer costs off shared memory
   megatron    Megatron-core's MoEAlltoAllTokenDispatcher + SequentialMLP in plain torch, written here from its code:
               routing map (T, E), counts all-gathered over ep, permute by masked_select + index_select, all_to_all,
               sort_chunks_by_idxs, one fused gate/up Linear and a down Linear per local expert, the reverse, unpermute
@@ -69,7 +72,7 @@ MODELS: dict[str, dict[str, Any]] = {
                      shared_hidden_dim=224),
 }
 ADAMW = {"lr": 3e-4, "weight_decay": 0.1}
-VARIANTS = ("cocoweave", "megatron", "torchtitan", "floor")
+VARIANTS = ("cocoweave", "cocoweave-gloo", "megatron", "torchtitan", "floor")
 AB = ("cocoweave-sync",)  # A/B variants, only when named in --variants
 PEERS = ("megatron", "torchtitan")
 
@@ -158,12 +161,12 @@ class MegatronMoE(nn.Module):
         permuted = x.index_select(0, sorted_indices)
         from cocoweave.nn.moe_dispatch import dispatch_all_to_all  # an autograd all_to_all_single, as Megatron's
 
-        got = dispatch_all_to_all(permuted, input_splits, output_splits, self.group)
+        got = dispatch_all_to_all(permuted, input_splits, output_splits, self.group, library=True)
         got = _sort_chunks(got, per_local.ravel().tolist(), self.sort_input_by_local_experts)
         outs = [expert(t) for expert, t in zip(self.local_experts, torch.split(got, tokens_per_expert), strict=True)]
         out = torch.cat(outs)
         out = _sort_chunks(out, per_local.T.ravel().tolist(), self.restore_output_by_local_experts)
-        back = dispatch_all_to_all(out, output_splits, input_splits, self.group)
+        back = dispatch_all_to_all(out, output_splits, input_splits, self.group, library=True)
         # unpermute
         back = back * permuted_probs.unsqueeze(-1).to(back.dtype)
         y = torch.zeros_like(x).scatter_add(0, sorted_indices.unsqueeze(1).expand(-1, x.shape[1]), back)
@@ -228,7 +231,13 @@ class Variant:
     """One variant's model on this rank, its optimizers and its step."""
 
     def __init__(self, name: str, model: str, mesh: Any, shape: dict[str, int]) -> None:
-        from cocoweave.nn.moe_dispatch import no_exchange, no_start, no_wait
+        from cocoweave.nn.moe_dispatch import (
+            library_exchange_counts,
+            library_start_all_to_all,
+            no_exchange,
+            no_start,
+            no_wait,
+        )
 
         self.name = name
         ep_mesh = mesh["ep"]
@@ -238,6 +247,8 @@ class Variant:
         for layer in net.layers.values():
             if name == "floor":
                 layer.moe.start, layer.moe.wait, layer.moe.exchange = no_start, no_wait, no_exchange
+            elif name == "cocoweave-gloo":
+                layer.moe.start, layer.moe.exchange = library_start_all_to_all, library_exchange_counts
             elif name == "cocoweave-sync":  # A/B: no overlap of the shared expert with the all-to-alls
                 layer.moe.overlap = False
             elif name == "megatron":
