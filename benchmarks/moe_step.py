@@ -35,7 +35,8 @@ ones over every rank, the experts' over dp, all divided by the world: the data-p
 
 Before timing, each variant trains two steps from the same weights and tokens and its losses are compared with the
 single-process model's on the whole batch (`same_work`). Each round then times every variant for --steps steps after
-a warm-up, rotated; a step time is the median over steps of the slowest rank's time (a barrier before each).
+a warm-up, rotated; a step time is the median over steps of the slowest rank's time (a barrier before each);
+`paired_cocoweave_over` is the median over steps of cocoweave's step over the variant's step of the same round.
 `a2a_mb` is what one rank sends to the others per step (dispatch and combine, forward and backward; the same
 routing in every variant), `ep_rows_max_over_mean` the slowest ep rank's expert rows over the mean (the floor's
 ranks each compute their own tokens' rows: balanced), `saved_mb` the activations one rank's forward saves for
@@ -50,6 +51,7 @@ import argparse
 import importlib.util
 import json
 import os
+import statistics
 import sys
 import time
 from pathlib import Path
@@ -419,9 +421,13 @@ def summarise(label: str, ws: int, dp: int, model: str, names: list[str], per_ra
     peer_ms = [r["median_ms"] for r in rows if r["kind"] == "peer"]
     fastest = min(peer_ms) if peer_ms else None
     floor = next((r["median_ms"] for r in rows if r["kind"] == "floor"), None)
+    ours = next(r["step_ms"] for r in rows if r["variant"] == "cocoweave")
     for r in rows:
         r["ratio_to_fastest_peer"] = None if fastest is None else r["median_ms"] / fastest
         r["ratio_to_floor"] = None if floor is None else r["median_ms"] / floor
+        # the median over timed steps of cocoweave's step over this variant's step of the same round (the variants
+        # take turns round by round): steadier than the ratio of medians when the machine's load moves
+        r["paired_cocoweave_over"] = statistics.median(a / b for a, b in zip(ours, r["step_ms"], strict=True))
     return rows
 
 
@@ -430,14 +436,15 @@ def print_table(rows: list[dict], title: str) -> None:
     from rich.table import Table
 
     table = Table(title=title)
-    for h in ("variant", "median ms", "tokens/s", "vs fastest peer", "vs floor", "a2a MB/step", "saved MB",
-              "same work (loss)"):
+    for h in ("variant", "median ms", "tokens/s", "vs fastest peer", "vs floor", "cocoweave / it, paired",
+              "a2a MB/step", "saved MB", "same work (loss)"):
         table.add_column(h, justify="left" if h == "variant" else "right")
     for r in rows:
         table.add_row(r["variant"] + {"floor": " (limit)", "other": " (not a peer)"}.get(r["kind"], ""),
                       f"{r['median_ms']:.1f}", f"{r['tokens_per_s']:.0f}",
                       "-" if r["ratio_to_fastest_peer"] is None else f"{r['ratio_to_fastest_peer']:.2f}",
-                      "-" if r["ratio_to_floor"] is None else f"{r['ratio_to_floor']:.2f}", f"{r['a2a_mb']:.1f}",
+                      "-" if r["ratio_to_floor"] is None else f"{r['ratio_to_floor']:.2f}",
+                      f"{r['paired_cocoweave_over']:.3f}", f"{r['a2a_mb']:.1f}",
                       f"{r['saved_mb']:.1f}",
                       "-" if r["same_work_abs_diff"] is None else f"{r['same_work_abs_diff']:.0e}")
     Console(width=160).print(table)

@@ -30,3 +30,4 @@ def test_moe_step_quick_times_every_variant_doing_the_same_work(tmp_path: Path, 
             # every fp32 variant trains the single-process curve; torchtitan's experts run in bfloat16
             assert v == "floor" or r["same_work_abs_diff"] < (1e-2 if v == "torchtitan" else 1e-4)
         assert rows["floor"]["ratio_to_floor"] == 1.0 and rows["megatron"]["ratio_to_fastest_peer"] == 1.0
+        assert rows["cocoweave"]["paired_cocoweave_over"] == 1.0 and rows["floor"]["paired_cocoweave_over"] > 0
