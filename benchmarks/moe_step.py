@@ -36,7 +36,9 @@ ones over every rank, the experts' over dp, all divided by the world: the data-p
 Before timing, each variant trains two steps from the same weights and tokens and its losses are compared with the
 single-process model's on the whole batch (`same_work`). Each round then times every variant for --steps steps after
 a warm-up, rotated; a step time is the median over steps of the slowest rank's time (a barrier before each);
-`paired_cocoweave_over` is the median over steps of cocoweave's step over the variant's step of the same round.
+`paired_cocoweave_over` is the median over steps of cocoweave's step over the variant's step of the same round;
+`cpu_ms` the busier rank's median CPU time per step (time.process_time: every thread of the rank, Gloo's included),
+which a loaded machine moves far less than the wall time.
 `a2a_mb` is what one rank sends to the others per step (dispatch and combine, forward and backward; the same
 routing in every variant), `ep_rows_max_over_mean` the slowest ep rank's expert rows over the mean (the floor's
 ranks each compute their own tokens' rows: balanced), `saved_mb` the activations one rank's forward saves for
@@ -392,12 +394,21 @@ def timings(rank: int, world_size: int, model: str, dp: int, names: list[str], r
         built[v] = Variant(v, model, mesh, shape)  # timed from the same initial weights as the others
         saved[v] = saved_bytes(built[v], tokens)
     times: dict[str, list[float]] = {v: [] for v in names}
+    cpu: dict[str, list[float]] = {v: [] for v in names}
+
+    def step(v: str) -> torch.Tensor:
+        start = time.process_time()  # this rank's CPU time, every thread (Gloo's too): little moved by other load
+        loss = built[v].step(tokens)
+        cpu[v].append((time.process_time() - start) * 1e3)
+        return loss
+
     for r in range(rounds):
         order = names[r % len(names):] + names[:r % len(names)]
         for v in order:
-            times[v] += timed_steps(lambda v=v: built[v].step(tokens), world_size, torch.device("cpu"), steps,
+            times[v] += timed_steps(lambda v=v: step(v), world_size, torch.device("cpu"), steps,
                                     warmup if r == 0 else 1)
-    return {"times": times, "same_work": same, "saved": saved, "a2a": sent, "imbalance": skew}
+    return {"times": times, "cpu": {v: statistics.median(c) for v, c in cpu.items()}, "same_work": same,
+            "saved": saved, "a2a": sent, "imbalance": skew}
 
 
 def summarise(label: str, ws: int, dp: int, model: str, names: list[str], per_rank: list[dict],
@@ -414,6 +425,7 @@ def summarise(label: str, ws: int, dp: int, model: str, names: list[str], per_ra
                      "kind": "floor" if v == "floor" else "peer" if v in peers else
                      "cocoweave" if v == "cocoweave" else "other",
                      "median_ms": ms, "step_ms": step_times(t), "tokens_per_s": ws * BATCH * SEQ / (ms / 1e3),
+                     "cpu_ms": max(r["cpu"][v] for r in per_rank),
                      "a2a_mb": 0.0 if v == "floor" else max(r["a2a"] for r in per_rank) / 2**20,
                      "saved_mb": max(r["saved"][v] for r in per_rank) / 2**20,
                      "ep_rows_max_over_mean": None if v == "floor" else per_rank[0]["imbalance"],
@@ -436,12 +448,12 @@ def print_table(rows: list[dict], title: str) -> None:
     from rich.table import Table
 
     table = Table(title=title)
-    for h in ("variant", "median ms", "tokens/s", "vs fastest peer", "vs floor", "cocoweave / it, paired",
+    for h in ("variant", "median ms", "CPU ms", "tokens/s", "vs fastest peer", "vs floor", "cocoweave / it, paired",
               "a2a MB/step", "saved MB", "same work (loss)"):
         table.add_column(h, justify="left" if h == "variant" else "right")
     for r in rows:
         table.add_row(r["variant"] + {"floor": " (limit)", "other": " (not a peer)"}.get(r["kind"], ""),
-                      f"{r['median_ms']:.1f}", f"{r['tokens_per_s']:.0f}",
+                      f"{r['median_ms']:.1f}", f"{r['cpu_ms']:.1f}", f"{r['tokens_per_s']:.0f}",
                       "-" if r["ratio_to_fastest_peer"] is None else f"{r['ratio_to_fastest_peer']:.2f}",
                       "-" if r["ratio_to_floor"] is None else f"{r['ratio_to_floor']:.2f}",
                       f"{r['paired_cocoweave_over']:.3f}", f"{r['a2a_mb']:.1f}",

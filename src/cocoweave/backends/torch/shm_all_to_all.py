@@ -54,6 +54,7 @@ class _Set:
         self.capacity = 0  # bytes per data slot (the same on every rank)
 
     def grow(self, g: shm.ShmGroup, nbytes: int) -> None:
+        """New data slots of GROW x `nbytes` (every rank calls it at the same call, with the same need)."""
         cap = max(int(nbytes * GROW), MIN_SLOT)
         self.data = list(g.slots(f"a2a-data-{self.name}", cap, torch.uint8))  # ShmUnavailable on every rank
         self.capacity = cap
