@@ -16,7 +16,10 @@ in every variant: zero_grad, forward, cross-entropy, backward, one flat all-redu
 ones over every rank, the experts' over dp, all divided by the world: the data-parallel mean), torch.optim.AdamW
 (fused) over plain tensors (a DTensor parameter's local tensor, as DistributedAdamW updates it). Variants:
 
-  cocoweave   cocoweave.nn.MoE (experts over the mesh's "ep" dim)
+  cocoweave   cocoweave.nn.MoE (experts over the mesh's "ep" dim); its all-to-alls and count exchange go through
+              shared memory, the ranks being on one host (backends/torch/shm_all_to_all.py)
+  cocoweave-gloo  the same layer with every all-to-all through Gloo's all_to_all_single (moe_dispatch's
+              library_start_all_to_all / library_exchange_counts): what the layer costs off shared memory
   megatron    Megatron-core's MoEAlltoAllTokenDispatcher + SequentialMLP in plain torch, written here from its code:
               routing map (T, E), counts all-gathered over ep, permute by masked_select + index_select, all_to_all,
               sort_chunks_by_idxs, one fused gate/up Linear and a down Linear per local expert, the reverse, unpermute
@@ -32,7 +35,10 @@ ones over every rank, the experts' over dp, all divided by the world: the data-p
 
 Before timing, each variant trains two steps from the same weights and tokens and its losses are compared with the
 single-process model's on the whole batch (`same_work`). Each round then times every variant for --steps steps after
-a warm-up, rotated; a step time is the median over steps of the slowest rank's time (a barrier before each).
+a warm-up, rotated; a step time is the median over steps of the slowest rank's time (a barrier before each);
+`paired_cocoweave_over` is the median over steps of cocoweave's step over the variant's step of the same round;
+`cpu_ms` the busier rank's median CPU time per step (time.process_time: every thread of the rank, Gloo's included),
+which a loaded machine moves far less than the wall time.
 `a2a_mb` is what one rank sends to the others per step (dispatch and combine, forward and backward; the same
 routing in every variant), `ep_rows_max_over_mean` the slowest ep rank's expert rows over the mean (the floor's
 ranks each compute their own tokens' rows: balanced), `saved_mb` the activations one rank's forward saves for
@@ -47,6 +53,7 @@ import argparse
 import importlib.util
 import json
 import os
+import statistics
 import sys
 import time
 from pathlib import Path
@@ -69,7 +76,7 @@ MODELS: dict[str, dict[str, Any]] = {
                      shared_hidden_dim=224),
 }
 ADAMW = {"lr": 3e-4, "weight_decay": 0.1}
-VARIANTS = ("cocoweave", "megatron", "torchtitan", "floor")
+VARIANTS = ("cocoweave", "cocoweave-gloo", "megatron", "torchtitan", "floor")
 AB = ("cocoweave-sync",)  # A/B variants, only when named in --variants
 PEERS = ("megatron", "torchtitan")
 
@@ -158,12 +165,12 @@ class MegatronMoE(nn.Module):
         permuted = x.index_select(0, sorted_indices)
         from cocoweave.nn.moe_dispatch import dispatch_all_to_all  # an autograd all_to_all_single, as Megatron's
 
-        got = dispatch_all_to_all(permuted, input_splits, output_splits, self.group)
+        got = dispatch_all_to_all(permuted, input_splits, output_splits, self.group, library=True)
         got = _sort_chunks(got, per_local.ravel().tolist(), self.sort_input_by_local_experts)
         outs = [expert(t) for expert, t in zip(self.local_experts, torch.split(got, tokens_per_expert), strict=True)]
         out = torch.cat(outs)
         out = _sort_chunks(out, per_local.T.ravel().tolist(), self.restore_output_by_local_experts)
-        back = dispatch_all_to_all(out, output_splits, input_splits, self.group)
+        back = dispatch_all_to_all(out, output_splits, input_splits, self.group, library=True)
         # unpermute
         back = back * permuted_probs.unsqueeze(-1).to(back.dtype)
         y = torch.zeros_like(x).scatter_add(0, sorted_indices.unsqueeze(1).expand(-1, x.shape[1]), back)
@@ -228,7 +235,13 @@ class Variant:
     """One variant's model on this rank, its optimizers and its step."""
 
     def __init__(self, name: str, model: str, mesh: Any, shape: dict[str, int]) -> None:
-        from cocoweave.nn.moe_dispatch import no_exchange, no_start, no_wait
+        from cocoweave.nn.moe_dispatch import (
+            library_exchange_counts,
+            library_start_all_to_all,
+            no_exchange,
+            no_start,
+            no_wait,
+        )
 
         self.name = name
         ep_mesh = mesh["ep"]
@@ -238,6 +251,8 @@ class Variant:
         for layer in net.layers.values():
             if name == "floor":
                 layer.moe.start, layer.moe.wait, layer.moe.exchange = no_start, no_wait, no_exchange
+            elif name == "cocoweave-gloo":
+                layer.moe.start, layer.moe.exchange = library_start_all_to_all, library_exchange_counts
             elif name == "cocoweave-sync":  # A/B: no overlap of the shared expert with the all-to-alls
                 layer.moe.overlap = False
             elif name == "megatron":
@@ -379,12 +394,21 @@ def timings(rank: int, world_size: int, model: str, dp: int, names: list[str], r
         built[v] = Variant(v, model, mesh, shape)  # timed from the same initial weights as the others
         saved[v] = saved_bytes(built[v], tokens)
     times: dict[str, list[float]] = {v: [] for v in names}
+    cpu: dict[str, list[float]] = {v: [] for v in names}
+
+    def step(v: str) -> torch.Tensor:
+        start = time.process_time()  # this rank's CPU time, every thread (Gloo's too): little moved by other load
+        loss = built[v].step(tokens)
+        cpu[v].append((time.process_time() - start) * 1e3)
+        return loss
+
     for r in range(rounds):
         order = names[r % len(names):] + names[:r % len(names)]
         for v in order:
-            times[v] += timed_steps(lambda v=v: built[v].step(tokens), world_size, torch.device("cpu"), steps,
+            times[v] += timed_steps(lambda v=v: step(v), world_size, torch.device("cpu"), steps,
                                     warmup if r == 0 else 1)
-    return {"times": times, "same_work": same, "saved": saved, "a2a": sent, "imbalance": skew}
+    return {"times": times, "cpu": {v: statistics.median(c) for v, c in cpu.items()}, "same_work": same,
+            "saved": saved, "a2a": sent, "imbalance": skew}
 
 
 def summarise(label: str, ws: int, dp: int, model: str, names: list[str], per_rank: list[dict],
@@ -401,6 +425,7 @@ def summarise(label: str, ws: int, dp: int, model: str, names: list[str], per_ra
                      "kind": "floor" if v == "floor" else "peer" if v in peers else
                      "cocoweave" if v == "cocoweave" else "other",
                      "median_ms": ms, "step_ms": step_times(t), "tokens_per_s": ws * BATCH * SEQ / (ms / 1e3),
+                     "cpu_ms": max(r["cpu"][v] for r in per_rank),
                      "a2a_mb": 0.0 if v == "floor" else max(r["a2a"] for r in per_rank) / 2**20,
                      "saved_mb": max(r["saved"][v] for r in per_rank) / 2**20,
                      "ep_rows_max_over_mean": None if v == "floor" else per_rank[0]["imbalance"],
@@ -408,9 +433,13 @@ def summarise(label: str, ws: int, dp: int, model: str, names: list[str], per_ra
     peer_ms = [r["median_ms"] for r in rows if r["kind"] == "peer"]
     fastest = min(peer_ms) if peer_ms else None
     floor = next((r["median_ms"] for r in rows if r["kind"] == "floor"), None)
+    ours = next(r["step_ms"] for r in rows if r["variant"] == "cocoweave")
     for r in rows:
         r["ratio_to_fastest_peer"] = None if fastest is None else r["median_ms"] / fastest
         r["ratio_to_floor"] = None if floor is None else r["median_ms"] / floor
+        # the median over timed steps of cocoweave's step over this variant's step of the same round (the variants
+        # take turns round by round): steadier than the ratio of medians when the machine's load moves
+        r["paired_cocoweave_over"] = statistics.median(a / b for a, b in zip(ours, r["step_ms"], strict=True))
     return rows
 
 
@@ -419,14 +448,15 @@ def print_table(rows: list[dict], title: str) -> None:
     from rich.table import Table
 
     table = Table(title=title)
-    for h in ("variant", "median ms", "tokens/s", "vs fastest peer", "vs floor", "a2a MB/step", "saved MB",
-              "same work (loss)"):
+    for h in ("variant", "median ms", "CPU ms", "tokens/s", "vs fastest peer", "vs floor", "cocoweave / it, paired",
+              "a2a MB/step", "saved MB", "same work (loss)"):
         table.add_column(h, justify="left" if h == "variant" else "right")
     for r in rows:
         table.add_row(r["variant"] + {"floor": " (limit)", "other": " (not a peer)"}.get(r["kind"], ""),
-                      f"{r['median_ms']:.1f}", f"{r['tokens_per_s']:.0f}",
+                      f"{r['median_ms']:.1f}", f"{r['cpu_ms']:.1f}", f"{r['tokens_per_s']:.0f}",
                       "-" if r["ratio_to_fastest_peer"] is None else f"{r['ratio_to_fastest_peer']:.2f}",
-                      "-" if r["ratio_to_floor"] is None else f"{r['ratio_to_floor']:.2f}", f"{r['a2a_mb']:.1f}",
+                      "-" if r["ratio_to_floor"] is None else f"{r['ratio_to_floor']:.2f}",
+                      f"{r['paired_cocoweave_over']:.3f}", f"{r['a2a_mb']:.1f}",
                       f"{r['saved_mb']:.1f}",
                       "-" if r["same_work_abs_diff"] is None else f"{r['same_work_abs_diff']:.0e}")
     Console(width=160).print(table)

@@ -15,7 +15,8 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from cocoweave.errors import ParallelConfigError
-from cocoweave.nn import MoE, full_experts, full_state_dict
+from cocoweave.nn import MoE, full_experts, full_state_dict, moe_dispatch
+from cocoweave.nn.moe_dispatch import library_exchange_counts, library_start_all_to_all
 from cocoweave.sharding import is_dtensor
 
 DIM, HIDDEN, TOKENS = 16, 24, 12
@@ -153,7 +154,10 @@ def ep_case(rank: int, world_size: int, case: dict, state: dict | None, x: torch
     given), this rank's call on x[rank] and every parameter's gradient."""
     layer = MoE(**_kwargs(case))
     layer.overlap = case.get("overlap", True)  # False: the plain path (every all-to-all waited at once)
-    out = {"initial": full_experts(layer), "local experts": tuple(layer.experts.w1.to_local().shape)}
+    if case.get("gloo"):  # every all-to-all through the library's all_to_all_single, not shared memory
+        layer.start, layer.exchange = library_start_all_to_all, library_exchange_counts
+    out = {"initial": full_experts(layer), "local experts": tuple(layer.experts.w1.to_local().shape),
+           "shm route": world_size > 1 and moe_dispatch._route(layer.group, torch.device("cpu")) is not None}
     if state is not None:
         layer.load_state_dict(state)
         out["whole"] = full_state_dict(layer)  # back to the whole tensors a single-process layer loads
@@ -225,6 +229,25 @@ def test_the_overlapped_path_equals_the_plain_one(local_world, ep):
         for a, b in zip(plain, overlapped, strict=True):
             assert _close(a["y"], b["y"]) and _close(a["x_grad"], b["x_grad"])
             assert all(_grad_close(a["grads"][n], b["grads"][n]) for n in a["grads"]), case
+
+
+@pytest.mark.parametrize("ep", [2, 4])
+def test_the_layer_through_shared_memory_equals_it_through_gloo(local_world, ep):
+    """The ranks of a LocalWorld share this host, so the layer's all-to-alls and count exchange go through shared
+    memory (backends/torch/shm_all_to_all.py); the same layer with them through Gloo's all_to_all_single computes
+    the same bits (the transport only moves rows): outputs, input gradients, every parameter's gradient, and both
+    equal the single-process layer. Overlapped and plain, skewed (experts without rows), capacity drops."""
+    for case in [{"top_k": 2, "shared": 8}, {"top_k": 1, "skew": 12.0, "shared": 8, "overlap": False},
+                 {"top_k": 3, "skew": 3.0}, {"top_k": 2, "capacity": 0.5, "shared": 8, "score": "sigmoid"}]:
+        x, g = _inputs(case, ep)
+        shm = local_world(ep).run(ep_case, case, None, x, g)
+        gloo = local_world(ep).run(ep_case, case | {"gloo": True}, None, x, g)
+        assert all(r["shm route"] for r in shm)
+        _check_against_reference(case, shm)
+        _check_against_reference(case, gloo)
+        for a, b in zip(shm, gloo, strict=True):
+            assert torch.equal(a["y"], b["y"]) and torch.equal(a["x_grad"], b["x_grad"]), case
+            assert all(torch.equal(a["grads"][n], b["grads"][n]) for n in a["grads"]), case
 
 
 @settings(max_examples=8, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
