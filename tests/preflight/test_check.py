@@ -112,7 +112,8 @@ def test_a_layout_that_does_not_fit_names_the_term() -> None:
         preflight(job)
     said = str(e.value)
     assert said.startswith("rank 0 would need 0.373 GiB in step 0 (weights 0.0745, gradients 0.0745, optimizer "
-                           "0.149, activations 0.00013, buffers 0.0745 GiB), 0.0373 GiB more than its device's "
+                           "0.149, activations 0.000134, buffers 0.0745, programs 1.14e-05 GiB), 0.0373 GiB more than "
+                           "its device's "
                            "0.335 GiB; the largest term is the optimizer state (0.149 GiB)")  # 2 x 1e7 fp32, Adam
     job.device_memory = need * 1.01
     assert preflight(job).memory[0].total == need
