@@ -65,6 +65,7 @@ class PipelineJob:
     fused_attention: bool = True  # cocoweave's blocks call scaled_dot_product_attention: no seq x seq scores kept
     optimizer_steps: Mapping[int, Sequence[tuple[str, int, str]]] | None = None
     device_memory: float | None = None
+    stage_costs: Mapping[int, tuple[float, float]] | None = None
     name: str = "job"
     extra: dict[str, Any] = field(default_factory=dict)
 
@@ -104,6 +105,13 @@ class PipelineJob:
     def boundary_numel(self) -> int:
         n = self.activation_numel()
         return n // self.tp if self.boundary_sliced() else n
+
+    def compute_cost(self, stage: int, kind: str, blocks: int) -> float:
+        """The simulated time of `kind` (F forward, B full backward, I input-gradient or W weight-gradient half of
+        one) of one micro-batch on `stage` of `blocks` blocks: `stage_costs` when given, else the block count with a
+        backward twice a forward."""
+        forward, backward = (self.stage_costs or {}).get(stage, (blocks, 2 * blocks))
+        return float({"F": forward, "B": backward}.get(kind, backward / 2))
 
     def custom_actions(self) -> dict[int, list[str]] | None:
         """The user-written schedule's action strings per pipeline rank, or None for a named schedule."""
