@@ -1,30 +1,31 @@
-"""What the tensor-parallel layers' compiled programs keep between calls, predicted from their plans without a
-process group: per collective its result buffer (unless it is an output, which the layer takes and the executable
-drops), a library reduce-scatter's part buffer, a shared-memory collective's segment (every rank's slot, mapped by
-each rank) and the second set an all-reduce, reduce-scatter or all-gather of at most shm.ALTERNATE_BYTES per slot
-alternates with; per dropout its logical index (int64, the operand's whole index, of which a sliced rank keeps a
-view). These are the torch backend's allocation rules (backends/torch/runtime.py, shm.py); tests/preflight/
-test_programs.py checks `plan_bytes` against `Executable.held_bytes` for every schedule the layers may choose, so
-the two cannot drift apart.
+"""What the tensor-parallel layers' compiled programs keep between calls, predicted from their plans without a process
+group: per collective its result buffer (unless it is an output, which the layer takes and the executable drops), a
+library reduce-scatter's part (and, for uneven parts, padding) buffers, a shared-memory collective's segment (every
+rank's slot, mapped by each rank) and the second set an all-reduce, reduce-scatter or all-gather of at most
+shm.ALTERNATE_BYTES per slot alternates with; per dropout its logical index (int64, the operand's whole index, of
+which a sliced rank keeps a view). These are the torch backend's allocation rules (backends/torch/runtime.py,
+shm.py); tests/preflight/test_programs.py checks `plan_bytes` against `Executable.held_bytes` for every schedule the
+layers may choose, so the two cannot drift apart.
 
-A TransformerBlock's layers run, per micro-batch shape, the row-parallel forward and backward programs (proj, fc2)
-and the column-parallel backward (qkv, fc1: the program or, on one host without sequence parallelism, ASYNC_SHM's
-posted all-reduce); with sequence parallelism also the column-parallel forward and the sum of its LayerNorm's
-gradients. Their schedule "auto" is chosen
-by measurement when the job runs, so each layer counts the largest of the candidates it measures."""
+A TransformerBlock's layers run, per micro-batch shape, the row-parallel forward and backward programs (proj, fc2) and
+the column-parallel backward (qkv, fc1: the program or, on one host without sequence parallelism, ASYNC_SHM's posted
+all-reduce); with sequence parallelism also the column-parallel forward and the sum of its LayerNorm's gradients. Their
+schedule "auto" is chosen by measurement when the job runs, so each layer counts the largest of the candidates it
+measures."""
 
 from __future__ import annotations
 
 import functools
 import math
 
+from ..ir.graph import Program
 from ..ir.types import DTYPES, bind_shape
 from ..plan import Plan
 from ..plan.lower import lower
 from ..schedule.stages import Collective, FusedCollective, Overlap, Stage
 from .job import PipelineJob
 
-_SEGMENT_ALIGN = 64  # shm.ShmGroup.slots starts each slot on a cache line
+_SEGMENT_ALIGN = 64  # shm.ShmGroup.slots starts each slot on a cache line (test_programs pads a 288-byte slot)
 
 
 def _bytes(shape: tuple[int, ...], dtype: str) -> int:
@@ -96,7 +97,7 @@ def plan_bytes(plan: Plan, rank: int, world_size: int, shared_host: bool = True)
     return total
 
 
-def _layer(program: object, schedule: str, shared_host: bool, world_size: int) -> int:
+def _layer(program: Program, schedule: str, shared_host: bool, world_size: int) -> int:
     """What `program` keeps on rank 0 under the layer's `schedule`: a name (nn.compiled.named's choice), or for
     "auto" the most of any candidate it measures."""
     from ..nn.compiled import candidates, named
