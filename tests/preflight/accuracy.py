@@ -88,7 +88,7 @@ def idle_case(rank: int, world_size: int, pp: int, schedule: str, m: int, n: int
     torch.manual_seed(0)
     pipe = build(1, pp, schedule, m, d, heads, blocks)
     now: dict[str, float] = {"busy": 0.0, "wait": 0.0}
-    calls: dict[str, list[float]] = {}
+    calls: dict[str, list[float]] = {}  # this step's call durations, by stage and F (forward), B, L (loss)
 
     def timed(fn: Any, key: str | None, into: str) -> Any:
         def wrapper(*args: Any, **kwargs: Any) -> Any:
@@ -114,18 +114,16 @@ def idle_case(rank: int, world_size: int, pp: int, schedule: str, m: int, n: int
     try:
         for s in range(7):
             torch.distributed.barrier()
-            if s == 2:
-                calls.clear()
+            calls.clear()
             now["busy"] = now["wait"] = 0.0
             t = time.perf_counter()
             pipe.step(x, x, step=s)
             wall = time.perf_counter() - t
             if s >= 2:
-                steps.append({"wall": wall, "busy": now["busy"], "wait": now["wait"]})
+                steps.append({"wall": wall, "busy": now["busy"], "wait": now["wait"], "calls": dict(calls)})
     finally:
         S._wait_batch_p2p = saved
-    return {"rank": rank, "steps": steps, "calls": calls,
-            "predicted": pipe.check(batch=n, seq=seq, memory=False).bubble(rank)}
+    return {"rank": rank, "steps": steps, "predicted": pipe.check(batch=n, seq=seq, memory=False).bubble(rank)}
 
 
 def _machine() -> dict[str, Any]:
@@ -153,9 +151,9 @@ def memory_rows() -> list[dict[str, Any]]:
 
 
 def idle_rows() -> list[dict[str, Any]]:
-    """Per schedule and rank: the measured idle share (1 - busy / step, median step), the share spent in torch's
-    waits, the bubble predicted with unit costs and with the run's measured per-stage costs (median forward, loss
-    included, and backward of one micro-batch: PipelineJob.stage_costs)."""
+    """Per schedule and rank: the measured idle share (1 - busy / step, median of the timed steps), the share spent in
+    torch's waits, the bubble predicted with unit costs and, step by step, with that step's own mean per-stage costs
+    (forward with the loss, backward of one micro-batch: PipelineJob.stage_costs), median."""
     from cocoweave.launch import LocalWorld
     from cocoweave.preflight import PipelineJob, preflight
 
@@ -164,24 +162,29 @@ def idle_rows() -> list[dict[str, Any]]:
     with LocalWorld(pp, timeout_s=600) as world:
         for schedule, m in (("1f1b", 4), ("gpipe", 4), ("1f1b", 8), ("gpipe", 8)):
             out = world.run(idle_case, pp, schedule, m, n, seq, d, heads, blocks)
-            calls = {k: v for r in out for k, v in r["calls"].items()}
-            costs = {}
-            for s in range(pp):
-                loss = statistics.median(calls[f"{s}L"]) if f"{s}L" in calls else 0.0
-                costs[s] = (statistics.median(calls[f"{s}F"]) + loss, statistics.median(calls[f"{s}B"]))
-            job = PipelineJob(pp=pp, microbatches=m, n_blocks=blocks, batch=n, seq=seq, d_model=d, heads=heads,
-                              schedule=schedule, stage_costs=costs)
-            with_costs = preflight(job, ranks=[])
+            with_costs: list[Any] = []  # per timed step: the bubble predicted with that step's own mean costs
+            for i in range(len(out[0]["steps"])):
+                calls = {k: v for r in out for k, v in r["steps"][i]["calls"].items()}
+                costs = {s: (statistics.mean(calls[f"{s}F"]) + statistics.mean(calls.get(f"{s}L", [0.0])),
+                             statistics.mean(calls[f"{s}B"])) for s in range(pp)}
+                job = PipelineJob(pp=pp, microbatches=m, n_blocks=blocks, batch=n, seq=seq, d_model=d, heads=heads,
+                                  schedule=schedule, stage_costs=costs)
+                with_costs.append((preflight(job, ranks=[]), costs))
             for r in out:
                 st = r["steps"]
+                idle = [1 - x["busy"] / x["wall"] for x in st]
+                own = [rep.bubble(r["rank"]) for rep, _ in with_costs]
                 rows.append({"schedule": schedule, "microbatches": m, "rank": r["rank"],
-                             "measured_idle": round(statistics.median(1 - x["busy"] / x["wall"] for x in st), 4),
+                             "measured_idle": round(statistics.median(idle), 4),
+                             "measured_idle_per_step": [round(v, 4) for v in idle],
                              "measured_wait": round(statistics.median(x["wait"] / x["wall"] for x in st), 4),
                              "predicted_unit_costs": round(r["predicted"], 4),
-                             "predicted_measured_costs": round(with_costs.bubble(r["rank"]), 4),
+                             "predicted_own_costs": round(statistics.median(own), 4),
+                             "predicted_own_costs_per_step": [round(v, 4) for v in own],
                              "step_s": round(statistics.median(x["wall"] for x in st), 4),
-                             "stage_costs_s": {str(s): [round(f, 5), round(b, 5)] for s, (f, b) in costs.items()},
-                             "steps": r["steps"]})
+                             "backward_over_forward": [round(c[s][1] / c[s][0], 3) for _, c in with_costs
+                                                       for s in range(pp)],
+                             "steps": st})
     return rows
 
 
@@ -202,13 +205,14 @@ def main(argv: list[str]) -> None:
                   f"{100 * r['error']:+.1f}% | {r['measured_MiB'] - r['measured_at_step_start_MiB']:.1f} | "
                   f"{r['terms_MiB']['activations']} |")
     else:
-        print("| schedule, micro-batches | rank | measured idle | in waits | predicted (unit costs) | predicted "
-              "(measured costs) | stage costs F/B ms |")
+        print("| schedule, micro-batches | rank | measured idle (steps' range) | in waits | predicted, unit costs | "
+              "predicted, each step's own costs | backward / forward | step s |")
         for r in rows:
-            c = " ; ".join(f"{1e3 * f:.1f}/{1e3 * b:.1f}" for f, b in r["stage_costs_s"].values())
-            print(f"| {r['schedule']}, {r['microbatches']} | {r['rank']} | {100 * r['measured_idle']:.1f}% | "
-                  f"{100 * r['measured_wait']:.1f}% | {100 * r['predicted_unit_costs']:.1f}% | "
-                  f"{100 * r['predicted_measured_costs']:.1f}% | {c} |")
+            per, ratio = r["measured_idle_per_step"], r["backward_over_forward"]
+            print(f"| {r['schedule']}, {r['microbatches']} | {r['rank']} | {100 * r['measured_idle']:.1f}% "
+                  f"({100 * min(per):.1f}-{100 * max(per):.1f}) | {100 * r['measured_wait']:.1f}% | "
+                  f"{100 * r['predicted_unit_costs']:.1f}% | {100 * r['predicted_own_costs']:.1f}% | "
+                  f"{min(ratio):.2f}-{max(ratio):.2f} | {r['step_s']:.2f} |")
     print(f"load average {before['load_average']} before, {doc['load_average_after']} after; JSON: {path}")
 
 
