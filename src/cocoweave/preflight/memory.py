@@ -49,7 +49,8 @@ class RankMemory:
 
 
 def layer_activation(job: PipelineJob) -> float:
-    """Bytes one block keeps for backward per micro-batch on one rank (the planner's formula)."""
+    """Bytes one block keeps for backward per micro-batch on one rank (the planner's formula; with sequence
+    parallelism, plus the whole inputs cocoweave's column-parallel layers keep)."""
     from ..cluster.planning.llm.memory import layer_activation_bytes
     from ..cluster.planning.llm.parallelism import ParallelConfig
     from ..cluster.planning.llm.spec import TransformerSpec
@@ -58,7 +59,11 @@ def layer_activation(job: PipelineJob) -> float:
                            vocab=max(job.vocab, 1), seq_len=job.seq, global_batch=job.batch * job.dp,
                            flash_attention=job.fused_attention)
     cfg = ParallelConfig(tp=job.tp, pp=job.pp, dp=job.dp, micro_batch=job.micro_batch, sp=job.sequence_parallel)
-    return layer_activation_bytes(spec, cfg, recompute="none") * job.value_bytes / 2
+    kept = layer_activation_bytes(spec, cfg, recompute="none") * job.value_bytes / 2
+    if job.sequence_parallel and job.tp > 1:  # the formula keeps the column layers' inputs (qkv, fc1) as 1/tp slices;
+        # cocoweave's keep the gathered input for the weight gradient (nn/functional.py, _ColumnProgram)
+        kept += 2 * job.activation_numel() * job.value_bytes * (1 - 1 / job.tp)
+    return kept
 
 
 def _params(job: PipelineJob, stages: list[int], split: list[int]) -> int:
