@@ -106,7 +106,7 @@ def idle_case(rank: int, world_size: int, pp: int, schedule: str, m: int, n: int
         st.forward_one_chunk = timed(st.forward_one_chunk, f"{sid}F", "busy")
         st.backward_one_chunk = timed(st.backward_one_chunk, f"{sid}B", "busy")
     last = pipe.num_stages - 1
-    pipe.schedule._maybe_compute_loss = timed(pipe.schedule._maybe_compute_loss, f"{last}L", "busy")
+    pipe.pipeline_schedule._maybe_compute_loss = timed(pipe.pipeline_schedule._maybe_compute_loss, f"{last}L", "busy")
     saved = S._wait_batch_p2p
     S._wait_batch_p2p = timed(saved, None, "wait")
     x = torch.randint(0, V, (n, seq))
