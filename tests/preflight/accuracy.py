@@ -1,16 +1,23 @@
 """Predicted against measured, on live Gloo ranks (a script, not a test: its figures depend on the machine):
 
-    python tests/preflight/accuracy.py memory     # per rank: predicted peak vs the CPU allocator's peak in a step
-    python tests/preflight/accuracy.py idle       # pp 2: predicted bubble vs the measured idle share
+    python tests/preflight/accuracy.py memory [--json PATH]  # per rank: predicted peak vs the CPU allocator's peak
+    python tests/preflight/accuracy.py idle [--json PATH]    # pp 2: predicted bubble vs the measured idle share
+
+Each prints a table and writes every figure, with the machine and its load average, to PATH (default
+preflight-accuracy-WHAT.json), so that a run on a quiet machine can be compared.
 
 Memory: the whole job (model, optimizer, a warm-up step, the measured step) runs under torch.profiler with
 profile_memory, whose "[memory]" events are every allocation and free of the CPU allocator; the measured peak is the
 largest sum of live bytes during the second step. Idle: each rank's time inside its stages' forward and backward
-calls against the schedule's step, median of 5 steps after 2 warm-ups."""
+calls (and the last stage's loss) against Pipeline.step's wall time, median of 5 steps after 2 warm-ups; the
+prediction with unit costs (a forward of the stage's blocks, a backward twice that) and with the run's own median
+per-stage costs (PipelineJob.stage_costs)."""
 
 from __future__ import annotations
 
 import json
+import os
+import platform
 import statistics
 import sys
 import time
@@ -73,63 +80,141 @@ def memory_case(rank: int, world_size: int, tp: int, pp: int, schedule: str, m: 
 
 def idle_case(rank: int, world_size: int, pp: int, schedule: str, m: int, n: int, seq: int, d: int, heads: int,
               blocks: int) -> dict[str, Any]:
+    """Per timed step: the step's wall time, the time inside this rank's stages' forward calls (the last stage's
+    loss included: torch computes it outside the forward call, the model counts it in the last stage's forward) and
+    backward calls, and inside torch's waits on its sends and receives; and every call's duration."""
+    from torch.distributed.pipelining import schedules as S
+
     torch.manual_seed(0)
     pipe = build(1, pp, schedule, m, d, heads, blocks)
-    busy = [0.0]
+    now: dict[str, float] = {"busy": 0.0, "wait": 0.0}
+    calls: dict[str, list[float]] = {}  # this step's call durations, by stage and F (forward), B, L (loss)
 
-    def timed(fn: Any) -> Any:
+    def timed(fn: Any, key: str | None, into: str) -> Any:
         def wrapper(*args: Any, **kwargs: Any) -> Any:
             t = time.perf_counter()
             try:
                 return fn(*args, **kwargs)
             finally:
-                busy[0] += time.perf_counter() - t
+                dt = time.perf_counter() - t
+                now[into] += dt
+                if key is not None:
+                    calls.setdefault(key, []).append(dt)
         return wrapper
 
-    for st in pipe.stages:
-        st.forward_one_chunk = timed(st.forward_one_chunk)
-        st.backward_one_chunk = timed(st.backward_one_chunk)
+    for sid, st in zip(pipe.stage_ids, pipe.stages):
+        st.forward_one_chunk = timed(st.forward_one_chunk, f"{sid}F", "busy")
+        st.backward_one_chunk = timed(st.backward_one_chunk, f"{sid}B", "busy")
+    last = pipe.num_stages - 1
+    pipe.pipeline_schedule._maybe_compute_loss = timed(pipe.pipeline_schedule._maybe_compute_loss, f"{last}L", "busy")
+    saved = S._wait_batch_p2p
+    S._wait_batch_p2p = timed(saved, None, "wait")
     x = torch.randint(0, V, (n, seq))
-    shares = []
-    for s in range(7):
-        torch.distributed.barrier()
-        busy[0] = 0.0
-        t = time.perf_counter()
-        pipe.step(x, x, step=s)
-        wall = time.perf_counter() - t
-        if s >= 2:
-            shares.append(1 - busy[0] / wall)
-    return {"rank": rank, "idle": statistics.median(shares),
-            "predicted": pipe.check(batch=n, seq=seq, memory=False).bubble(rank)}
+    steps = []
+    try:
+        for s in range(7):
+            torch.distributed.barrier()
+            calls.clear()
+            now["busy"] = now["wait"] = 0.0
+            t = time.perf_counter()
+            pipe.step(x, x, step=s)
+            wall = time.perf_counter() - t
+            if s >= 2:
+                steps.append({"wall": wall, "busy": now["busy"], "wait": now["wait"], "calls": dict(calls)})
+    finally:
+        S._wait_batch_p2p = saved
+    return {"rank": rank, "steps": steps, "predicted": pipe.check(batch=n, seq=seq, memory=False).bubble(rank)}
 
 
-def main(what: str) -> None:
+def _machine() -> dict[str, Any]:
+    return {"host": platform.node(), "cpus": os.cpu_count(), "load_average": [round(x, 2) for x in os.getloadavg()],
+            "torch": torch.__version__, "utc": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime())}
+
+
+def memory_rows() -> list[dict[str, Any]]:
     from cocoweave.launch import LocalWorld
 
+    layouts = [(2, 2, "1f1b", False), (2, 2, "gpipe", True), (1, 4, "gpipe", False), (1, 2, "interleaved1f1b", False)]
+    rows = []
+    with LocalWorld(4, timeout_s=600) as world:
+        for tp, pp, schedule, sp in layouts:
+            for r in world.run(memory_case, tp, pp, schedule, 8, 16, 128, 256, 8, 8, sp=sp):
+                pred = r["predicted"]
+                rows.append({"layout": f"tp{tp} pp{pp} {schedule}{' sp' if sp else ''}", "rank": r["rank"],
+                             "measured_MiB": round(r["measured_peak"] / 2**20, 2),
+                             "measured_at_step_start_MiB": round(r["at_step_start"] / 2**20, 2),
+                             "predicted_MiB": round(pred["total"] / 2**20, 2),
+                             "error": round(pred["total"] / r["measured_peak"] - 1, 4),
+                             "terms_MiB": {k: round(v / 2**20, 2) for k, v in pred.items() if k != "in_flight"},
+                             "in_flight": pred["in_flight"]})
+    return rows
+
+
+def idle_rows() -> list[dict[str, Any]]:
+    """Per schedule and rank: the measured idle share (1 - busy / step, median of the timed steps), the share spent in
+    torch's waits, the bubble predicted with unit costs and, step by step, with that step's own mean per-stage costs
+    (forward with the loss, backward of one micro-batch: PipelineJob.stage_costs), median."""
+    from cocoweave.launch import LocalWorld
+    from cocoweave.preflight import PipelineJob, preflight
+
+    rows = []
+    n, seq, d, heads, blocks, pp = 16, 128, 512, 8, 8, 2
+    with LocalWorld(pp, timeout_s=600) as world:
+        for schedule, m in (("1f1b", 4), ("gpipe", 4), ("1f1b", 8), ("gpipe", 8)):
+            out = world.run(idle_case, pp, schedule, m, n, seq, d, heads, blocks)
+            with_costs: list[Any] = []  # per timed step: the bubble predicted with that step's own mean costs
+            for i in range(len(out[0]["steps"])):
+                calls = {k: v for r in out for k, v in r["steps"][i]["calls"].items()}
+                costs = {s: (statistics.mean(calls[f"{s}F"]) + statistics.mean(calls.get(f"{s}L", [0.0])),
+                             statistics.mean(calls[f"{s}B"])) for s in range(pp)}
+                job = PipelineJob(pp=pp, microbatches=m, n_blocks=blocks, batch=n, seq=seq, d_model=d, heads=heads,
+                                  schedule=schedule, stage_costs=costs)
+                with_costs.append((preflight(job, ranks=[]), costs))
+            for r in out:
+                st = r["steps"]
+                idle = [1 - x["busy"] / x["wall"] for x in st]
+                own = [rep.bubble(r["rank"]) for rep, _ in with_costs]
+                rows.append({"schedule": schedule, "microbatches": m, "rank": r["rank"],
+                             "measured_idle": round(statistics.median(idle), 4),
+                             "measured_idle_per_step": [round(v, 4) for v in idle],
+                             "measured_wait": round(statistics.median(x["wait"] / x["wall"] for x in st), 4),
+                             "predicted_unit_costs": round(r["predicted"], 4),
+                             "predicted_own_costs": round(statistics.median(own), 4),
+                             "predicted_own_costs_per_step": [round(v, 4) for v in own],
+                             "step_s": round(statistics.median(x["wall"] for x in st), 4),
+                             "backward_over_forward": [round(c[s][1] / c[s][0], 3) for _, c in with_costs
+                                                       for s in range(pp)],
+                             "steps": st})
+    return rows
+
+
+def main(argv: list[str]) -> None:
+    what = argv[0] if argv else "memory"
+    path = argv[argv.index("--json") + 1] if "--json" in argv else f"preflight-accuracy-{what}.json"
+    before = _machine()
+    rows = memory_rows() if what == "memory" else idle_rows()
+    doc = {"what": what, "command": "python tests/preflight/accuracy.py " + " ".join(argv), "machine": before,
+           "load_average_after": [round(x, 2) for x in os.getloadavg()], "rows": rows}
+    with open(path, "w", encoding="utf-8") as f:
+        json.dump(doc, f, indent=1)
     if what == "memory":
-        layouts = [(2, 2, "1f1b", False), (2, 2, "gpipe", True), (1, 4, "gpipe", False), (1, 2, "interleaved1f1b",
-                                                                                            False)]
-        with LocalWorld(4, timeout_s=600) as world:
-            for tp, pp, schedule, sp in layouts:
-                out = world.run(memory_case, tp, pp, schedule, 8, 16, 128, 256, 8, 8, sp=sp)
-                for r in out:
-                    pred = r["predicted"]["total"]
-                    print(json.dumps({"layout": f"tp{tp} pp{pp} {schedule}{' sp' if sp else ''}", "rank": r["rank"],
-                                      "measured_MiB": round(r["measured_peak"] / 2**20, 2),
-                                      "measured_at_step_start_MiB": round(r["at_step_start"] / 2**20, 2),
-                                      "predicted_MiB": round(pred / 2**20, 2),
-                                      "error": round(pred / r["measured_peak"] - 1, 3),
-                                      "terms_MiB": {k: round(v / 2**20, 2) for k, v in r["predicted"].items()
-                                                    if k != "in_flight"},
-                                      "in_flight": r["predicted"]["in_flight"]}))
+        print("| layout | rank | measured peak MiB | predicted MiB | error | measured growth MiB | predicted "
+              "activations MiB |")
+        for r in rows:
+            print(f"| {r['layout']} | {r['rank']} | {r['measured_MiB']} | {r['predicted_MiB']} | "
+                  f"{100 * r['error']:+.1f}% | {r['measured_MiB'] - r['measured_at_step_start_MiB']:.1f} | "
+                  f"{r['terms_MiB']['activations']} |")
     else:
-        with LocalWorld(2, timeout_s=600) as world:
-            for schedule, m in (("1f1b", 4), ("gpipe", 4), ("1f1b", 8), ("gpipe", 8)):
-                out = world.run(idle_case, 2, schedule, m, 16, 128, 512, 8, 8)
-                for r in out:
-                    print(json.dumps({"schedule": schedule, "microbatches": m, "rank": r["rank"],
-                                      "measured_idle": round(r["idle"], 4), "predicted": round(r["predicted"], 4)}))
+        print("| schedule, micro-batches | rank | measured idle (steps' range) | in waits | predicted, unit costs | "
+              "predicted, each step's own costs | backward / forward | step s |")
+        for r in rows:
+            per, ratio = r["measured_idle_per_step"], r["backward_over_forward"]
+            print(f"| {r['schedule']}, {r['microbatches']} | {r['rank']} | {100 * r['measured_idle']:.1f}% "
+                  f"({100 * min(per):.1f}-{100 * max(per):.1f}) | {100 * r['measured_wait']:.1f}% | "
+                  f"{100 * r['predicted_unit_costs']:.1f}% | {100 * r['predicted_own_costs']:.1f}% | "
+                  f"{min(ratio):.2f}-{max(ratio):.2f} | {r['step_s']:.2f} |")
+    print(f"load average {before['load_average']} before, {doc['load_average_after']} after; JSON: {path}")
 
 
 if __name__ == "__main__":
-    main(sys.argv[1] if len(sys.argv) > 1 else "memory")
+    main(sys.argv[1:])

@@ -112,7 +112,8 @@ def test_a_layout_that_does_not_fit_names_the_term() -> None:
         preflight(job)
     said = str(e.value)
     assert said.startswith("rank 0 would need 0.373 GiB in step 0 (weights 0.0745, gradients 0.0745, optimizer "
-                           "0.149, activations 0.00013, buffers 0.0745 GiB), 0.0373 GiB more than its device's "
+                           "0.149, activations 0.000134, buffers 0.0745, programs 1.14e-05 GiB), 0.0373 GiB more than "
+                           "its device's "
                            "0.335 GiB; the largest term is the optimizer state (0.149 GiB)")  # 2 x 1e7 fp32, Adam
     job.device_memory = need * 1.01
     assert preflight(job).memory[0].total == need
@@ -251,3 +252,27 @@ def test_one_replica_is_the_whole_jobs_verdict_at_a_fraction_of_the_cost() -> No
                         **SMALL | {"batch": 1})
     with pytest.raises(PreflightError, match="^ranks 0 and 1 would wait for each other forever"):
         preflight(hangs, ranks=[], one_replica=True)
+
+
+@pytest.mark.parametrize("m", [2, 4])
+def test_stage_costs_replace_the_unit_costs(m: int) -> None:
+    """GPipe on 2 stages, the second twice as slow (forward 1 and 2, backward 2 and 4): rank 1 computes 6m of a
+    step of 3 + 6m (rank 0's first forward before it, rank 0's last backward after it), rank 0 3m of it."""
+    job = PipelineJob(pp=2, microbatches=m, schedule="gpipe", stage_costs={0: (1.0, 2.0), 1: (2.0, 4.0)},
+                      **SMALL | {"batch": m})
+    report = preflight(job)
+    assert report.timing.makespan == pytest.approx(3 + 6 * m)
+    assert report.bubble(0) == pytest.approx(1 - 3 * m / (3 + 6 * m))
+    assert report.bubble(1) == pytest.approx(3 / (3 + 6 * m))
+
+
+def test_activations_count_the_stage_outputs_kept_for_backward() -> None:
+    """GPipe, 2 stages of 2 blocks, 4 micro-batches: at the peak (every forward done) stage 0 holds its blocks'
+    activations and the 4 outputs torch keeps for their backward (and sends); the last stage sends nothing."""
+    from cocoweave.preflight.memory import layer_activation
+
+    job = PipelineJob(pp=2, microbatches=4, schedule="gpipe", **SMALL)
+    report = preflight(job)
+    blocks = 4 * 2 * layer_activation(job)
+    assert report.memory[0].activations == pytest.approx(blocks + 4 * job.boundary_numel() * 4)
+    assert report.memory[1].activations == pytest.approx(blocks)

@@ -34,8 +34,8 @@ def test_a_good_job_passes_with_its_table_and_json() -> None:
     doc = json.loads(r.stdout)
     assert doc["ok"] and doc["ranks"] == 4 and doc["max_bubble"] == 0.2 and doc["device_memory"] == 2**30
     assert doc["operations"] == {"0": 13, "1": 13, "2": 13, "3": 13}  # 8 p2p, 4 boundary gathers, the loss
-    assert set(doc["memory"]["0"]) == {"weights", "gradients", "optimizer", "activations", "buffers", "total",
-                                       "in_flight"}
+    assert set(doc["memory"]["0"]) == {"weights", "gradients", "optimizer", "activations", "buffers", "programs",
+                                       "total", "in_flight"}
 
 
 @pytest.mark.parametrize("entry,said", [

@@ -96,7 +96,7 @@ def _print(report: Any) -> None:
               f"{report.job.microbatches} micro-batches",
               {"rank": "right", "sends": "right", "recvs": "right", "collectives": "right", "idle": "right",
                "weights MiB": "right", "grads MiB": "right", "optimizer MiB": "right", "activations MiB": "right",
-               "buffers MiB": "right", "peak MiB": "right"})
+               "buffers MiB": "right", "programs MiB": "right", "peak MiB": "right"})
     for r in report.trace.ranks:
         ops = report.trace.ops.get(r, [])
         m = report.memory[r]

@@ -33,7 +33,10 @@ class PipelineJob:
     `first_params` / `last_params` the input and output modules'; `stage_params` (global stage -> parameters on
     one rank) overrides them. `device_memory` is the capacity in bytes the memory check holds the step against.
     `optimizer_steps` (pipeline rank -> (kind, elements, dtype) of each data-parallel collective of one optimizer
-    step, as `optimizer.bucket_collectives` reads them) adds the optimizer's step after the pipeline's."""
+    step, as `optimizer.bucket_collectives` reads them) adds the optimizer's step after the pipeline's.
+    `layer_schedule` is the schedule of the blocks' tensor-parallel layers (TransformerBlock's `schedule`: "auto",
+    a schedule's name, or None for the hand-written path) and `dropout` their dropout: the buffers their compiled
+    programs keep count in each rank's memory (preflight.programs)."""
 
     pp: int
     microbatches: int
@@ -57,9 +60,12 @@ class PipelineJob:
     last_params: int = 0
     stage_params: Mapping[int, int] | None = None
     optimizer: str | None = "distributed_adamw"
+    dropout: float = 0.0
+    layer_schedule: str | None = "auto"
     fused_attention: bool = True  # cocoweave's blocks call scaled_dot_product_attention: no seq x seq scores kept
     optimizer_steps: Mapping[int, Sequence[tuple[str, int, str]]] | None = None
     device_memory: float | None = None
+    stage_costs: Mapping[int, tuple[float, float]] | None = None
     name: str = "job"
     extra: dict[str, Any] = field(default_factory=dict)
 
@@ -99,6 +105,13 @@ class PipelineJob:
     def boundary_numel(self) -> int:
         n = self.activation_numel()
         return n // self.tp if self.boundary_sliced() else n
+
+    def compute_cost(self, stage: int, kind: str, blocks: int) -> float:
+        """The simulated time of `kind` (F forward, B full backward, I input-gradient or W weight-gradient half of
+        one) of one micro-batch on `stage` of `blocks` blocks: `stage_costs` when given, else the block count with a
+        backward twice a forward."""
+        forward, backward = (self.stage_costs or {}).get(stage, (blocks, 2 * blocks))
+        return float({"F": forward, "B": backward}.get(kind, backward / 2))
 
     def custom_actions(self) -> dict[int, list[str]] | None:
         """The user-written schedule's action strings per pipeline rank, or None for a named schedule."""
@@ -142,6 +155,8 @@ def job_of(pipeline: Any, *, batch: int, seq: int, d_model: int | None = None, d
         p = next(iter(pipeline.parameters()), None)
         dtype = str(p.dtype).removeprefix("torch.") if p is not None else "float32"
     first = mods[0]
+    proj = getattr(blocks[0], "proj", None) if blocks else None  # a TransformerBlock's row-parallel layer
+    layer_programs = getattr(proj, "programs", None)
     heads = getattr(blocks[0], "local_heads", 1) * first.tp if blocks else 1
     d_ff = getattr(getattr(blocks[0], "fc1", None), "out_features", None) if blocks else None
     names = tuple(pipeline.mesh.mesh_dim_names)
@@ -149,7 +164,8 @@ def job_of(pipeline: Any, *, batch: int, seq: int, d_model: int | None = None, d
     return PipelineJob(pp=pipeline.pp_size, tp=sizes["tp"], dp=sizes["dp"], schedule=pipeline.pipeline_schedule_name,
                        microbatches=pipeline.microbatches, n_blocks=pipeline.n_blocks, batch=batch, seq=seq,
                        d_model=int(d_model), dtype=dtype, sliced=bool(getattr(pipeline, "sliced", True)), heads=heads,
-                       d_ff=d_ff,
+                       d_ff=d_ff, dropout=float(getattr(proj, "p", 0.0)),
+                       layer_schedule=None if layer_programs is None else layer_programs.schedule,
                        sequence_parallel=first.sequence_parallel,
                        stage_params={s: count_params(m) for s, m in zip(pipeline.stage_ids, mods)},
                        device_memory=device_memory, name="pipeline",

@@ -101,7 +101,8 @@ class _StubStage:
         gathers = job.tp > 1  # StageModule.forward: gather a received slice; SP gathers before the output module
         if gathers and not self.is_first and job.sliced and not job.sequence_parallel:
             self._gather("GATHER_F", mb)
-        self.rec.compute(f"{self.stage_index}F{mb}", self.stage_index, mb, self.blocks)
+        self.rec.compute(f"{self.stage_index}F{mb}", self.stage_index, mb, job.compute_cost(self.stage_index, "F",
+                                                                                            self.blocks))
         if gathers and self.is_last and job.sequence_parallel:
             self._gather("GATHER_F", mb)
 
@@ -113,12 +114,13 @@ class _StubStage:
             self._gather("GATHER_B", mb)
         kind = "B" if full_backward else "I"
         self.rec.compute(f"{self.stage_index}{kind}{mb}", self.stage_index, mb,
-                         self.blocks * (2 if full_backward else 1))
+                         job.compute_cost(self.stage_index, kind, self.blocks))
         if gathers and self.is_first and job.sequence_parallel:
             self._gather("GATHER_B", mb)
 
     def backward_weight_one_chunk(self, mb: int, last_backward: bool = False) -> None:
-        self.rec.compute(f"{self.stage_index}W{mb}", self.stage_index, mb, self.blocks)
+        self.rec.compute(f"{self.stage_index}W{mb}", self.stage_index, mb,
+                         self.rec.job.compute_cost(self.stage_index, "W", self.blocks))
 
     def perform_reduce_grad(self, *args: Any) -> None:
         """Where torch's runtime reduces this stage's gradients (a DDP/FSDP stage's reduction; cocoweave's

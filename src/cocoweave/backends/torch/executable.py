@@ -390,5 +390,17 @@ class Executable:
         """The values stage `index` computes, by name (e.g. to pause a step before one)."""
         return tuple(self.plan.stages[index].names)
 
+    def held_bytes(self) -> int:
+        """Bytes this rank's executable keeps between calls: its buffers, dropout index and mask tensors and the
+        shared-memory segments its collectives map (every rank's slots, and the set they alternate with), each
+        storage once. What pre-flight's memory model (preflight.memory.program_bytes) is checked against."""
+        ctx = self.ctx
+        tensors = [*ctx.buffers.values(), *ctx.indices.values(), *ctx._masks.values()]
+        for store in (ctx.shm_buffers.slots, ctx.shm_buffers.commons):
+            for slots in store.values():
+                tensors += [*slots, *(getattr(slots, "spare", None) or ())]
+        storages = {t.untyped_storage().data_ptr(): t.untyped_storage().nbytes() for t in tensors}
+        return sum(storages.values())
+
     def trace(self, enabled: bool = True) -> None:
         self.ctx.tracing = enabled
