@@ -535,3 +535,35 @@ def test_a_rank_context_keeps_resources_and_each_algorithm_its_collectives():
     assert {"all_reduce", "ring_all_reduce", "shm_all_gather", "fused_ring", "send_recv"} <= registered
     assert defined & registered == set()
     assert len((SRC / "backends" / "torch" / "runtime.py").read_text("utf-8").splitlines()) <= 420
+
+
+# ---------------------------------------------------------------------------------------------------------
+# A new optimizer is one file (issue #49: a factored-state optimizer, tests/optim/test_change_requests.py)
+# ---------------------------------------------------------------------------------------------------------
+
+
+def test_optim_names_no_optimizer_family_outside_optimizers_py():
+    """Only optim/optimizers.py (and __init__.py, which re-exports it) names an optimizer family: a program of
+    workloads/optimizers.py, a Distributed* class, a family's state or scalar list of the contract. The machinery
+    reaches a family only through DistributedOptimizer's hooks (workload, state_keys, scalars, state_shape,
+    state_part, shaped, ...), so an optimizer it does not know (an Adafactor in a test) needs no edit of it."""
+    import inspect
+
+    from cocoweave.optim import optimizers as classes
+    from cocoweave.workloads import optimizer_contract as contract
+    from cocoweave.workloads import optimizers as programs
+
+    family = {n for n, v in vars(programs).items() if inspect.isfunction(v) and v.__module__ == programs.__name__
+              and not n.startswith("_")}
+    family |= {n for n, v in vars(classes).items() if inspect.isclass(v) and v.__module__ == classes.__name__}
+    family |= {n for n in vars(contract) if n.endswith(("_STATE", "_SCALARS"))}
+    assert {"adamw", "sgd", "lamb", "DistributedAdamW", "ADAM_STATE", "SGD_SCALARS"} <= family, family
+    named = []
+    for path in OPTIM:
+        if path.name in ("optimizers.py", "__init__.py"):
+            continue
+        for n in ast.walk(ast.parse(path.read_text(encoding="utf-8"))):
+            ids = [n.id] if isinstance(n, ast.Name) else [n.attr] if isinstance(n, ast.Attribute) else \
+                [a.name for a in n.names] + [n.module or ""] if isinstance(n, ast.ImportFrom) else []
+            named += [f"{path.name}:{n.lineno} {i}" for i in ids if i in family or i.endswith("workloads.optimizers")]
+    assert named == [], named

@@ -17,22 +17,27 @@ DDP_CAP_MB = 25.0  # DDP's bucket_cap_mb
 @dataclass(frozen=True)
 class BucketPolicy:
     """How one optimizer buckets its parameters: up to `cap_bytes` per bucket (0: one parameter per bucket, as
-    Adasum combines each tensor on its own), rows (LAMB: parameters of one size, one row each, of a [T, N] bucket)
-    or flat buckets padded to a multiple of `pad_to` (the world size: reduce-scatter and all-gather split evenly)."""
+    Adasum combines each tensor on its own), rows (LAMB: parameters of one size, one row each, of a [T, N] bucket),
+    shaped rows (parameters of one shape S, one each, of a [T, *S] bucket: a factored optimizer reduces each
+    parameter along its own dims) or flat buckets padded to a multiple of `pad_to` (the world size: reduce-scatter
+    and all-gather split evenly)."""
 
     cap_bytes: int
     rows: bool = False
     pad_to: int = 1
+    shaped: bool = False
 
     @classmethod
-    def of(cls, bucket_cap_mb: float, reduction: str, rows: bool, world_size: int) -> BucketPolicy:
+    def of(cls, bucket_cap_mb: float, reduction: str, rows: bool, world_size: int,
+           shaped: bool = False) -> BucketPolicy:
         """The policy of an optimizer with these options, over a group of `world_size` ranks."""
-        return cls(0 if reduction == "adasum" else int(bucket_cap_mb * 2**20), rows, world_size)
+        return cls(0 if reduction == "adasum" else int(bucket_cap_mb * 2**20), rows, world_size, shaped)
 
     def key(self, p: torch.Tensor) -> tuple:
         """Parameters share a bucket only with the same key: dtype, device and the groups a DTensor parameter is split
-        over (clipping sums a bucket's squared norm over them); rows: and size."""
-        return (p.dtype, p.device, shard_key(p)) + ((local(p).numel(),) if self.rows else ())
+        over (clipping sums a bucket's squared norm over them); rows: and size; shaped rows: and shape."""
+        size = (tuple(local(p).shape),) if self.shaped else (local(p).numel(),) if self.rows else ()
+        return (p.dtype, p.device, shard_key(p)) + size
 
     def partition(self, params: Iterable[torch.nn.Parameter]) -> list[list[torch.nn.Parameter]]:
         """The parameters that need gradients, by key, in reverse order of registration (the order backward produces

@@ -30,7 +30,14 @@ PARAM_DTYPES = (torch.float32, torch.bfloat16, torch.float16)  # what the optimi
 
 
 class BucketSet:
-    """DistributedOptimizer's buckets (a mixin of it): `_buckets`, and `_owner` (a parameter's id -> its bucket)."""
+    """DistributedOptimizer's buckets (a mixin of it): `_buckets`, and `_owner` (a parameter's id -> its bucket).
+
+    What an optimizer family may set (beside base.py's `rows`): `shaped` (parameters of one shape share a [T, *shape]
+    bucket, one per row, and the program is built with `shape=`: a factored optimizer reduces each parameter along
+    its own dims) and `numeric_hyperparameters` (the group keys checked to be non-negative numbers)."""
+
+    shaped = False
+    numeric_hyperparameters: tuple[str, ...] = ("lr", "weight_decay", "eps", "momentum", "dampening")
 
     def add_param_group(self, param_group: dict[str, Any]) -> None:
         params = param_group["params"] if isinstance(param_group, dict) else None
@@ -56,7 +63,7 @@ class BucketSet:
                                      f"of shape {list(p.shape)}")
             try:
                 check_placement(type(self).__name__, lambda p=p: self._param_name(p), p, self.process_group,
-                                self.rows)
+                                self.rows or self.shaped)
             except ParallelConfigError:
                 self.param_groups.pop()
                 raise
@@ -75,7 +82,7 @@ class BucketSet:
     def _check_hyperparameters(self, group: dict[str, Any]) -> None:
         """Raise OptimizerError for a hyperparameter of `group` the optimizer cannot use; one-element tensors
         (torch accepts a tensor lr or betas) become their numbers."""
-        for name in ("lr",) + tuple(k for k in group if k in ("weight_decay", "eps", "momentum", "dampening")):
+        for name in ("lr",) + tuple(k for k in group if k in self.numeric_hyperparameters and k != "lr"):
             value = group[name]
             if isinstance(value, torch.Tensor) and value.numel() == 1:
                 value = group[name] = float(value)  # torch accepts a tensor lr: its value is what counts
@@ -99,7 +106,8 @@ class BucketSet:
         for gi in range(len(groups)):
             new = [p for g, p in self._unbucketed if g == gi and p.requires_grad]
             if new:
-                policy = BucketPolicy.of(self.bucket_cap_mb, self.reduction, self.rows, world(self.process_group)[1])
+                policy = BucketPolicy.of(self.bucket_cap_mb, self.reduction, self.rows, world(self.process_group)[1],
+                                         self.shaped)
                 for b in buckets_of(policy, gi, new):
                     self._build(b)
                     self._buckets.append(b)
@@ -117,7 +125,8 @@ class BucketSet:
             dist.barrier(group=self.process_group)
 
     def _program(self, b: Bucket, masked: bool = False) -> Program:
-        sizes = {"N": b.shape[-1]} | ({"T": b.shape[0], "rows": True} if self.rows else {})
+        sizes = {"shape": b.shape} if self.shaped else \
+            {"N": b.shape[-1]} | ({"T": b.shape[0], "rows": True} if self.rows else {})
         return self.workload(**sizes, grad="local", reduction=self.reduction, param_dtype=canonical_dtype(b.dtype),
                              master_weights=self.master_weights, clip=self.max_grad_norm is not None, masked=masked)
 

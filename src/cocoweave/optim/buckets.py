@@ -1,7 +1,8 @@
 """Buckets: parameters and gradients as views into contiguous buffers, as Megatron-core's param-and-grad buffer and
 DDP's gradient_as_bucket_view keep them, so that a bucket's program reads and writes them without copies.
 
-A bucket holds parameters of one parameter group, dtype and device (LAMB: and one size, one row each), in the
+A bucket holds parameters of one parameter group, dtype and device (LAMB: and one size, one row each; a shaped bucket:
+and one shape, one row each, kept in that shape), in the
 order backward produces their gradients (the reverse of registration, as DDP assumes), up to a size cap. After
 `attach`, every parameter's `.data` is a view into `data` and its `.grad` a view into `grad`: backward
 accumulates straight into the bucket, and the program's all-gather writes the new weights straight into the
@@ -30,8 +31,9 @@ class Bucket:
     params: list[torch.nn.Parameter]
     rows: bool = False  # LAMB: parameter i is row i of a [T, N] buffer
     pad_to: int = 1  # a flat bucket's size is a multiple of this (the world size), its tail zeros
+    shaped: bool = False  # rows in the parameters' shape S: parameter i is [i] of a [T, *S] buffer (implies rows)
     offsets: list[int] = field(default_factory=list)
-    data: torch.Tensor | None = None  # the parameters, flat ([N], or [T, N] for rows)
+    data: torch.Tensor | None = None  # the parameters, flat ([N], or [T, N] for rows, [T, *S] shaped)
     grad: torch.Tensor | None = None  # their gradients, the same shape
     schedule: Any = None
     exe: BucketProgram | None = None  # the compiled program (cocoweave Executable), through its one interface
@@ -56,6 +58,7 @@ class Bucket:
     shard_groups: list = field(default_factory=list)  # those groups of more than one rank: clipping sums over them
 
     def __post_init__(self) -> None:
+        self.rows = self.rows or self.shaped
         sizes = [local(p).numel() for p in self.params]
         self.offsets = [0] * len(sizes) if self.rows else [sum(sizes[:i]) for i in range(len(sizes))]
         self.shards = shard_key(self.params[0])
@@ -71,6 +74,8 @@ class Bucket:
 
     @property
     def shape(self) -> tuple[int, ...]:
+        if self.shaped:
+            return (len(self.params), *local(self.params[0]).shape)
         if self.rows:
             return (len(self.params), local(self.params[0]).numel())
         return (flat_size(sum(local(p).numel() for p in self.params), self.pad_to),)
@@ -186,4 +191,5 @@ def make_buckets(group_index: int, params: Iterable[torch.nn.Parameter], cap_byt
 
 def buckets_of(policy: BucketPolicy, group_index: int, params: Iterable[torch.nn.Parameter]) -> list[Bucket]:
     """Buckets of one parameter group: its parameters that need gradients as `policy` partitions them."""
-    return [Bucket(group_index, ps, policy.rows, policy.pad_to) for ps in policy.partition(params)]
+    return [Bucket(group_index, ps, policy.rows, policy.pad_to, shaped=policy.shaped)
+            for ps in policy.partition(params)]

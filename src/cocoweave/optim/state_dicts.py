@@ -61,6 +61,11 @@ class StateDicts:
                     dict.__setitem__(entry, key, _SLICED)
                     entry.gather = lambda b=b: self._gather_views(b)
 
+    def _kept(self, b: Bucket) -> dict[str, str]:
+        """The `state_keys` bucket b's program keeps (a factored optimizer's keeps some, by its parameters' shape)."""
+        inputs = b.exe.tensor_inputs()
+        return {n: key for n, key in self.state_keys.items() if n in inputs}
+
     def _view_keys(self, b: Bucket) -> list[tuple[str, str]]:
         """(state tensor, torch's key) of what `opt.state[p]` shows: the moments, and the fp32 master weights as
         'master_param' where the parameters are half (as state_dict() names them)."""
@@ -137,7 +142,7 @@ class StateDicts:
                 steps = b.part(whole[STEPS], i) if STEPS in whole else None
                 step = int(steps.reshape(-1)[0]) if steps is not None and steps.numel() else b.step
                 entry = {key: like(p, self.state_part(b, n, whole[n], i).detach().clone())
-                         for n, key in self.state_keys.items() if self.has_state(b, whole, i)}
+                         for n, key in self._kept(b).items() if self.has_state(b, whole, i)}
                 if self.has_step:
                     entry = {"step": torch.tensor(float(step))} | entry
                 if WEIGHTS in whole and model_weights(b.exe.tensor_inputs()) == PARAMS:
@@ -219,14 +224,15 @@ class StateDicts:
         if all(e is None for e in entries):
             return 0, b.masked, {}, None, False
         steps = {int(e["step"]) for e in entries if e is not None and "step" in e} or {1}
-        has = [e is not None and all(key in e for key in self.state_keys.values()) for e in entries]
+        kept = self._kept(b)
+        has = [e is not None and all(key in e for key in kept.values()) for e in entries]
         masked = b.masked or len(steps) > 1 or any(e is None for e in entries) or (
             not self.has_step and any(has) and not all(has))
         shape = (*b.shape[:-1], b.shape[-1])
         try:
             zeros = dict(size=shape, dtype=torch.float32, device=b.device)
             state = {n: self._state_from(b, n, [e[key] if h else None for e, h in zip(entries, has)])
-                     for n, key in self.state_keys.items()}
+                     for n, key in kept.items()}
             if masked:
                 state[STEPS] = b.fill(torch.zeros(**zeros), [float(e["step"]) if e is not None and "step" in e else
                                                            0.0 for e in entries])

@@ -66,9 +66,10 @@ def _f32(x: Value) -> Value:
     return x if x.dtype == "float32" else cast(x, "float32")
 
 
-class _Parts:
+class Parts:
     """What the programs share: the reduced (optionally clipped) float32 gradient, the weights and how their new
-    value is written, state tensors in the right dtype, and the `active` mask of a masked program."""
+    value is written, state tensors in the right dtype, and the `active` mask of a masked program. Public: a new
+    optimizer's program (in a file of its own) builds on it and so takes every option above unchanged."""
 
     def __init__(self, p: Program, shape: tuple[Dim, ...], grad: str, reduction: str, param_dtype: str,
                  master_weights: bool, clip: bool, masked: bool, weights: tuple[int, ...] | None = None):
@@ -91,9 +92,9 @@ class _Parts:
             self._w, self._p = p.tensor(WEIGHTS, shape, param_dtype, Replicated), None
         self.w = _f32(self._w)
 
-    def state(self, name: str, init: str = "normal") -> tuple[Value, Value]:
-        """A state tensor and its float32 value."""
-        t = self.p.tensor(name, self.shape, self.state_dtype, Replicated, init=init)
+    def state(self, name: str, init: str = "normal", shape: tuple[Dim, ...] | None = None) -> tuple[Value, Value]:
+        """A state tensor (the bucket's shape, or `shape`: a factored statistic) and its float32 value."""
+        t = self.p.tensor(name, self.shape if shape is None else shape, self.state_dtype, Replicated, init=init)
         return t, _f32(t)
 
     def keep(self, new: Value, old: Value) -> Value:
@@ -129,7 +130,7 @@ def sgd(N: int = 1 << 20, grad: str = "local", reduction: str = "avg", param_dty
     then sets buf = g, the buffer being still 0 here) and whenever momentum is 0, when `momentum_on` = 0 leaves the
     buffer as it is (torch neither uses nor changes it); a masked program tracks per element whether it started."""
     p = Program("sgd")
-    x = _Parts(p, (N,), grad, reduction, param_dtype, master_weights, clip, masked)
+    x = Parts(p, (N,), grad, reduction, param_dtype, master_weights, clip, masked)
     buf, b = x.state(MOMENTUM)
     lr, momentum, dampening, wd, nesterov, on = p.scalars(" ".join(SGD_SCALARS))
     d = x.g + wd * x.w
@@ -145,7 +146,7 @@ def sgd(N: int = 1 << 20, grad: str = "local", reduction: str = "avg", param_dty
     return p
 
 
-def _moments(x: _Parts, b1: Value, b2: Value, torch_order: bool = True) -> tuple[Value, Value]:
+def _moments(x: Parts, b1: Value, b2: Value, torch_order: bool = True) -> tuple[Value, Value]:
     """Adam's moments; in torch's order of operations (m.lerp_(g, 1 - b1); v.mul_(b2).addcmul_(g, g,
     1 - b2)) or as the paper writes them (b1 * m + (1 - b1) * g)."""
     m, mf = x.state(EXP_AVG)
@@ -160,7 +161,7 @@ def adam(N: int = 1 << 20, grad: str = "local", reduction: str = "avg", param_dt
     """Data-parallel Adam (CoCoNet's first workload): average the gradients (weighted by `weights`), then update
     w, m, v."""
     p = Program("adam")
-    x = _Parts(p, (N,), grad, reduction, param_dtype, master_weights, clip, masked, weights)
+    x = Parts(p, (N,), grad, reduction, param_dtype, master_weights, clip, masked, weights)
     lr, b1, b2, eps, step = p.scalars(" ".join(ADAM_SCALARS))
     m1, v1 = _moments(x, b1, b2, torch_order=False)
     t = x.steps(step)
@@ -175,7 +176,7 @@ def adamw(N: int = 1 << 20, grad: str = "local", reduction: str = "avg", param_d
     step w -= (lr / bc1) * m / (sqrt(v) / sqrt(bc2) + eps), in torch's order of operations. With
     decoupled=False it is torch.optim.Adam: L2 weight decay added to the gradient, g += wd * w."""
     p = Program("adamw" if decoupled else "adam_l2")
-    x = _Parts(p, (N,), grad, reduction, param_dtype, master_weights, clip, masked, weights)
+    x = Parts(p, (N,), grad, reduction, param_dtype, master_weights, clip, masked, weights)
     lr, b1, b2, eps, wd, step = p.scalars(" ".join(ADAMW_SCALARS))
     if not decoupled:
         x.g = x.g + wd * x.w
@@ -196,7 +197,7 @@ def lamb(N: int = 1 << 20, T: int | None = None, grad: str = "local", reduction:
     `[T, N]` with `rows`. Its norms make reorder insert small all-reduces when the update moves onto slices."""
     p = Program("lamb")
     shape: tuple[Dim, ...] = (N,) if T is None else ((T, N) if rows else (N, T))
-    x = _Parts(p, shape, grad, reduction, param_dtype, master_weights, clip, masked)
+    x = Parts(p, shape, grad, reduction, param_dtype, master_weights, clip, masked)
     lr, b1, b2, eps, wd, step = p.scalars(" ".join(ADAMW_SCALARS))
     m1, v1 = _moments(x, b1, b2)
     t = x.steps(step)
