@@ -6,7 +6,7 @@ from __future__ import annotations
 import pytest
 
 from cocoweave import tune
-from cocoweave.loader import load_example
+from cocoweave.ir.loader import load_example
 from cocoweave.schedule.enumerate import enumerate_schedules
 from cocoweave.tune import Context, Measure, TuneCache, cache_key, choose
 
