@@ -406,6 +406,8 @@ ROOT_MODULES = {
     "compiler.py": "`cw.compile`, the front door from a program to something that runs",
     "errors.py": "the exception classes every layer raises",
     "faults.py": "fault injection and stage tracking, hooked into the backend, checkpoints, launchers and the CLI",
+    "group_facts.py": "a process group's facts and per-step small collectives for nn and optim: with the "
+                      "executables, their one way to a backend (issue #49)",
     "figures.py": "matplotlib figures, drawn by the planner, the profiler, perf and the demo",
     "jsonable.py": "the one JSON encoding of everything cocoweave writes",
     "log.py": "cocoweave's logging",
@@ -567,3 +569,144 @@ def test_optim_names_no_optimizer_family_outside_optimizers_py():
                 [a.name for a in n.names] + [n.module or ""] if isinstance(n, ast.ImportFrom) else []
             named += [f"{path.name}:{n.lineno} {i}" for i in ids if i in family or i.endswith("workloads.optimizers")]
     assert named == [], named
+
+
+# -- layers speak to one interface, and one "auto" (issue #49, items 2 and 3) -------------------------------------
+
+def _every_import(name: str, path: Path) -> set[str]:
+    """Every module a file imports, wherever the import stands (functions and `if TYPE_CHECKING:` included), resolved
+    to its full dotted name."""
+    package = name if path.name == "__init__.py" else name.rpartition(".")[0]
+    out: set[str] = set()
+    for node in ast.walk(ast.parse(path.read_text(encoding="utf-8"))):
+        if isinstance(node, ast.Import):
+            out.update(a.name for a in node.names)
+        elif isinstance(node, ast.ImportFrom):
+            base = package.split(".")[:len(package.split(".")) - node.level + 1] if node.level else []
+            target = ".".join(base + ([node.module] if node.module else []))
+            out.update({target} | {f"{target}.{a.name}" for a in node.names})
+    return out
+
+
+@pytest.mark.parametrize("layer", ["cocoweave.nn", "cocoweave.optim"])
+def test_layers_and_optimizers_import_no_backend_module(layer: str):
+    """nn/ and optim/ reach a backend only through cocoweave.group_facts (a process group's facts and transport) and
+    the executables the compiler makes: no import of a module of backends/, at any depth, anywhere in a file."""
+    found = sorted(f"{m} imports {t}" for m, p in MODULES.items() if m == layer or m.startswith(layer + ".")
+                   for t in _every_import(m, p) if t == "cocoweave.backends" or t.startswith("cocoweave.backends."))
+    assert found == []
+    assert not any(m.startswith("cocoweave.backends") for m in GRAPH if "cocoweave.group_facts" in GRAPH[m])
+
+
+def test_a_process_groups_facts_have_one_home():
+    """Rank, size, one host, timeout: defined in cocoweave.group_facts alone, not again in nn/ or optim/."""
+    facts = {"world", "group_rank", "group_size", "one_host", "group_timeout"}
+    defined = sorted(f"{m}.{n.name}" for m, p in MODULES.items() if m.startswith(("cocoweave.nn", "cocoweave.optim"))
+                     for n in ast.parse(p.read_text(encoding="utf-8")).body
+                     if isinstance(n, ast.FunctionDef) and n.name in facts)
+    assert defined == []
+
+
+# The one answer to schedule="auto", and what may read the tuning cache besides it.
+ANSWERS = {"choose", "auto_schedule"}  # tune.choose, and the compiler's face of it (checked to call choose)
+CACHE_NAMES = {"TuneCache", "cached_schedule", "cache_key", "_recall", "_remember"}
+CACHE_READERS = {"cocoweave.cli.tune_commands": "the `cocoweave tune` command: checks the cache it will write is "
+                                                "readable, and writes the tuner's choice"}
+AUTO_KNOBS = {"backend", "device", "kernels"}  # other settings spelt "auto": a launcher's backend, a device, kernels
+
+
+def _names(tree: ast.AST) -> set[str]:
+    """Every name a module uses: plain names, attributes, imported names."""
+    out = set()
+    for n in ast.walk(tree):
+        if isinstance(n, ast.Name):
+            out.add(n.id)
+        elif isinstance(n, ast.Attribute):
+            out.add(n.attr)
+        elif isinstance(n, ast.ImportFrom | ast.Import):
+            out.update(a.name.rpartition(".")[2] for a in n.names)
+    return out
+
+
+def test_only_tune_reads_the_tuning_caches_choices():
+    readers = sorted(m for m, p in MODULES.items() if not m.startswith("cocoweave.tune") and m not in CACHE_READERS
+                     and _names(ast.parse(p.read_text(encoding="utf-8"))) & CACHE_NAMES)
+    assert readers == [], "ask tune.choose(program, context, fallback) instead of the tuning cache"
+
+
+def test_no_module_but_tune_keeps_a_memo_of_choices():
+    """A process-wide memory of "auto"'s answers lives in tune (choose's `Context.keep`): no module-level table of
+    choices, and no memoised chooser, anywhere else."""
+    chooser = ("chose", "choice", "choos", "auto", "resolve")
+    kept = []
+    for m, p in MODULES.items():
+        if m.startswith("cocoweave.tune"):
+            continue
+        for n in ast.parse(p.read_text(encoding="utf-8")).body:
+            targets = n.targets if isinstance(n, ast.Assign) else [n.target] if isinstance(n, ast.AnnAssign) else []
+            kept += [f"{m}.{t.id}" for t in targets if isinstance(t, ast.Name)
+                     and any(w in t.id.lower() for w in chooser)
+                     and isinstance(n.value, ast.Dict | ast.Set | ast.List | ast.Call)]
+        for f in ast.walk(ast.parse(p.read_text(encoding="utf-8"))):
+            if isinstance(f, ast.FunctionDef) and any(w in f.name.lower() for w in chooser):
+                kept += [f"{m}.{f.name}" for d in f.decorator_list
+                         if "cache" in ast.unparse(d) or "lru" in ast.unparse(d)]
+    assert kept == []
+
+
+def _compares_auto(fn: ast.AST) -> list[int]:
+    """Lines where `fn` tests a value that is not a knob of AUTO_KNOBS against "auto"."""
+    def is_auto(e: ast.AST) -> bool:
+        return (isinstance(e, ast.Constant) and e.value == "auto") or (
+            isinstance(e, ast.Tuple | ast.List | ast.Set) and any(is_auto(x) for x in e.elts))
+
+    lines = []
+    for n in ast.walk(fn):
+        if isinstance(n, ast.Compare):
+            sides = [n.left, *n.comparators]
+            others = [s for s in sides if not is_auto(s)]
+            if len(others) < len(sides) and not all(ast.unparse(s).rpartition(".")[2] in AUTO_KNOBS for s in others):
+                lines.append(n.lineno)
+    return lines
+
+
+def _reaches_an_answer(tree: ast.AST, fn: ast.AST) -> bool:
+    """Whether `fn` calls one of ANSWERS, directly or through functions of its own module (by name)."""
+    defs: dict[str, list[ast.AST]] = {}
+    for n in ast.walk(tree):
+        if isinstance(n, ast.FunctionDef | ast.AsyncFunctionDef):
+            defs.setdefault(n.name, []).append(n)
+
+    def calls(f: ast.AST) -> set[str]:
+        return {c.func.id if isinstance(c.func, ast.Name) else c.func.attr for c in ast.walk(f)
+                if isinstance(c, ast.Call) and isinstance(c.func, ast.Name | ast.Attribute)}
+
+    seen, todo = set(), [fn]
+    while todo:
+        called = calls(todo.pop())
+        if called & ANSWERS:
+            return True
+        for name in called - seen:
+            seen.add(name)
+            todo += defs.get(name, [])
+    return False
+
+
+def test_every_auto_is_answered_by_tune_choose():
+    """Every function that tests a schedule against "auto" (any module, a fourth one too) answers it through
+    tune.choose, with its own fallback; tune's auto_schedule is choose with the compiler's fallback."""
+    tune = ast.parse(MODULES["cocoweave.tune"].read_text(encoding="utf-8"))
+    faces = [f for f in ast.walk(tune) if isinstance(f, ast.FunctionDef) and f.name == "auto_schedule"]
+    assert faces and all("choose" in {c.func.id for c in ast.walk(f) if isinstance(c, ast.Call)
+                                      and isinstance(c.func, ast.Name)} for f in faces)
+    assert [f.name for f in ast.walk(tune) if isinstance(f, ast.FunctionDef) and f.name == "choose"] == ["choose"]
+    unanswered = []
+    for m, p in MODULES.items():
+        if m.startswith("cocoweave.tune"):
+            continue
+        tree = ast.parse(p.read_text(encoding="utf-8"))
+        for f in ast.walk(tree):
+            if isinstance(f, ast.FunctionDef | ast.AsyncFunctionDef) and (lines := _compares_auto(f)) \
+                    and not _reaches_an_answer(tree, f):
+                unanswered.append(f"{m}.{f.name}:{lines[0]}")
+    assert unanswered == [], "answer schedule='auto' with tune.choose(program, context, fallback)"

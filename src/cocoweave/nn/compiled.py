@@ -13,8 +13,9 @@
 reduction is launched (library algorithm, asynchronously: a CUDA stream on GPUs, Gloo's thread on CPUs) and the
 weight-gradient matmul runs while it is in flight. `ASYNC_SHM` is the same on shared memory (ranks of one host, on
 CPUs), with no thread: the input gradient is computed into this rank's slot and flagged, the weight gradient is
-computed, and only then are the slots summed (shm.Posted), so a rank that reaches the reduction first computes
-instead of waiting for the others (one core per rank: nothing to overlap on, but the ranks' skew is absorbed).
+computed, and only then are the slots summed (group_facts.PostedAllReduce), so a rank that reaches the reduction
+first computes instead of waiting for the others (one core per rank: nothing to overlap on, but the ranks' skew is
+absorbed).
 """
 
 from __future__ import annotations
@@ -29,14 +30,15 @@ import torch
 import torch.distributed as dist
 
 from .. import collectives, settings
-from ..backends.torch import shm
 from ..compiler import compile as compile_schedule
-from ..errors import CocoweaveError, ParallelConfigError
+from ..errors import ParallelConfigError
+from ..group_facts import Posted, PostedAllReduce, one_host
 from ..ir.graph import Program
 from ..ir.layout import slice_bounds
 from ..schedule.enumerate import schedules_of, shm_offered
 from ..schedule.schedule import Schedule
-from .functional import Group, group_size
+from ..tune import _CHOSEN, Context, Measure, choose  # noqa: F401  (_CHOSEN: tests forget this process's answers)
+from .functional import Group
 from .programs import ASYNC, ASYNC_SHM
 
 AS_WRITTEN = "as written"
@@ -46,7 +48,6 @@ AUTO_ROUNDS = 7  # interleaved timed rounds (one run of every candidate each) wh
 # chosen alone by 3% ran the step no faster than MM-AR@shm-C).
 AUTO_MARGIN = 0.10
 
-_CHOSEN: dict[tuple, str] = {}  # "auto"'s measured choice, by (program fingerprint, group size, device)
 _FINGERPRINTS: dict[int, tuple[Program, str]] = {}
 
 
@@ -130,11 +131,6 @@ def layer_schedule_names() -> frozenset[str]:
     return frozenset(_layer_schedules())
 
 
-def one_host(group: Group) -> bool:
-    """Whether every rank of `group` shares this host's memory (the shared-memory collectives apply)."""
-    return group_size(group) > 1 and shm.group_for(group) is not None
-
-
 class Programs:
     """One layer's compiled programs: executables by (program fingerprint, schedule), the schedule each program
     runs (for print(model)), and "auto"'s measurement."""
@@ -146,20 +142,13 @@ class Programs:
         # what a program resolved to, so that every later call (each forward and backward) goes straight to it:
         # by (what, kind, id(program), device) -> (program, value); see `_once`
         self._resolved: dict[tuple, tuple[Program, Any]] = {}
-        self._shm = shm.ShmBuffers()  # ASYNC_SHM's slots
+        self._posted = PostedAllReduce(group)  # ASYNC_SHM's slots
 
-    def posted_all_reduce(self, out: torch.Tensor) -> shm.Posted | None:
+    def posted_all_reduce(self, out: torch.Tensor) -> Posted | None:
         """An all-reduce (sum) into `out` over the layer's group split in two on shared memory (ASYNC_SHM), or None
         where the group's ranks do not share this host's memory or its slots cannot alternate (the same on every
         rank): the caller then takes the blocking route."""
-        g = shm.group_for(self.group) if shm_offered(out.device.type) else None
-        if g is None:
-            return None
-        try:
-            slots = self._shm.get(g, ("async", out.dtype), out.numel(), out.dtype)
-        except shm.ShmUnavailable:
-            return None
-        return shm.open_all_reduce(g, slots, out.numel(), "sum", out)
+        return self._posted.open(out) if shm_offered(out.device.type) else None
 
     def _once(self, what: str, kind: str, program: Program, device: torch.device, make: Callable[[], Any]) -> Any:
         """`make()` the first time `program` asks for `what`, the remembered value after (ids are reused once a
@@ -217,33 +206,21 @@ class Programs:
 
     def _auto(self, kind: str, program: Program, inputs: Mapping[str, Any], device: torch.device,
               shared: bool) -> Schedule:
+        """"auto" (tune.choose, kept for the process per program and place): the tuner's cached choice, else the
+        fastest candidate measured here (or in an earlier run)."""
         size = self.size
-        key = (_fingerprint(program), size, device.type, shared)
-        if key in _CHOSEN:
-            return next(s for s in schedules(program) if s.name == _CHOSEN[key])
-        found = None
-        if size > 1:
-            try:
-                from ..tune import cached_schedule
-            except ImportError:  # the tuner is optional
-                cached_schedule = None
-            found = cached_schedule(program, {}, size, "torch", device.type) if cached_schedule else None
-        if found is None:
+
+        def measured() -> Schedule | Measure[Schedule]:
             options = candidates(program, shared)
             if len(options) == 1:
-                found = options[0]
-            else:
-                names = [o.name for o in options]
-                disk = (f"nn-auto|{_fingerprint(program)}|w{size}|{device.type}|{'shm' if shared else 'library'}|"
-                        + ",".join(names))
-                index = self._agreed(_recall(disk, names))
-                if index is None:
-                    found = self._measure(kind, program, options, inputs, device)
-                    _remember(disk, found.name)
-                else:
-                    found = options[index]
-        _CHOSEN[key] = found.name
-        return found
+                return options[0]
+            names = [o.name for o in options]
+            key = (f"nn-auto|{_fingerprint(program)}|w{size}|{device.type}|{'shm' if shared else 'library'}|"
+                   + ",".join(names))
+            return Measure(key, options, names, lambda: self._measure(kind, program, options, inputs, device),
+                           self._agreed)
+
+        return choose(program, Context(size, device.type, tuned=size > 1, keep=("schedule", shared)), measured)
 
     def _agreed(self, index: int) -> int | None:
         """`index` (a remembered choice, -1 for none) when every rank of the group remembers the same, else None:
@@ -255,12 +232,12 @@ class Programs:
         return int(t[0]) if int(t[0]) == -int(t[1]) and index >= 0 else None
 
     def _measure(self, kind: str, program: Program, options: list[Schedule], inputs: Mapping[str, Any],
-                 device: torch.device) -> Schedule:
-        """The fastest candidate on these inputs (`fastest`)."""
+                 device: torch.device) -> int:
+        """The index of the fastest candidate on these inputs (`fastest`)."""
         exes = [self._compiled(kind, program, s, device) for s in options]
-        best = options[self.fastest([lambda exe=exe: exe.run(inputs) for exe in exes], device)]
+        best = self.fastest([lambda exe=exe: exe.run(inputs) for exe in exes], device)
         for s in options:  # the others' buffers (and shared-memory slots) go
-            if s is not best:
+            if s is not options[best]:
                 self._exes.pop((_fingerprint(program), s.name, device), None)
         return best
 
@@ -312,38 +289,10 @@ class Programs:
             names = [ASYNC_SHM, first] if ASYNC_SHM in routes else [first]
         if len(names) == 1:
             return names[0]
-        k = ("route", _fingerprint(program), self.size, device.type, tuple(names))
-        if k not in _CHOSEN:
-            disk = f"nn-route|{_fingerprint(program)}|w{self.size}|{device.type}|" + ",".join(names)
-            index = self._agreed(_recall(disk, names))
-            if index is None:
-                index = self.fastest([routes[n] for n in names], device)
-                _remember(disk, names[index])
-            _CHOSEN[k] = names[index]
-        return _CHOSEN[k]
-
-
-def _recall(key: str, names: list[str]) -> int:
-    """The index in `names` of the choice "auto" measured for `key` in an earlier run (the tuning cache, shared by
-    the processes of this folder and across runs), -1 if none: the step's start-up then skips the measurement."""
-    try:
-        from ..tune.cache import TuneCache
-
-        entry = TuneCache().get(key)
-    except (ImportError, CocoweaveError):  # an unreadable cache is no memory; training goes on
-        return -1
-    choice = entry.get("schedule") if entry else None
-    return names.index(choice) if choice in names else -1
-
-
-def _remember(key: str, name: str) -> None:
-    """Keep "auto"'s measured choice for the next run (best effort: a cache that cannot be written is skipped)."""
-    try:
-        from ..tune.cache import TuneCache
-
-        TuneCache().put(key, {"schedule": name, "source": "cocoweave.nn schedule='auto', measured in a step"})
-    except (ImportError, CocoweaveError):
-        pass
+        key = f"nn-route|{_fingerprint(program)}|w{self.size}|{device.type}|" + ",".join(names)
+        measure = Measure(key, names, names, lambda: self.fastest([routes[n] for n in names], device), self._agreed)
+        return choose(program, Context(self.size, device.type, tuned=False, keep=("route", tuple(names))),
+                      lambda: measure)
 
 
 def kernels(program: Program, device: torch.device) -> str | None:

@@ -18,26 +18,13 @@ import torch.distributed as dist
 import torch.nn.functional as F
 
 from .. import rng
+from ..group_facts import group_rank, group_size
 from ..ir.layout import slice_bounds
 from ..ir.types import canonical_dtype
 from . import programs as P
 from .programs import ASYNC, ASYNC_SHM
 
 Group = dist.ProcessGroup | None
-
-
-def group_size(group: Group) -> int:
-    """Ranks in `group` (the world if None); 1 when torch.distributed is not initialised."""
-    if not dist.is_available() or not dist.is_initialized():
-        return 1
-    return dist.get_world_size(group)
-
-
-def group_rank(group: Group) -> int:
-    """This process's rank within `group` (0 when torch.distributed is not initialised)."""
-    if not dist.is_available() or not dist.is_initialized():
-        return 0
-    return dist.get_rank(group)
 
 
 def part(t: torch.Tensor, dim: int, parts: int, index: int) -> torch.Tensor:

@@ -19,19 +19,17 @@ import torch
 import torch.distributed as dist
 from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
 
-from ..errors import ParallelConfigError
-from .functional import group_size
+from ..errors import BackendError, ParallelConfigError
+from ..group_facts import agree, group_size
 
 
 def agree_on_build(group: Any, what: str, name: str, **config: Any) -> None:
     """Refuse, on every rank of `group` at once, `what` (a layer, a pipeline) its ranks build differently (another
     shape, schedule, dtype or micro-batch count on one rank): one small all-gather at construction, before its first
-    collective, instead of a hang or an abort inside torch at the first step."""
+    collective, instead of a hang or an abort inside torch at the first step. The executables' own check
+(group_facts.agree), on the configuration."""
     if group_size(group) == 1 or not dist.is_initialized():
         return
-    from ..backends.torch.agreement import agree  # the executables' own check, on the configuration
-    from ..errors import BackendError
-
     text = ", ".join(f"{k}={v!r}" for k, v in config.items())
     try:
         agree(f"{name}({text})", f"{what} (build the same layers and pipelines, in the same order, with the same "

@@ -4,8 +4,9 @@ sized by bucket_policy.py, built and compiled by bucket_set.py, one compiled pro
 bucket_program.py), the step driven stage by stage (stepping.py), its first collective launched from backward hooks
 and DDP's other behaviours (ddp.py), gradient clipping by the global norm with one scalar all-reduce over all buckets
 (clipping.py), parameters without a gradient skipped as torch skips them (masks.py), torch-style state dicts
-(state_dicts.py); the schedule each bucket runs (schedule_choice.py), the group's ranks (ranks.py). The programs'
-input and state names are workloads/optimizer_contract.py's.
+(state_dicts.py); the schedule each bucket runs (schedule_choice.py), the job's store keys (ranks.py). The group's
+facts (rank, size, one host, timeout, the flag all-reduce) are cocoweave.group_facts'. The programs' input and state
+names are workloads/optimizer_contract.py's.
 
 The step of one bucket, with the usual sliced schedule RS-C-AG+slice(m,v) on p ranks:
 - backward accumulates each gradient straight into the bucket (`p.grad` is a view); when the last one of the
@@ -27,8 +28,8 @@ from typing import Any
 
 import torch
 
-from ..backends.torch import shm  # noqa: F401  (tests reach the shared-memory module through here)
 from ..errors import OptimizerError
+from ..group_facts import shm, world  # noqa: F401  (shm: tests reach the shared-memory transport through here)
 from ..ir.graph import Program
 from ..workloads.optimizer_contract import STARTED, STEPS
 from .bucket_set import BucketSet
@@ -36,7 +37,7 @@ from .buckets import Bucket
 from .clipping import Clipping, clip
 from .ddp import DDPBehaviours
 from .masks import Masks, agree
-from .ranks import INSTANCES, check_torchrun, world
+from .ranks import INSTANCES, check_torchrun
 from .schedule_choice import norm_reduction, resolve_schedule
 from .state_dicts import StateDicts
 from .stepping import Stepping

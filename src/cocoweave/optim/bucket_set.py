@@ -14,6 +14,7 @@ import torch.distributed as dist
 
 from ..compiler import compile as compile_schedule
 from ..errors import OptimizerError, ParallelConfigError
+from ..group_facts import one_host, world
 from ..ir.graph import Program
 from ..ir.types import canonical_dtype
 from ..sharding import local_data
@@ -21,7 +22,6 @@ from ..workloads.optimizer_contract import GIVEN, GRAD, WEIGHTS, model_weights
 from .bucket_policy import BucketPolicy
 from .buckets import Bucket, buckets_of
 from .placements import check_placement, set_grad
-from .ranks import one_host, world
 from .schedule_choice import norm_reduction, resolve_schedule
 
 log = logging.getLogger("cocoweave.optim")

@@ -15,12 +15,12 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
-from ..backends.torch import shm
 from ..errors import OptimizerError
+from ..group_facts import group_timeout, world
 from ..workloads.optimizer_contract import GRAD
 from .buckets import Bucket
 from .placements import local, set_grad
-from .ranks import store_prefix, world
+from .ranks import store_prefix
 
 
 class DDPBehaviours:
@@ -41,7 +41,7 @@ class DDPBehaviours:
         store = dist.distributed_c10d._get_default_store()
         key = f"{self._store_prefix()}/model"
         store.set(f"{key}/{rank}", json.dumps(mine))
-        limit = shm.group_timeout(self.process_group)
+        limit = group_timeout(self.process_group)
         difference = None
         if rank != 0:
             try:

@@ -6,11 +6,9 @@ from __future__ import annotations
 from typing import Any
 
 import torch
-import torch.distributed as dist
 
-from ..backends.torch import shm
-from ..backends.torch.placement import cpu_group
 from ..errors import OptimizerError
+from ..group_facts import max_flags
 from .buckets import Bucket
 from .placements import local
 
@@ -66,14 +64,5 @@ def agree(opt: Any, flags: list[int], size: int) -> list[int]:
     buckets, its flag slots); `size`: its group's size."""
     if size == 1 or not flags:
         return flags
-    t = torch.tensor(flags, dtype=torch.int32)
-    g = shm.group_for(opt.process_group)
-    if g is None:  # on the CPU side of the group (a Gloo group beside plain NCCL): reading them back syncs no GPU
-        dist.all_reduce(t, op=dist.ReduceOp.MAX, group=cpu_group(opt.process_group))
-        return t.tolist()
-    if opt._flag_slots is None or opt._flag_slots[0].numel() != t.numel():
-        opt._flag_slots = g.slots("optim-flags", t.numel(), torch.int32)
-    out = torch.empty_like(t)
-    shm.all_reduce(g, opt._flag_slots, t, "max", [(0, t.numel()) if j == 0 else (t.numel(), 0)
-                                                  for j in range(g.size)], out)
+    out, opt._flag_slots = max_flags(opt.process_group, torch.tensor(flags, dtype=torch.int32), opt._flag_slots)
     return out.tolist()

@@ -8,6 +8,7 @@ from ..errors import OptimizerError
 from ..ir.graph import Program
 from ..schedule.enumerate import enumerate_schedules
 from ..schedule.schedule import Schedule
+from ..tune import Context, choose
 
 _SCHEDULES: dict[str, list[Schedule]] = {}
 
@@ -46,14 +47,14 @@ def resolve_schedule(program: Program, schedule: str, world_size: int, whole: se
                 return s
         raise OptimizerError(f"schedule {schedule!r} is not available for program `{program.name}` here; "
                              f"choose one of: auto, {', '.join(s.name for s in legal)}")
-    if world_size > 1:
-        try:
-            from ..tune import cached_schedule
-        except ImportError:  # the tuner is optional
-            cached_schedule = None
-        found = cached_schedule(program, {}, world_size, "torch", device) if cached_schedule else None
-        if found is not None and any(s.name == found.name for s in legal):
-            return found
+    context = Context(world_size, device, tuned=world_size > 1, allowed={s.name for s in legal})
+    return choose(program, context, lambda: most_sliced(legal, world_size, device, shared_host))
+
+
+def most_sliced(legal: list[Schedule], world_size: int, device: str, shared_host: bool) -> Schedule:
+    """The optimizers' "auto" without a tuned choice: on several ranks the schedule keeping the most state sliced
+    with every computation one loop, on the collective algorithms the table prefers; the fused program as written
+    on one."""
     if world_size == 1:
         return next((s for s in legal if s.name in ("AR-C", "C")), legal[0])
     most = max(len(s.sliced_state) for s in legal)

@@ -13,12 +13,11 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
-from ..backends.torch import shm
 from ..errors import OptimizerError
+from ..group_facts import group_timeout, world
 from ..workloads.optimizer_contract import PARAMS, STARTED, STEPS, WEIGHTS, model_weights
 from .buckets import Bucket
 from .placements import like, local
-from .ranks import world
 
 # torch.optim's implementation switches and flags its param_groups carry (a state dict may lack them)
 TORCH_SWITCHES = ("amsgrad", "maximize", "foreach", "fused", "capturable", "differentiable", "decoupled_weight_decay")
@@ -99,7 +98,7 @@ class StateDicts:
         self._sd_calls += 1
         key = f"{self._store_prefix()}/collective/{self._sd_calls}"
         arrived = store.add(key, 1)
-        limit = shm.group_timeout(self.process_group)
+        limit = group_timeout(self.process_group)
         deadline = time.monotonic() + limit
         while arrived < size:
             if time.monotonic() >= deadline:

@@ -134,14 +134,3 @@ def _not_slower(entry: Mapping[str, Any]) -> bool:
         return True
     return ms <= base  # False when either is NaN
 
-
-def auto_schedule(program: Program, sizes: Mapping[str, int], world_size: int, backend: str, device: str,
-                  cache: TuneCache | None = None) -> Schedule:
-    """schedule="auto": the tuner's cached choice, else the program as written with a warning saying so."""
-    found = cached_schedule(program, sizes, world_size, backend, device, cache)
-    if found is not None:
-        return found
-    warnings.warn(f"schedule='auto': no tuned schedule of {program.name} for world size {world_size} on "
-                  f"{backend}/{device.split(':')[0]} in {(cache or TuneCache()).path}; running it as written "
-                  f"(run `cocoweave tune` to choose one)", stacklevel=3)
-    return Schedule(program)

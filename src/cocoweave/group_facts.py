@@ -1,0 +1,96 @@
+"""A process group's facts, in one home for nn/ and optim/: this rank's place in it (`world`, `group_rank`,
+`group_size`), whether its ranks share this host's memory (`one_host`), its timeout (`group_timeout`), the
+cross-rank check of a configuration (`agree`), and the two small collectives layers and optimizers run outside
+their programs every step: the flag all-reduce (`max_flags`) and the posted all-reduce (`PostedAllReduce`).
+
+It sits beside compiler.py, above backends/: nn/ and optim/ import no module of backends/ (tests/test_architecture.py)
+and reach the torch backend only here and through the compiled executables, so a transport changes here and in
+its backend, never in a layer or an optimizer. Backends never import it (the flow stays one-directional)."""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+import torch.distributed as dist
+
+from .backends.torch import shm
+from .backends.torch.agreement import agree
+from .backends.torch.placement import cpu_group
+from .backends.torch.shm import Posted
+
+__all__ = ["Posted", "PostedAllReduce", "agree", "group_rank", "group_size", "group_timeout", "max_flags",
+           "one_host", "world"]
+
+
+def world(group: Any = None) -> tuple[int, int]:
+    """(rank, size) in `group` (the default process group when None); (0, 1) when torch.distributed is not
+    initialised."""
+    if dist.is_available() and dist.is_initialized():
+        return dist.get_rank(group), dist.get_world_size(group)
+    return 0, 1
+
+
+def group_size(group: Any) -> int:
+    """Ranks in `group` (the world if None); 1 when torch.distributed is not initialised."""
+    if not dist.is_available() or not dist.is_initialized():
+        return 1
+    return dist.get_world_size(group)
+
+
+def group_rank(group: Any) -> int:
+    """This process's rank within `group` (0 when torch.distributed is not initialised)."""
+    if not dist.is_available() or not dist.is_initialized():
+        return 0
+    return dist.get_rank(group)
+
+
+def one_host(group: Any) -> bool:
+    """Whether the group has several ranks and every one shares this host's memory (the shared-memory collectives
+    then apply). A collective of the group the first time it is asked."""
+    return group_size(group) > 1 and shm.group_for(group) is not None
+
+
+def group_timeout(group: Any = None) -> float:
+    """The timeout of `group` (None: the default group) in seconds: how long any wait on its ranks may last."""
+    return shm.group_timeout(group)
+
+
+def max_flags(group: Any, flags: torch.Tensor, slots: list[torch.Tensor] | None
+              ) -> tuple[torch.Tensor, list[torch.Tensor] | None]:
+    """The maximum over `group`'s ranks of each of the int32 `flags` (a CPU tensor), and the shared-memory slots to
+    pass to the next call: through shared memory on one host (`slots` made on the first call, or when the count
+    changed), else one small all-reduce on the group's CPU side (a Gloo group beside a group that takes no CPU
+    tensor), so that reading the result back syncs no GPU."""
+    g = shm.group_for(group)
+    if g is None:
+        dist.all_reduce(flags, op=dist.ReduceOp.MAX, group=cpu_group(group))
+        return flags, slots
+    n = flags.numel()
+    if slots is None or slots[0].numel() != n:
+        slots = g.slots("optim-flags", n, torch.int32)
+    out = torch.empty_like(flags)
+    shm.all_reduce(g, slots, flags, "max", [(0, n) if j == 0 else (n, 0) for j in range(g.size)], out)
+    return out, slots
+
+
+class PostedAllReduce:
+    """One layer's posted all-reduces (sum) over its group on shared memory: this rank computes into its slot, marks
+    it (`Posted.arrive`), works on, and sums the slots only when it needs the result (`Posted.finish`). The slots
+    are made once per dtype and size and kept."""
+
+    def __init__(self, group: Any) -> None:
+        self.group = group
+        self._buffers = shm.ShmBuffers()
+
+    def open(self, out: torch.Tensor) -> Posted | None:
+        """An all-reduce (sum) into `out`, or None where the group's ranks do not share this host's memory or its
+        slots cannot be made or cannot alternate (the same on every rank): the caller then takes a blocking route."""
+        g = shm.group_for(self.group)
+        if g is None:
+            return None
+        try:
+            slots = self._buffers.get(g, ("async", out.dtype), out.numel(), out.dtype)
+        except shm.ShmUnavailable:
+            return None
+        return shm.open_all_reduce(g, slots, out.numel(), "sum", out)
