@@ -692,6 +692,11 @@ def _reaches_an_answer(tree: ast.AST, fn: ast.AST) -> bool:
     return False
 
 
+# Modules that predict what "auto" may run without choosing: they bound it by every candidate (pre-flight's memory,
+# before any layer has measured), so they never answer it.
+PREDICT_AUTO = {"cocoweave.preflight.programs": "memory under 'auto': the most any candidate keeps"}
+
+
 def test_every_auto_is_answered_by_tune_choose():
     """Every function that tests a schedule against "auto" (any module, a fourth one too) answers it through
     tune.choose, with its own fallback; tune's auto_schedule is choose with the compiler's fallback."""
@@ -702,7 +707,7 @@ def test_every_auto_is_answered_by_tune_choose():
     assert [f.name for f in ast.walk(tune) if isinstance(f, ast.FunctionDef) and f.name == "choose"] == ["choose"]
     unanswered = []
     for m, p in MODULES.items():
-        if m.startswith("cocoweave.tune"):
+        if m.startswith("cocoweave.tune") or m in PREDICT_AUTO:
             continue
         tree = ast.parse(p.read_text(encoding="utf-8"))
         for f in ast.walk(tree):

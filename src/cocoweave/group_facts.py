@@ -1,7 +1,8 @@
 """A process group's facts, in one home for nn/ and optim/: this rank's place in it (`world`, `group_rank`,
 `group_size`), whether its ranks share this host's memory (`one_host`), its timeout (`group_timeout`), the
-cross-rank check of a configuration (`agree`), and the two small collectives layers and optimizers run outside
-their programs every step: the flag all-reduce (`max_flags`) and the posted all-reduce (`PostedAllReduce`).
+cross-rank check of a configuration (`agree`), and the collectives layers and optimizers run outside their programs
+every step: the flag all-reduce (`max_flags`), the posted all-reduce (`PostedAllReduce`) and an MoE layer's
+all-to-alls with runtime splits through shared memory (`all_to_all_route`, `start_all_to_all`).
 
 It sits beside compiler.py, above backends/: nn/ and optim/ import no module of backends/ (tests/test_architecture.py)
 and reach the torch backend only here and through the compiled executables, so a transport changes here and in
@@ -15,6 +16,7 @@ import torch
 import torch.distributed as dist
 
 from .backends.torch import shm
+from .backends.torch import shm_all_to_all as shm_a2a
 from .backends.torch.agreement import agree
 from .backends.torch.placement import cpu_group
 from .backends.torch.shm import Posted
@@ -94,3 +96,16 @@ class PostedAllReduce:
         except shm.ShmUnavailable:
             return None
         return shm.open_all_reduce(g, slots, out.numel(), "sum", out)
+
+
+def all_to_all_route(group: Any) -> Any | None:
+    """The shared-memory group an all_to_all over `group` goes through (its ranks share this host's memory), or None:
+    then the caller takes torch.distributed's all_to_all_single (the same answer on every rank)."""
+    return shm_a2a.group_of(group)
+
+
+def start_all_to_all(route: Any, group: Any, x: torch.Tensor, in_splits: list[int], out_splits: list[int]) -> Any:
+    """Begin an all_to_all of `x`'s rows through shared-memory `route` (all_to_all_route's answer for `group`):
+    in_splits[j] rows to group rank j, out_splits[j] from it; `.wait()` returns them (an MoE layer's dispatch and
+    combine, whose splits the router decides each step)."""
+    return shm_a2a.start(route, group, x, in_splits, out_splits)

@@ -22,7 +22,7 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
-from ..backends.torch import shm_all_to_all as shm_a2a  # the one import of backends/ here (rewired at merge)
+from .. import group_facts
 from ..schedule.enumerate import shm_offered
 
 _ROUTES: dict[tuple[Any, str], Any] = {}  # (group, device type) -> its shared-memory group, None: the library's
@@ -33,7 +33,7 @@ def _route(group: Any, device: torch.device) -> Any:
     on the first call (a collective of the group then, on every rank at the same call) and kept."""
     key = (group, device.type)
     if key not in _ROUTES:
-        _ROUTES[key] = shm_a2a.group_of(group) if shm_offered(device.type) else None
+        _ROUTES[key] = group_facts.all_to_all_route(group) if shm_offered(device.type) else None
     return _ROUTES[key]
 
 
@@ -64,7 +64,7 @@ def _issue(x: torch.Tensor, in_splits: list[int], out_splits: list[int], group: 
     g = None if library else _route(group, x.device)
     if g is None:
         return _Library(x, in_splits, out_splits, group, async_op)
-    return shm_a2a.start(g, group, x, in_splits, out_splits)
+    return group_facts.start_all_to_all(g, group, x, in_splits, out_splits)
 
 
 class _AllToAll(torch.autograd.Function):
