@@ -97,6 +97,13 @@ class PostedAllReduce:
             return None
         return shm.open_all_reduce(g, slots, out.numel(), "sum", out)
 
+    def held_bytes(self) -> int:
+        """Bytes of the shared-memory slots (and the sets they alternate with) these all-reduces keep: what
+        pre-flight's memory model predicts for them."""
+        storages = {t.untyped_storage().data_ptr(): t.untyped_storage().nbytes()
+                    for slots in self._buffers.slots.values() for t in (*slots, *(slots.spare or ()))}
+        return sum(storages.values())
+
 
 def all_to_all_route(group: Any) -> Any | None:
     """The shared-memory group an all_to_all over `group` goes through (its ranks share this host's memory), or None:

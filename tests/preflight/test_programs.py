@@ -80,9 +80,7 @@ def _block_held(rank: int, world_size: int, schedule: str, sp: bool) -> int:
     total = 0
     for layer in (block.qkv, block.proj, block.fc1, block.fc2):
         total += sum(exe.held_bytes() for exe in layer.programs._exes.values())
-        for slots in layer.programs._shm.slots.values():  # ASYNC_SHM's posted all-reduce
-            total += sum({t.untyped_storage().data_ptr(): t.untyped_storage().nbytes()
-                          for t in (*slots, *(slots.spare or ()))}.values())
+        total += layer.programs._posted.held_bytes()  # ASYNC_SHM's posted all-reduce
     return total
 
 
