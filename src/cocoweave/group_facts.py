@@ -21,8 +21,8 @@ from .backends.torch.agreement import agree
 from .backends.torch.placement import cpu_group
 from .backends.torch.shm import Posted
 
-__all__ = ["Posted", "PostedAllReduce", "agree", "group_rank", "group_size", "group_timeout", "max_flags",
-           "one_host", "world"]
+__all__ = ["Posted", "PostedAllReduce", "agree", "all_to_all_route", "group_rank", "group_size", "group_timeout",
+           "max_flags", "one_host", "start_all_to_all", "world"]
 
 
 def world(group: Any = None) -> tuple[int, int]:
