@@ -93,7 +93,7 @@ def plan_llm(spec: TransformerSpec, catalog: Catalog, tokens: float, stack: Stac
     unfinishable = 0
     with _no_cycle_collection():
         for machine in machines:
-            system = system_for(machine, catalog, stack.eff)
+            system = system_for(machine, catalog, stack)
             for n in gpu_counts(machine, min_gpus, max_gpus):
                 result: SearchResult = search(spec, system, n, stack)
                 if result.best is None:
