@@ -28,9 +28,7 @@ __all__ = ["Posted", "PostedAllReduce", "agree", "all_to_all_route", "group_rank
 def world(group: Any = None) -> tuple[int, int]:
     """(rank, size) in `group` (the default process group when None); (0, 1) when torch.distributed is not
     initialised."""
-    if dist.is_available() and dist.is_initialized():
-        return dist.get_rank(group), dist.get_world_size(group)
-    return 0, 1
+    return group_rank(group), group_size(group)
 
 
 def group_size(group: Any) -> int:
@@ -108,7 +106,7 @@ class PostedAllReduce:
 def all_to_all_route(group: Any) -> Any | None:
     """The shared-memory group an all_to_all over `group` goes through (its ranks share this host's memory), or None:
     then the caller takes torch.distributed's all_to_all_single (the same answer on every rank)."""
-    return shm_a2a.group_of(group)
+    return shm.group_for(group)
 
 
 def start_all_to_all(route: Any, group: Any, x: torch.Tensor, in_splits: list[int], out_splits: list[int]) -> Any:

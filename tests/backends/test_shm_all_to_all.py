@@ -42,7 +42,7 @@ def calls_case(rank: int, world_size: int, calls: list[dict]) -> list[bool]:
     """Each call through shared memory and through the library: whether the rows are equal, bit for bit. A rank
     late by a random few milliseconds before some calls, or between its start and its wait, puts the ranks out of
     step."""
-    g = shm_all_to_all.group_of(None)
+    g = shm.group_for(None)
     assert g is not None, "the ranks of a LocalWorld share this host: the shared-memory route must be taken"
     late = random.Random(rank)
     got = []
@@ -134,7 +134,7 @@ def test_as_used_in_autograd_it_equals_the_library_forward_and_backward(local_wo
 
 def disagree_case(rank: int, world_size: int) -> str:
     """Rank 0 says it sends 2 rows to rank 1, which expects 3 (and the reverse)."""
-    g = shm_all_to_all.group_of(None)
+    g = shm.group_for(None)
     ins, outs = ([1, 2], [1, 2]) if rank == 0 else ([3, 1], [3, 1])
     try:
         shm_all_to_all.all_to_all(g, None, torch.zeros(sum(ins), 4), ins, outs)
@@ -154,7 +154,7 @@ def test_splits_that_disagree_are_one_sentence_on_each_rank(local_world):
 
 
 def _stall(rank: int, world_size: int, seconds: float) -> None:
-    g = shm_all_to_all.group_of(None)
+    g = shm.group_for(None)
     shm_all_to_all.all_to_all(g, None, torch.ones(2, 3), [1, 1], [1, 1])
     if rank == 1:
         time.sleep(seconds)
@@ -172,7 +172,7 @@ def test_a_rank_that_stops_answering_is_named_within_the_timeout(whole_time_scal
 
 
 def _die(rank: int, world_size: int) -> None:
-    g = shm_all_to_all.group_of(None)
+    g = shm.group_for(None)
     x = torch.ones(4, 3)
     buf = moe_dispatch.start_all_to_all(x, [2, 2], [2, 2], None)
     moe_dispatch.wait_all_to_all(*buf)
@@ -196,7 +196,7 @@ def test_a_rank_that_exits_is_named_at_once_not_after_the_timeout():
 def no_segment_case(rank: int, world_size: int) -> list:
     """Slots made, then no segment can be made any more: a call that outgrows them takes the library's route on
     every rank (the same rows), one that fits stays on shared memory."""
-    g = shm_all_to_all.group_of(None)
+    g = shm.group_for(None)
     small = [{"splits": [[1, 2], [3, 0]], "width": 4, "dtype": "float32", "late": False}] * 2
     first = calls_case(rank, world_size, small)  # both sets of slots made (and grown to their smallest size)
 

@@ -14,12 +14,13 @@ from cocoweave.nn import ColumnParallelLinear
 def _step(rank: int, world_size: int, cache: str, forget: bool) -> dict:
     """One forward and backward of an "auto" column-parallel layer with this process's memory cleared, the cache at
     `cache` (this rank's own file when it is a folder); how often "auto" measured, and what it chose."""
+    from cocoweave import tune
     from cocoweave.nn import compiled
 
     if os.path.isdir(cache):
         cache = os.path.join(cache, f"rank{rank}.json")
     os.environ["COCOWEAVE_TUNE_CACHE"] = cache
-    compiled._CHOSEN.clear()
+    tune._CHOSEN.clear()
     measured = []
     real = compiled.Programs.fastest
 

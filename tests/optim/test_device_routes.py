@@ -10,6 +10,7 @@ import pytest
 import torch
 import torch.distributed as dist
 
+from cocoweave import group_facts
 from cocoweave.backends.torch import placement
 from cocoweave.optim import DistributedAdamW, base
 from cocoweave.optim.buckets import Bucket, make_buckets
@@ -26,7 +27,7 @@ def nccl_world(monkeypatch):
     monkeypatch.setattr(dist, "is_initialized", lambda: True)
     monkeypatch.setattr(dist, "get_backend_config", lambda group=None: "cuda:nccl")
     monkeypatch.setattr(base, "world", lambda group=None: (0, 2))
-    monkeypatch.setattr(base.shm, "group_for", lambda group: None)  # several hosts: no shared memory
+    monkeypatch.setattr(group_facts.shm, "group_for", lambda group: None)  # several hosts: no shared memory
 
     def all_reduce(t, op=None, group=None):
         seen.append(t.device)

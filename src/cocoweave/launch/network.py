@@ -35,7 +35,10 @@ def _is_loopback(host: str) -> bool:
 
 
 def _use_loopback_for_gloo() -> None:
-    """Make Gloo's pairs listen on the loopback interface (ranks on one host)."""
+    """Make Gloo's pairs listen on the loopback interface (ranks on one host), unless the user chose Gloo's
+    interface (GLOO_SOCKET_IFNAME): then it is left as they set it."""
+    if "GLOO_SOCKET_IFNAME" in os.environ:
+        return
     try:
         names = [name for _, name in socket.if_nameindex()]
     except OSError:
@@ -43,9 +46,3 @@ def _use_loopback_for_gloo() -> None:
     ifname = next((n for n in ("lo", "lo0") if n in names), None)
     if ifname:
         os.environ["GLOO_SOCKET_IFNAME"] = ifname
-
-
-
-def gloo_interface_chosen() -> bool:
-    """Whether the user chose Gloo's interface (GLOO_SOCKET_IFNAME): then it is left as they set it."""
-    return "GLOO_SOCKET_IFNAME" in os.environ

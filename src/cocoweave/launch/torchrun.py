@@ -13,7 +13,7 @@ from ..backends.torch.placement import group_backend
 from ..errors import BackendError
 from ..rankenv import RankEnv, missing_to_join
 from .failures import _first_line, _is_comm_failure, _raise
-from .network import _is_loopback, _use_loopback_for_gloo, gloo_interface_chosen, listening_store
+from .network import _is_loopback, _use_loopback_for_gloo, listening_store
 from .ranks import _RANK, check_seconds
 
 
@@ -35,7 +35,7 @@ def init_from_env(timeout_s: float = 60.0, backend: str | None = None) -> tuple[
     if dist.is_initialized():
         return dist.get_rank(), dist.get_world_size(), device
     host = env.master_addr or ""
-    if chosen == "gloo" and not gloo_interface_chosen() and local_size == world_size \
+    if chosen == "gloo" and local_size == world_size \
             and _is_loopback(host):
         _use_loopback_for_gloo()  # the whole world on this host, met at a loopback address: Gloo stays there too
     try:

@@ -21,7 +21,7 @@ from ..backends.torch.placement import group_backend
 from ..rankenv import adopt_environment
 from .failures import _describe
 from .lifetime import die_with_parent
-from .network import _use_loopback_for_gloo, gloo_interface_chosen
+from .network import _use_loopback_for_gloo
 from .ranks import _RANK
 from .sending import _resolve, _send
 
@@ -72,7 +72,7 @@ def _worker_main(rank: int, world_size: int, port: int, backend: str, device: st
         if dev.type == "cuda":
             dev = torch.device("cuda", rank % torch.cuda.device_count())
             torch.cuda.set_device(dev)
-        if backend == "gloo" and not gloo_interface_chosen():
+        if backend == "gloo":
             _use_loopback_for_gloo()
         store = dist.TCPStore("127.0.0.1", port, is_master=False, timeout=timedelta(seconds=start_timeout_s))
         # Wait until every rank has started (imports are slow): the group's timeout then covers only work.

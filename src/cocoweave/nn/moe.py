@@ -100,10 +100,12 @@ class MoE(nn.Module):
         flat = x.reshape(-1, self.dim)
         routing = self.router(flat)
         self.aux_loss = routing.aux_loss
-        self.tokens_per_expert = torch.bincount(routing.experts.flatten(), minlength=self.n_experts)
-        # permute: one row per kept (token, expert) pair, grouped by expert (stable: tokens in order)
-        experts, kept = routing.experts.flatten(), routing.kept.flatten()
-        pairs = kept.nonzero().squeeze(1) if not bool(kept.all()) else None
+        experts = routing.experts.flatten()
+        self.tokens_per_expert = torch.bincount(experts, minlength=self.n_experts)
+        # permute: one row per kept (token, expert) pair, grouped by expert (stable: tokens in order); without a
+        # capacity every pair is kept (no test of `kept`: a device sync per step)
+        kept = routing.kept.flatten()
+        pairs = None if self.router.capacity_factor is None or bool(kept.all()) else kept.nonzero().squeeze(1)
         if pairs is not None:
             experts = experts[pairs]
         order = experts.argsort(stable=True)
@@ -136,11 +138,11 @@ class MoE(nn.Module):
         hidden = shared.hidden(flat) if overlap else None
         got = self.wait(buf, pending)
         # regroup the received rows from (source, expert) order to (expert, source) order
-        segment = torch.repeat_interleave(torch.arange(self.ep * n_local), received.flatten())
+        segment = torch.repeat_interleave(torch.arange(self.ep * n_local, device=received.device), received.flatten())
         regroup = ((segment % n_local) * self.ep + segment // n_local).argsort(stable=True)
         out = self.experts(got.index_select(0, regroup), received.sum(0).tolist())
         back = torch.empty_like(regroup)
-        back[regroup] = torch.arange(regroup.numel())
+        back[regroup] = torch.arange(regroup.numel(), device=regroup.device)
         buf, pending = self.start(out.index_select(0, back), out_splits, in_splits, self.group)
         shared_out = shared.w2(hidden) if hidden is not None else None
         out_rows = self.wait(buf, pending)

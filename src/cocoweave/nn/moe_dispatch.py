@@ -175,11 +175,6 @@ def library_exchange_counts(counts: torch.Tensor, group: Any) -> torch.Tensor:
     return exchange_counts(counts, group, library=True)
 
 
-def no_dispatch(x: torch.Tensor, in_splits: list[int], out_splits: list[int], group: Any) -> torch.Tensor:
-    """The communication-free floor's dispatch: the rows stay where they are (out_splits must equal in_splits)."""
-    return x
-
-
 def no_start(x: torch.Tensor, in_splits: list[int], out_splits: list[int], group: Any) -> tuple[torch.Tensor, Any]:
     """The floor's `start_all_to_all`: nothing in flight, the rows stay where they are."""
     return x, None
@@ -196,5 +191,5 @@ def no_exchange(counts: torch.Tensor, group: Any) -> torch.Tensor:
 
 
 __all__ = ["dispatch_all_to_all", "exchange_counts", "library_exchange_counts", "library_start_all_to_all",
-           "no_dispatch", "no_exchange", "no_start", "no_wait",
+           "no_exchange", "no_start", "no_wait",
            "start_all_to_all", "wait_all_to_all"]

@@ -185,9 +185,9 @@ class StageModule(nn.Module):
         return x
 
 
-def _warn_renamed(old: str, new: str) -> None:
+def _warn_renamed(old: str, new: str, stacklevel: int = 3) -> None:
     warnings.warn(f"{old} is renamed {new} (a schedule in cocoweave is a CoCoNet Schedule); the old name goes in "
-                  "the next release", DeprecationWarning, stacklevel=3)
+                  "the next release", DeprecationWarning, stacklevel=stacklevel)
 
 
 def _renamed_schedule_keyword(schedule: str, pipeline_schedule: str) -> str:
@@ -196,8 +196,7 @@ def _renamed_schedule_keyword(schedule: str, pipeline_schedule: str) -> str:
     if pipeline_schedule != "1f1b" and pipeline_schedule != schedule:
         raise ParallelConfigError(f"Pipeline got schedule={schedule!r} and pipeline_schedule={pipeline_schedule!r}; "
                                   "give pipeline_schedule= only (schedule= is its old name)")
-    warnings.warn("Pipeline(schedule=...) is renamed Pipeline(pipeline_schedule=...) (a schedule in cocoweave is a "
-                  "CoCoNet Schedule); the old keyword goes in the next release", DeprecationWarning, stacklevel=3)
+    _warn_renamed("Pipeline(schedule=...)", "Pipeline(pipeline_schedule=...)", stacklevel=4)
     return schedule
 
 

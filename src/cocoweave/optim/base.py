@@ -29,7 +29,7 @@ from typing import Any
 import torch
 
 from ..errors import OptimizerError
-from ..group_facts import shm, world  # noqa: F401  (shm: tests reach the shared-memory transport through here)
+from ..group_facts import world
 from ..ir.graph import Program
 from ..workloads.optimizer_contract import STARTED, STEPS
 from .bucket_set import BucketSet

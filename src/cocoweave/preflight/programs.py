@@ -25,8 +25,6 @@ from ..plan.lower import lower
 from ..schedule.stages import Collective, FusedCollective, Overlap, Stage
 from .job import PipelineJob
 
-_SEGMENT_ALIGN = 64  # shm.ShmGroup.slots starts each slot on a cache line (test_programs pads a 288-byte slot)
-
 
 def _bytes(shape: tuple[int, ...], dtype: str) -> int:
     return math.prod(shape) * DTYPES[dtype].itemsize
@@ -44,7 +42,10 @@ def _collectives(stages: list[Stage] | tuple[Stage, ...]) -> list[tuple[Collecti
 
 
 def _aligned(nbytes: int) -> int:
-    return -(-nbytes // _SEGMENT_ALIGN) * _SEGMENT_ALIGN
+    """`nbytes` rounded up as shm.ShmGroup.slots places each slot (on a cache line)."""
+    from ..backends.torch.shm import SLOT_ALIGN
+
+    return -(-nbytes // SLOT_ALIGN) * SLOT_ALIGN
 
 
 def _collective_bytes(op: str, algorithm: str, x: tuple[int, ...], v: tuple[int, ...], dim: int, n: int,
@@ -113,7 +114,7 @@ def _posted_bytes(rows: int, d_in: int, dtype: str, tp: int) -> int:
     from ..backends.torch.shm import ALTERNATE_BYTES
 
     slot = _bytes((rows, d_in), dtype)
-    return -(-slot // _SEGMENT_ALIGN) * _SEGMENT_ALIGN * tp * (2 if slot <= ALTERNATE_BYTES else 1)
+    return _aligned(slot) * tp * (2 if slot <= ALTERNATE_BYTES else 1)
 
 
 @functools.lru_cache(maxsize=64)

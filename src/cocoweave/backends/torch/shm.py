@@ -49,6 +49,7 @@ from ...errors import BackendError
 from ...ir.layout import slice_bounds
 from ...rankenv import cores
 
+SLOT_ALIGN = 64  # bytes: every slot of a segment starts on a cache line
 LINE = 8  # int64 words per cache line: one line per rank ([flag, -, -, nonce (rank 0 / the sender), ...])
 _ORDERED = platform.machine().lower() in ("x86_64", "amd64", "i686", "x86")
 _GROUPS: dict[tuple[int, ...], ShmGroup | None] = {}
@@ -277,9 +278,9 @@ class ShmGroup:
         """A new segment of one slot of `numel` elements per rank (index i: group rank i's slot), or of `count`
         slots (count=1: one tensor all ranks of the group share). ShmUnavailable (on every rank) when it cannot be
         made."""
-        per = -(-numel * dtype.itemsize // 64) * 64  # each slot starts on a cache line
+        per = -(-numel * dtype.itemsize // SLOT_ALIGN) * SLOT_ALIGN
         count = self.size if count is None else count
-        seg, fd = _map(_unique(f"{self.key}/{prefix}"), max(per * count, 64), self.ranks, self.timeout)
+        seg, fd = _map(_unique(f"{self.key}/{prefix}"), max(per * count, SLOT_ALIGN), self.ranks, self.timeout)
         if fd is not None:
             self.pending.append(fd)
         out = Slots(seg[i * per:i * per + numel * dtype.itemsize].view(dtype) for i in range(count))

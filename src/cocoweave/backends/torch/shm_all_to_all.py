@@ -36,13 +36,6 @@ _SEQ, _NBYTES, _OFFSETS = 0, 1, 2  # header words: the call's number, the bytes 
 _STATES: dict[str, _State | None] = {}  # a group's slots by its key; None: none could be made (the library's)
 
 
-def group_of(group: Any) -> shm.ShmGroup | None:
-    """The shared-memory group of torch.distributed group `group` (None: the world), or None when its ranks do not
-    share this host's memory (the caller then runs the library's all_to_all_single). A collective of the group on
-    first use (shm.group_for); the same answer on every rank."""
-    return shm.group_for(group)
-
-
 class _Set:
     """One of the two alternating sets of slots: headers (fixed size) and data (grown on need)."""
 
@@ -195,4 +188,4 @@ def all_to_all(g: shm.ShmGroup, group: Any, x: torch.Tensor, in_splits: Sequence
     return start(g, group, x, in_splits, out_splits).wait()
 
 
-__all__ = ["Exchange", "all_to_all", "group_of", "start"]
+__all__ = ["Exchange", "all_to_all", "start"]
