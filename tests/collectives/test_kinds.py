@@ -121,16 +121,20 @@ def test_codegen_calls_its_registered_implementation(gathering):
 
 def _run_gather(rank: int, world_size: int, inputs: Any) -> Any:
     """On a rank: the same one registration, the program built and run, the kind removed again."""
-    with _registered():
-        return run_schedules(rank, world_size, [Schedule(_program())], inputs, {})[0]
+    from cocoweave.preflight.record import recording
+
+    with _registered(), recording() as rec:
+        result = run_schedules(rank, world_size, [Schedule(_program())], inputs, {})[0]
+    return result, [(op.kind, op.numel) for op in rec.other]
 
 
 def test_the_torch_backend_runs_it_and_it_equals_the_reference(gathering, local_world):
     program = _program()
     inputs = make_inputs(program, 2, {}, seed=5)
     want = reference.run(program, inputs, {}, whole_state=True)
-    got = local_world(2).run(_run_gather, inputs)
-    assert compare_results(program, got, want).ok
+    got, seen = zip(*local_world(2).run(_run_gather, inputs))
+    assert compare_results(program, list(got), want).ok
+    assert all(("gather", 6) in ops for ops in seen)  # pre-flight's recording sees the new kind: one 2x3 part
     assert torch.count_nonzero(got[1].outputs["y"]) > 0  # the root's result is not the zeros of the others
 
 

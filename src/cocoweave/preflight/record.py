@@ -20,10 +20,14 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
+from .. import collectives
 from .trace import P2P, Op, Trace
 
-COLLECTIVES = ("all_reduce", "all_gather", "all_gather_into_tensor", "reduce_scatter_tensor", "broadcast",
-               "all_to_all_single", "reduce_scatter", "barrier")
+# torch.distributed functions wrapped beyond every registered collective kind's own (collectives.kinds.recorded),
+# each with the argument whose size crosses (as the predictor writes it)
+DATA_ARGUMENT = {"all_gather": "tensor", "all_gather_into_tensor": "input_tensor", "all_gather_single": "input_tensor",
+                 "reduce_scatter_tensor": "input", "reduce_scatter_single": "input", "all_to_all_single": "input",
+                 "reduce_scatter": "output", "barrier": "", "send": "tensor", "recv": "tensor"}
 # frames (co_qualname) whose collective is the stage boundary's or the step's: what the predictor covers
 BOUNDARY_CALLERS = ("_GatherFromParallel.forward", "_ScatterToParallel.backward")
 
@@ -91,7 +95,10 @@ def recording(rank: int | None = None, optimizer: Any = None) -> Iterator[Record
                 yield item
 
         return saved_finish(seen(), exe, phases)
-    saved = {name: getattr(dist, name) for name in COLLECTIVES + ("send", "recv") if hasattr(dist, name)}
+    # the argument whose size crosses: named above, else the registered kind's (by position)
+    data: dict[str, str | int] = {fn: index for fn, (_, index, _) in collectives.kinds.recorded().items()}
+    data.update(DATA_ARGUMENT)
+    saved = {name: getattr(dist, name) for name in data if hasattr(dist, name)}
 
     def batch_p2p(ops: list[dist.P2POp], desc: str | None = None) -> Any:
         for op in ops:
@@ -103,8 +110,8 @@ def recording(rank: int | None = None, optimizer: Any = None) -> Iterator[Record
     def wrap(name: str) -> Any:
         fn = saved[name]
         signature = inspect.signature(fn)
-        data = {"all_gather": "tensor", "all_gather_into_tensor": "input_tensor", "reduce_scatter_tensor": "input",
-                "all_to_all_single": "input"}.get(name, "tensor")  # the argument whose size crosses
+        arg = data[name]
+        crossing = list(signature.parameters)[arg] if isinstance(arg, int) else arg
 
         def wrapped(*args: Any, **kwargs: Any) -> Any:
             if getattr(_local, "inside", False):
@@ -113,7 +120,7 @@ def recording(rank: int | None = None, optimizer: Any = None) -> Iterator[Record
                 given = signature.bind(*args, **kwargs).arguments
             except TypeError:  # torch says what is wrong with the call
                 return fn(*args, **kwargs)
-            tensor, group = given.get(data), given.get("group")
+            tensor, group = given.get(crossing), given.get("group")
             peer = given.get("dst" if name == "send" else "src") if name in P2P else None
             local_peer = given.get("group_dst" if name == "send" else "group_src") if name in P2P else None
             if peer is None and local_peer is not None:
