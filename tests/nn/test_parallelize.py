@@ -175,6 +175,16 @@ def test_a_plan_naming_no_module_is_one_sentence():
         parallelize(_model(), None, {"layers.*.attn.wq": llama_plan(_model())["layers.*.attention.wq"]})
 
 
+def test_an_input_layout_change_other_than_the_sequence_gather_is_one_sentence_naming_the_module():
+    from torch.distributed.tensor import Replicate, Shard
+    from torch.distributed.tensor.parallel import PrepareModuleInput
+
+    style = PrepareModuleInput(input_layouts=(Shard(0),), desired_input_layouts=(Replicate(),))
+    said = r"^parallelize: layers\.0\.attention \(\w+\) with PrepareModuleInput: converting input 0 from S\(0\) to R"
+    with pytest.raises(ParallelConfigError, match=said + " is not supported"):
+        parallelize(_model(), None, {"layers.0.attention": style})
+
+
 def test_llama_plan_uses_torch_styles_for_both_namings():
     from torch.distributed.tensor.parallel import ColwiseParallel, RowwiseParallel
 

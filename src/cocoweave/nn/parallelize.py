@@ -34,7 +34,7 @@ from __future__ import annotations
 
 import contextlib
 import fnmatch
-from collections.abc import Iterator, Mapping
+from collections.abc import Iterable, Iterator, Mapping
 from typing import Any
 
 from torch import nn
@@ -67,7 +67,7 @@ def parallelize(model: nn.Module, mesh: Any, plan: Mapping[str, Any], *, schedul
         for name in hits:
             chosen[name] = style
     _check_heads(modules, chosen, tp)
-    gathered = _gathered(chosen)
+    gathered = _gathered(chosen, modules)
     for name, style in chosen.items():
         new = _replacement(name, modules[name], style, mesh, schedule, gathered)
         if new is not None:
@@ -92,10 +92,11 @@ def _is(layouts: tuple[Any, ...], kind: type, dim: int | None = None) -> bool:
 
 
 def _replacement(name: str, module: nn.Module, style: Any, mesh: Any, schedule: str | None,
-                 gathered: frozenset[str]) -> nn.Module | None:
+                 gathered: Mapping[str, tuple[tuple[int, ...], tuple[str, ...]]]) -> nn.Module | None:
     """The cocoweave module that does what `style` asks of `module` (None: nothing to replace; a module that only
     changes what its forward does is changed in place). `gathered`: the modules whose inputs the plan gathers from
-    sequence slices (their column-parallel projections leave the input gradient to the gather)."""
+    sequence slices, with those inputs (their column-parallel projections leave the input gradient to the
+    gather)."""
     from torch.distributed.tensor import Replicate, Shard  # imported here: DTensor costs 0.4 s to import
     from torch.distributed.tensor.parallel import (
         ColwiseParallel,
@@ -105,7 +106,7 @@ def _replacement(name: str, module: nn.Module, style: Any, mesh: Any, schedule: 
         SequenceParallel,
     )
 
-    what = f"parallelize: {name} ({type(module).__name__}) with {type(style).__name__}"
+    what = _describe(name, module, style)
     group = resolve_group(mesh)
     if isinstance(module, _ParallelLinear):
         raise ParallelConfigError(f"{what}: the module is already tensor-parallel")
@@ -145,9 +146,8 @@ def _replacement(name: str, module: nn.Module, style: Any, mesh: Any, schedule: 
             return _linear(SequenceRowLinear, module, mesh, None, input_is_parallel=_is(inp, Shard, -1))
         return _linear(RowParallelLinear, module, mesh, schedule, input_is_parallel=_is(inp, Shard, -1))
     if isinstance(style, PrepareModuleInput):
-        positions, names = _sequence_gathers(what, style)
-        if positions or names:
-            gather_inputs(module, positions, names, group)
+        if name in gathered:
+            gather_inputs(module, *gathered[name], group)
         return None
     if isinstance(style, PrepareModuleOutput):
         if all(a is None or b is None or a == b for a, b in zip(_layouts(style, "output_layouts"),
@@ -185,19 +185,28 @@ def _sequence_gathers(what: str, style: Any) -> tuple[tuple[int, ...], tuple[str
     return positions, names
 
 
-def _inside(name: str, parents: frozenset[str]) -> bool:
+def _describe(name: str, module: nn.Module, style: Any) -> str:
+    """Where a refusal happened: 'parallelize: NAME (Module) with Style'."""
+    return f"parallelize: {name} ({type(module).__name__}) with {type(style).__name__}"
+
+
+def _inside(name: str, parents: Iterable[str]) -> bool:
     return any(name.startswith(p + ".") for p in parents)
 
 
-def _gathered(chosen: dict[str, Any]) -> frozenset[str]:
-    """The modules whose inputs `chosen` gathers from sequence slices (PrepareModuleInput Shard(1) -> Replicate())."""
+def _gathered(chosen: dict[str, Any], modules: dict[str, nn.Module]
+              ) -> dict[str, tuple[tuple[int, ...], tuple[str, ...]]]:
+    """The modules whose inputs `chosen` gathers from sequence slices (PrepareModuleInput Shard(1) -> Replicate()),
+    with the positions and names of those inputs; any other change of an input's layout is refused here."""
     from torch.distributed.tensor.parallel import PrepareModuleInput
 
-    out = set()
+    out = {}
     for name, style in chosen.items():
-        if isinstance(style, PrepareModuleInput) and any(_sequence_gathers(name, style)):
-            out.add(name)
-    return frozenset(out)
+        if isinstance(style, PrepareModuleInput):
+            positions, names = _sequence_gathers(_describe(name, modules[name], style), style)
+            if positions or names:
+                out[name] = (positions, names)
+    return out
 
 
 def _linear(cls: type[_ParallelLinear], module: nn.Linear, mesh: Any, schedule: str | None, **kwargs: Any
