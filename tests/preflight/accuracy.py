@@ -110,6 +110,7 @@ def idle_case(rank: int, world_size: int, pp: int, schedule: str, m: int, n: int
     saved = S._wait_batch_p2p
     S._wait_batch_p2p = timed(saved, None, "wait")
     x = torch.randint(0, V, (n, seq))
+    calibration = calibrate(pipe, m, n, seq, d)
     steps = []
     try:
         for s in range(7):
@@ -123,7 +124,79 @@ def idle_case(rank: int, world_size: int, pp: int, schedule: str, m: int, n: int
                 steps.append({"wall": wall, "busy": now["busy"], "wait": now["wait"], "calls": dict(calls)})
     finally:
         S._wait_batch_p2p = saved
-    return {"rank": rank, "steps": steps, "predicted": pipe.check(batch=n, seq=seq, memory=False).bubble(rank)}
+    return {"rank": rank, "steps": steps, "predicted": pipe.check(batch=n, seq=seq, memory=False).bubble(rank),
+            "calibration": calibration}
+
+
+def _busy(ms: float) -> None:
+    a = torch.randn(192, 192)
+    t = time.perf_counter()
+    while (time.perf_counter() - t) * 1e3 < ms:
+        a @ a
+
+
+def calibrate(pipe: Any, m: int, n: int, seq: int, d: int, reps: int = 5) -> dict[str, Any]:
+    """Before the timed steps, on both ranks at once (as they will run): this rank's stage's forward (the last
+    stage's loss included) and backward of one micro-batch, each timed alone (median of `reps` after a warm-up);
+    and the seconds a rank takes to receive a message that arrived while it computed, the sender computing too
+    (what a stage's receive is), of half, once and twice the boundary's size, both directions: what
+    PipelineJob.stage_costs and link take."""
+    import torch.distributed as dist
+
+    rank, mb = dist.get_rank(), n // m
+    sub = pipe.stages[0].submod
+    first, last = pipe.stages[0].is_first, pipe.stages[0].is_last
+    fwd, bwd = [], []
+    for i in range(reps + 1):
+        x = torch.randint(0, V, (mb, seq)) if first else torch.randn(mb, seq, d, requires_grad=True)
+        dist.barrier()
+        t = time.perf_counter()
+        out = sub(x, step=100 + i, positions=torch.arange(mb))
+        if last:
+            out = ce(out, torch.randint(0, V, (mb, seq)))
+        t1 = time.perf_counter()
+        out.backward(None if last else torch.randn_like(out))
+        t2 = time.perf_counter()
+        if i:
+            fwd.append(t1 - t)
+            bwd.append(t2 - t1)
+    sub.zero_grad(set_to_none=True)
+    receive = {}
+    for numel in (mb * seq * d // 2, mb * seq * d, 2 * mb * seq * d):
+        got = []
+        for src in (0, 1):
+            for i in range(reps + 1):
+                dist.barrier()
+                if rank == src:
+                    work = dist.isend(torch.randn(numel), 1 - src)
+                    _busy(60)
+                    work.wait()
+                else:
+                    buf = torch.empty(numel)
+                    _busy(30)
+                    t = time.perf_counter()
+                    dist.irecv(buf, src).wait()
+                    if i:
+                        got.append(time.perf_counter() - t)
+        receive[numel] = got
+    return {"stage": pipe.stage_ids[0], "forward": statistics.median(fwd), "backward": statistics.median(bwd),
+            "receive": {k: v for k, v in receive.items()}}
+
+
+def _link(calibrations: list[dict[str, Any]]) -> Any:
+    """The pricing model's Link (latency + bytes / bandwidth) fitted by least squares through the probed sizes'
+    median receive times (a slope that is not positive: the mean time as latency, bandwidth unbounded)."""
+    from cocoweave.collectives.pricing import Link
+
+    sizes: dict[int, list[float]] = {}
+    for c in calibrations:
+        for numel, got in c["receive"].items():
+            sizes.setdefault(int(numel), []).extend(got)
+    points = [(4.0 * k, statistics.median(v)) for k, v in sizes.items()]
+    slope, latency = statistics.linear_regression(*zip(*points))
+    if slope <= 0:
+        return Link("gloo receive, probed", float("inf"), statistics.mean(t for _, t in points))
+    return Link("gloo receive, probed", 1 / slope, max(latency, 0.0))
 
 
 def _machine() -> dict[str, Any]:
@@ -170,6 +243,12 @@ def idle_rows() -> list[dict[str, Any]]:
                 job = PipelineJob(pp=pp, microbatches=m, n_blocks=blocks, batch=n, seq=seq, d_model=d, heads=heads,
                                   schedule=schedule, stage_costs=costs)
                 with_costs.append((preflight(job, ranks=[]), costs))
+            cal = [r["calibration"] for r in out]
+            link = _link(cal)
+            calibrated = preflight(PipelineJob(pp=pp, microbatches=m, n_blocks=blocks, batch=n, seq=seq, d_model=d,
+                                               heads=heads, schedule=schedule, link=link,
+                                               stage_costs={c["stage"]: (c["forward"], c["backward"]) for c in cal}),
+                                   ranks=[])
             for r in out:
                 st = r["steps"]
                 idle = [1 - x["busy"] / x["wall"] for x in st]
@@ -181,6 +260,9 @@ def idle_rows() -> list[dict[str, Any]]:
                              "predicted_unit_costs": round(r["predicted"], 4),
                              "predicted_own_costs": round(statistics.median(own), 4),
                              "predicted_own_costs_per_step": [round(v, 4) for v in own],
+                             "predicted_calibrated": round(calibrated.bubble(r["rank"]), 4),
+                             "calibration": r["calibration"] | {"link_bandwidth_B_s": link.bandwidth,
+                                                                "link_latency_s": link.latency},
                              "step_s": round(statistics.median(x["wall"] for x in st), 4),
                              "backward_over_forward": [round(c[s][1] / c[s][0], 3) for _, c in with_costs
                                                        for s in range(pp)],
@@ -206,13 +288,13 @@ def main(argv: list[str]) -> None:
                   f"{r['terms_MiB']['activations']} |")
     else:
         print("| schedule, micro-batches | rank | measured idle (steps' range) | in waits | predicted, unit costs | "
-              "predicted, each step's own costs | backward / forward | step s |")
+              "predicted, calibrated | predicted, each step's own costs | backward / forward | step s |")
         for r in rows:
             per, ratio = r["measured_idle_per_step"], r["backward_over_forward"]
             print(f"| {r['schedule']}, {r['microbatches']} | {r['rank']} | {100 * r['measured_idle']:.1f}% "
                   f"({100 * min(per):.1f}-{100 * max(per):.1f}) | {100 * r['measured_wait']:.1f}% | "
-                  f"{100 * r['predicted_unit_costs']:.1f}% | {100 * r['predicted_own_costs']:.1f}% | "
-                  f"{min(ratio):.2f}-{max(ratio):.2f} | {r['step_s']:.2f} |")
+                  f"{100 * r['predicted_unit_costs']:.1f}% | {100 * r['predicted_calibrated']:.1f}% | "
+                  f"{100 * r['predicted_own_costs']:.1f}% | {min(ratio):.2f}-{max(ratio):.2f} | {r['step_s']:.2f} |")
     print(f"load average {before['load_average']} before, {doc['load_average_after']} after; JSON: {path}")
 
 

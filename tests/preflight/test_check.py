@@ -3,6 +3,8 @@ are read and checked, and each bad job fails with one sentence naming its ranks,
 
 from __future__ import annotations
 
+import dataclasses
+
 import pytest
 
 from cocoweave.errors import ParallelConfigError, PreflightError
@@ -264,6 +266,24 @@ def test_stage_costs_replace_the_unit_costs(m: int) -> None:
     assert report.timing.makespan == pytest.approx(3 + 6 * m)
     assert report.bubble(0) == pytest.approx(1 - 3 * m / (3 + 6 * m))
     assert report.bubble(1) == pytest.approx(3 / (3 + 6 * m))
+
+
+@pytest.mark.parametrize("m", [2, 4])
+def test_a_link_costs_each_receiver_its_messages(m: int) -> None:
+    """GPipe on 2 stages, forward 1 s and backward 2 s, each message costing its receiver c = 0.25 s (the link's
+    latency; its bandwidth too large to count): stage 1's forwards and stage 0's backwards each wait for the
+    other rank and then pay c, so the step is 3 + 3m + 2mc, of which rank 0 computes 3m and rank 1 3m."""
+    from cocoweave.collectives.pricing import Link
+
+    c = 0.25
+    job = PipelineJob(pp=2, microbatches=m, schedule="gpipe", stage_costs={0: (1.0, 2.0), 1: (1.0, 2.0)},
+                      link=Link("test", 1e30, c), **SMALL | {"batch": m})
+    report = preflight(job)
+    assert report.timing.makespan == pytest.approx(3 + 3 * m + 2 * m * c)
+    assert report.bubble(0) == pytest.approx(1 - 3 * m / (3 + 3 * m + 2 * m * c))
+    assert report.bubble(1) == pytest.approx(1 - 3 * m / (3 + 3 * m + 2 * m * c))
+    free = preflight(dataclasses.replace(job, link=None))
+    assert free.timing.makespan == pytest.approx(3 + 3 * m)  # no link: communication is free
 
 
 def test_activations_count_the_stage_outputs_kept_for_backward() -> None:

@@ -34,7 +34,7 @@ class Report:
     seconds: float
 
     def bubble(self, rank: int) -> float:
-        """The share of the step `rank` is idle (the schedule's bubble), compute in block units."""
+        """The share of the step `rank` is idle (the schedule's bubble; with the job's link, its receives too)."""
         return self.timing.bubble(rank)
 
     def to_json(self) -> dict[str, Any]:
@@ -58,7 +58,7 @@ def preflight(job: PipelineJob, ranks: list[int] | None = None, one_replica: boo
     num_stages, _ = layout(job)
     split = stage_split(job, num_stages)
     trace = predict(job)
-    timing = check_trace(trace)
+    timing = check_trace(trace, (lambda op: job.receive_cost(op.numel, op.dtype)) if job.link is not None else None)
     memory: dict[int, RankMemory] = {}
     try:
         for r in trace.ranks if ranks is None else ranks:

@@ -4,11 +4,13 @@ last is decided by running the trace: posts never block, a wait on a receive com
 and a wait on a send once its receive is posted (a rendezvous, as NCCL's and Gloo's unbuffered sends are), a
 collective completes when its whole group has entered it, compute takes its cost. When no rank can move, the
 ranks waiting for each other are named. The same run times the step (compute in units of one block's forward,
-a backward twice that), which gives each rank's idle share: the schedule's bubble."""
+a backward twice that, or the job's stage costs; a received message costs its receiver the job's receive cost
+after the wait, when the job states a link), which gives each rank's idle share: the schedule's bubble."""
 
 from __future__ import annotations
 
 from collections import defaultdict
+from collections.abc import Callable
 from dataclasses import dataclass
 
 from ..errors import PreflightError
@@ -104,9 +106,11 @@ def _describe_wait(trace: Trace, rank: int, pc: int, ev: Event, needs: list[int]
            f"{', '.join(map(str, needs))}"
 
 
-def simulate(trace: Trace, matches: dict[tuple[int, int], tuple[int, int]] | None = None) -> Timing:
+def simulate(trace: Trace, matches: dict[tuple[int, int], tuple[int, int]] | None = None,
+             receive: Callable[[Op], float] | None = None) -> Timing:
     """Run the trace (see the module docstring); PreflightError naming the circle of waiting ranks when it
-    cannot finish."""
+    cannot finish. `receive`: the time a received message costs its receiver once it has arrived (not busy:
+    the rank is not computing)."""
     matches = match_p2p(trace) if matches is None else matches
     ranks = trace.ranks
     pc = dict.fromkeys(ranks, 0)
@@ -133,6 +137,8 @@ def simulate(trace: Trace, matches: dict[tuple[int, int], tuple[int, int]] | Non
             if missing:
                 return sorted({p for p, _ in missing})
             now[r] = max([now[r]] + [posted[matches[(r, i)]] for i in ev.ops])
+            if receive is not None:
+                now[r] += sum(receive(op) for i in ev.ops if (op := trace.ops[r][i]).kind == "recv")
         else:  # a collective
             op = trace.ops[r][ev.ops[0]]
             if r not in entered:
@@ -212,11 +218,11 @@ def check_reduce_grad(trace: Trace) -> None:
                                  "never summed")
 
 
-def check_trace(trace: Trace) -> Timing:
+def check_trace(trace: Trace, receive: Callable[[Op], float] | None = None) -> Timing:
     """All the checks (matching, order per group, circles, gradient reductions); the simulated timing when the
-    trace passes them."""
+    trace passes them (`receive`: as simulate's)."""
     matches = match_p2p(trace)
     check_collective_order(trace)
-    timing = simulate(trace, matches)
+    timing = simulate(trace, matches, receive)
     check_reduce_grad(trace)
     return timing

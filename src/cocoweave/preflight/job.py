@@ -15,6 +15,8 @@ from typing import Any
 
 import torch
 
+from ..collectives import pricing
+from ..collectives.pricing import Link
 from ..errors import ParallelConfigError
 from .optimizer import bucket_collectives
 
@@ -36,7 +38,10 @@ class PipelineJob:
     step, as `optimizer.bucket_collectives` reads them) adds the optimizer's step after the pipeline's.
     `layer_schedule` is the schedule of the blocks' tensor-parallel layers (TransformerBlock's `schedule`: "auto",
     a schedule's name, or None for the hand-written path) and `dropout` their dropout: the buffers their compiled
-    programs keep count in each rank's memory (preflight.programs)."""
+    programs keep count in each rank's memory (preflight.programs). `stage_costs` (stage -> (forward, backward) of
+    one micro-batch) replace the unit costs (a block's forward 1, a backward 2); with `link` as well (the link the
+    pipeline's sends cross, collectives.pricing.Link) they are seconds and each message a rank receives costs it
+    `receive_cost` after it has arrived (Gloo's CPU receives: docs/preflight.md)."""
 
     pp: int
     microbatches: int
@@ -66,6 +71,7 @@ class PipelineJob:
     optimizer_steps: Mapping[int, Sequence[tuple[str, int, str]]] | None = None
     device_memory: float | None = None
     stage_costs: Mapping[int, tuple[float, float]] | None = None
+    link: Link | None = None
     name: str = "job"
     extra: dict[str, Any] = field(default_factory=dict)
 
@@ -112,6 +118,13 @@ class PipelineJob:
         backward twice a forward."""
         forward, backward = (self.stage_costs or {}).get(stage, (blocks, 2 * blocks))
         return float({"F": forward, "B": backward}.get(kind, backward / 2))
+
+    def receive_cost(self, numel: int, dtype: str) -> float:
+        """Seconds the receiving rank spends on a message of `numel` values of `dtype` once it has arrived: one
+        point-to-point message priced on `link` (collectives.pricing, the one pricing model); 0 without a link."""
+        if self.link is None:
+            return 0.0
+        return pricing.seconds("p2p", numel * DTYPE_BYTES.get(dtype, 4), 2, self.link)
 
     def custom_actions(self) -> dict[int, list[str]] | None:
         """The user-written schedule's action strings per pipeline rank, or None for a named schedule."""
