@@ -1,6 +1,7 @@
 """Training an MoE model with expert parallelism: at dp 2 x ep 2 (4 ranks; DistributedAdamW over every rank for the
-non-expert parameters, over dp for the experts) the 20-step loss curve equals one process's; a checkpoint saved at
-ep 2 (cocoweave.checkpoint of sharded_state_dict) resumes at ep 1 and ep 4 on the same losses."""
+non-expert parameters, over dp for the experts) and at tp 2 x ep 2 (the attention tensor-parallel) the 20-step loss
+curve equals one process's; a checkpoint saved at ep 2 (cocoweave.checkpoint of sharded_state_dict) resumes at ep 1
+and ep 4 on the same losses."""
 
 from __future__ import annotations
 
@@ -189,3 +190,53 @@ def test_a_dcp_checkpoint_of_model_state_dict_saved_at_ep2_loads_at_ep4(local_wo
     for loaded in local_world(4).run(dcp_load_case, str(tmp_path / "dcp")):
         assert loaded.keys() == saved.keys() and all(torch.equal(loaded[k], v) for k, v in saved.items())
     assert any(k.endswith("experts.w1") for k in saved)
+
+
+# ---------------------------------------------------------------------------------------------------------
+# Composed with tensor-parallel attention: tp 2 x ep 2 (attention split over tp by one parallelize call, the
+# experts over ep, each ep rank its share of the batch, both tp ranks of a share the same tokens)
+# ---------------------------------------------------------------------------------------------------------
+
+
+def tp_ep_case(rank: int, world_size: int, steps: int) -> list[float]:
+    """tp 2 x ep 2: the attention's projections split over tp; the experts (DTensors over ep, whose gradients the
+    combine sums over ep) stepped over tp, where they are replicated; everything else over ep, the data-parallel
+    dimension of the other parameters."""
+    import torch.distributed as dist
+    from torch.distributed.device_mesh import init_device_mesh
+
+    from cocoweave.nn import expert_parameters, llama_plan, parallelize
+    from cocoweave.optim import DistributedAdamW
+    from cocoweave.sharding import is_dtensor
+
+    mesh = init_device_mesh("cpu", (2, 2), mesh_dim_names=("ep", "tp"))
+    model = _model(mesh, divisor=mesh["ep"].size())
+    plan = llama_plan(model)
+    assert plan and all(".attention." in name for name in plan)  # the attention only: the MoE layers stay as they are
+    parallelize(model, mesh["tp"], plan)
+    assert is_dtensor(model.layers["0"].attention.wq.weight)
+    experts, others = expert_parameters(model)
+    opts = [DistributedAdamW(experts, lr=LR, eps=EPS, process_group=mesh.get_group("tp")),
+            DistributedAdamW(others, lr=LR, eps=EPS, process_group=mesh.get_group("ep"))]
+    share = mesh.get_coordinate()[0]
+    losses = []
+    for step in range(steps):
+        x, y = (t.chunk(2)[share] for t in _batch(step))
+        for opt in opts:
+            opt.zero_grad()
+        loss = _loss(model, x, y)
+        loss.backward()
+        for opt in opts:
+            opt.step()
+        whole = loss.detach().clone()
+        dist.all_reduce(whole)
+        losses.append(float(whole) / world_size)  # each share's loss counted by its two tp ranks
+    return losses
+
+
+def test_tp2_x_ep2_trains_the_single_process_curve(local_world):
+    steps = 20
+    ref = reference_curve(steps, 2)
+    assert ref[-1] < ref[0] - 0.1  # it learns
+    for losses in local_world(4).run(tp_ep_case, steps):
+        assert max(abs(a - b) for a, b in zip(losses, ref, strict=True)) < 1e-5, (losses, ref)
