@@ -213,14 +213,20 @@ def test_counts_that_disagree_or_do_not_fit_are_one_sentence():
 
 def test_the_tuner_prices_it_as_the_even_all_to_all_of_its_operand():
     """The splits are unknown when a schedule is priced: its comm term is (p-1)/p of the operand's bytes (every row
-    the operand holds sent, the most it can move), on the algorithm the stage runs."""
+    the operand holds sent, the most it can move), priced on its own calibrated line (calibration times its library
+    call)."""
+    from cocoweave import collectives
     from cocoweave.perf.costmodel import AlphaBeta, Calibration, predict_plan
     from cocoweave.plan import lower
 
+    assert collectives.kind("all_to_all_v").benchmark is not None
     p = _program(4, 0, 8, 40)
-    cal = Calibration("gloo", "cpu", 4, {"all_reduce/library": AlphaBeta(0.0, 1.0)}, {}, {})
+    cal = Calibration("gloo", "cpu", 4, {"all_reduce/library": AlphaBeta(0.0, 1000.0),
+                                         "all_to_all_v/library": AlphaBeta(0.5, 2.0)}, {}, {})
     pred = predict_plan(lower(Schedule(p)), {"N": 10}, 4, cal)
-    assert pred.features["comm_mb"] == pytest.approx(10 * 8 * 4 * 3 / 4 / 1e6)
+    mb = 10 * 8 * 4 * 3 / 4 / 1e6
+    assert pred.features["comm_mb"] == pytest.approx(mb)
+    assert pred.features["comm_ms"] == pytest.approx(0.5 + 2.0 * mb)
 
 
 def test_every_enumerated_schedule_equals_the_program_as_written(local_world):
@@ -237,3 +243,29 @@ def test_every_enumerated_schedule_equals_the_program_as_written(local_world):
     for r in range(2):
         for k in range(len(found)):
             assert torch.equal(got[r][k].outputs["y"], want[r].outputs["y"]), found[k]
+
+
+@pytest.mark.parametrize("world", [2, 4])
+def test_random_inputs_draw_counts_that_agree_so_the_equivalence_checks_run(local_world, world):
+    """make_inputs draws counts that agree (and fit) for all_to_all_v's count inputs, zeros included, so
+    check_schedules compares every enumerated schedule of a dispatch -> compute -> combine program with the program
+    as written, on the reference and on live Gloo ranks."""
+    from cocoweave.backends.inputs import make_inputs
+    from cocoweave.equivalence.check import check_schedules, torch_runner
+    from cocoweave.schedule.enumerate import enumerate_schedules
+
+    p = _program(world, 0, 3, "M", back=True)
+    sizes = {"N": 5, "M": 4 * world}
+    zeros = 0
+    for seed in range(6):
+        ins = make_inputs(p, world, sizes, seed=seed)
+        for j in range(world):
+            assert ins[j]["r"].tolist() == [ins[i]["s"][j].item() for i in range(world)]
+            zeros += ins[j]["s"].tolist().count(0)
+        reference.run(p, ins, sizes)  # the counts fit: no InputError
+    assert zeros > 0
+    found = enumerate_schedules(p)
+    for seed in range(3):
+        assert all(row.ok for row in check_schedules(p, found, world, sizes, seed=seed))
+    rows = check_schedules(p, found, world, sizes, seed=1, batch=torch_runner(local_world(world)))
+    assert len(rows) == len(found) and all(row.ok for row in rows), rows

@@ -18,7 +18,7 @@ from ..errors import InputError, ProgramError
 from . import registry as R
 from .graph import Group, Program, Value, make_layout, user_location
 from .layout import Layout, Local, Placement, Replicated, Sliced, check_shares, placements, split_sizes
-from .types import Shape, broadcast_shapes, canonical_dtype, is_float, promote
+from .types import Shape, bind_shape, broadcast_shapes, canonical_dtype, is_float, promote
 
 REDUCE_OPS = ("sum", "avg", "max", "min", "adasum")  # how a collective combines the ranks' tensors
 
@@ -732,11 +732,16 @@ def _exchange_call(v: Value, shape: tuple[int, ...]) -> tuple[tuple[Any, ...], t
     return (src.dim, v.attrs["dim"], shape[src.dim]), (("src_shares", src.shares),)
 
 
+def _exchange_benchmark(b: Any) -> Any:
+    """Calibration's library call of an all_to_all (even splits): all_to_all's and all_to_all_v's lines."""
+    return lambda: dist.all_to_all_single(b.exchanged, b.x)
+
+
 register_kind(CollectiveKind(
     "all_to_all", "A2A", all_to_all, attrs=("dim", "axis", "shares"),
     rebuild=lambda p, args, a: all_to_all(args[0], a["dim"], a["axis"], a["shares"]),
     reference=_exchange, call=_exchange_call, shares=lambda v: v.attrs.get("shares"),
-    benchmark=lambda b: lambda: dist.all_to_all_single(b.exchanged, b.x), recorded={"all_to_all_single": (1, False)},
+    benchmark=_exchange_benchmark, recorded={"all_to_all_single": (1, False)},
     opens_chain=True))
 
 
@@ -798,6 +803,32 @@ def row_counts(t: Any, n: int, what: str, where: str) -> list[int]:
     return c
 
 
+def _draw_counts(v: Value, per_rank: list[dict[str, Any]], sizes: Any, gen: torch.Generator, drawn: set[str]
+                 ) -> None:
+    """Random inputs' counts that agree where all_to_all_v `v`'s counts are inputs of the program (random integers
+    would not): along each line of its axis, rank i sends rank j c[i][j] rows, at most its rows and at most 1/p of
+    the result's rows in all (so every rank's rows fit), zeros included; `splits` on rank i is row i, `recv` on rank
+    j column j. Counts in `drawn` (an earlier one's: the combine's, swapped) are kept; those drawn join it."""
+    s, r = v.args[1], v.args[2]
+    if s.op != "input" or r.op != "input" or {s.name, r.name} & drawn:
+        return
+    d = v.attrs["dim"]
+    sent, rows = bind_shape(v.args[0].shape, sizes)[d], bind_shape(v.shape, sizes)[d]
+    for line in v.group.lines(len(per_rank), v.attrs.get("axis")):
+        p = len(line)
+        c = []
+        for _ in line:
+            total = int(torch.randint(0, builtins.min(sent, rows // p) + 1, (), generator=gen))
+            cuts = sorted(torch.randint(0, total + 1, (p - 1,), generator=gen).tolist())
+            c.append([b - a for a, b in zip([0, *cuts], [*cuts, total])])
+        for k, rank in enumerate(line):
+            for name, counts in ((s.name, c[k]), (r.name, [c[i][k] for i in range(p)])):
+                t = per_rank[rank][name]
+                if t.numel() == p:
+                    per_rank[rank][name] = torch.tensor(counts, dtype=t.dtype, device=t.device).reshape(t.shape)
+    drawn |= {s.name, r.name}
+
+
 def _exchange_v(v: Value, parts: list[Any], combine: Any) -> list[torch.Tensor]:
     """Each rank's rows for rank j, in rank order, padded with zero rows to the result's size."""
     d, n = v.attrs["dim"], len(parts)
@@ -829,7 +860,7 @@ register_kind(CollectiveKind(
     "all_to_all_v", "A2AV", all_to_all_v, attrs=("dim", "axis", "rows"),
     rebuild=lambda p, args, a: all_to_all_v(args[0], args[1], args[2], a["dim"], a["axis"], a["rows"]),
     reference=_exchange_v, call=lambda v, shape: ((v.attrs["dim"], shape[v.attrs["dim"]]), ()),
-    chunkable=False))
+    benchmark=_exchange_benchmark, draw=_draw_counts, chunkable=False))
 
 
 def broadcast(x: Value, root: int = 0, axis: str | None = None) -> Value:
