@@ -269,3 +269,23 @@ def test_random_inputs_draw_counts_that_agree_so_the_equivalence_checks_run(loca
         assert all(row.ok for row in check_schedules(p, found, world, sizes, seed=seed))
     rows = check_schedules(p, found, world, sizes, seed=1, batch=torch_runner(local_world(world)))
     assert len(rows) == len(found) and all(row.ok for row in rows), rows
+
+
+def _wrong_receive_buffer(rank: int, world: int) -> str:
+    from cocoweave.backends.torch import shm, shm_all_to_all
+    from cocoweave.errors import BackendError
+
+    x = torch.ones(3, 2)
+    try:
+        shm_all_to_all.start(shm.group_for(None), None, x, [1, 2], [1, 2], out=torch.empty(4, 2))
+    except BackendError as e:
+        return str(e)
+    return ""
+
+
+def test_a_shared_memory_receive_buffer_of_the_wrong_shape_is_one_sentence(local_world):
+    """all_to_all_v on the shm algorithm receives straight into its result (`out=`); a buffer that cannot hold the
+    rows is refused before any rank writes."""
+    got = local_world(2).run(_wrong_receive_buffer)
+    assert all("receive buffer must be contiguous torch.float32 of shape (3, 2), got torch.float32 (4, 2)" in m
+               for m in got), got

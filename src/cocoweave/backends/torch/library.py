@@ -178,8 +178,8 @@ def all_to_all_v(ctx: RankContext, x: torch.Tensor, splits: torch.Tensor, recv: 
                  group: Any, out: Any, async_op: bool = False, start: Callable[..., Any] | None = None) -> Any:
     """An all_to_all with runtime splits (ir/ops.py's all_to_all_v): this rank's first sum(splits) rows along `dim`,
     splits[j] to group rank j; recv[i] rows from rank i, in rank order, into a result of `rows` rows whose tail is
-    zero. One all_to_all_single (`start(x, in_splits, out_splits)`, an object with `.wait()` returning the rows
-    received, replaces it: shm_algorithm's shared-memory exchange); the counts are read on the host (a device sync
+    zero. One all_to_all_single (`start(x, in_splits, out_splits, out)`, an object whose `.wait()` fills `out`,
+    replaces it: shm_algorithm's shared-memory exchange); the counts are read on the host (a device sync
     for CUDA tensors)."""
     n = dist.get_world_size(group) if dist.is_initialized() else 1
     where = f"rank {ctx.rank}: all_to_all_v"
@@ -198,17 +198,19 @@ def all_to_all_v(ctx: RankContext, x: torch.Tensor, splits: torch.Tensor, recv: 
         return alone  # launched early or provided
     host = ctx.backend == "gloo" and x.device.type != "cpu"  # Gloo's all-to-all takes host tensors
     wire = (xt.detach().to("cpu") if host else xt).contiguous()
-    direct = start is None and dim == 0 and not host and res.is_contiguous()
+    direct = dim == 0 and not host and res.is_contiguous()  # received straight into the result
+    got = rt[:sum(came)] if direct else ctx.buffer((out, "got"), (rows, *wire.shape[1:]), wire.dtype,
+                                                   wire.device)[:sum(came)]
     if start is not None:
-        work = start(wire, sent, came)
+        work = start(wire, sent, came, got)
     else:
-        got = rt[:sum(came)] if direct else ctx.buffer((out, "got"), (rows, *wire.shape[1:]), wire.dtype,
-                                                       wire.device)[:sum(came)]
         work = dist.all_to_all_single(got, wire, came, sent, group=group, async_op=async_op)
 
     def finish() -> torch.Tensor:
+        if start is not None:
+            work.wait()
         if not direct:
-            rt[:sum(came)].copy_(work.wait() if start is not None else got)
+            rt[:sum(came)].copy_(got)
         return res
 
     return ctx.done(work if async_op or start is not None else None, finish, async_op)

@@ -126,7 +126,7 @@ def shm_all_to_all_v(ctx: RankContext, x: torch.Tensor, splits: torch.Tensor, re
     """all_to_all_v through shm_all_to_all's slots (one copy out and one in per row, no socket); the library's
     all_to_all_single where the group cannot use shared memory."""
     g = ctx._shm_group(group, x) if dist.is_initialized() and dist.get_world_size(group) > 1 else None
-    start = None if g is None else (lambda wire, sent, came: shm_all_to_all.start(g, group, wire, sent, came))
+    start = None if g is None else (lambda wire, sent, came, got: shm_all_to_all.start(g, group, wire, sent, came, got))
     return library.all_to_all_v(ctx, x, splits, recv, dim, rows, group, out, async_op, start=start)
 
 
