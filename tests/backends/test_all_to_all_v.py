@@ -1,9 +1,9 @@
 """all_to_all with runtime splits (`cw.all_to_all(x, dim, splits=, recv=, rows=)`, the kind all_to_all_v): on the
 reference backend and on the torch backend (the library's all_to_all_single and the shared-memory algorithm) over
 Gloo ranks, against torch.distributed.all_to_all_single itself: uneven splits with zeros (a rank sending nothing,
-a rank receiving nothing), rows along dim 0 or 1, a receive capacity above the rows received; dispatch then combine
-(the adjoint: the counts swapped) gives each rank its rows back; on a mesh along one axis; the layouts it refuses
-and counts that disagree."""
+a rank receiving nothing), float32 and bfloat16, rows along dim 0 or 1, a receive capacity above the rows
+received; dispatch then combine (the adjoint: the counts swapped) gives each rank its rows back; on a mesh along one
+axis; the layouts it refuses and counts that disagree."""
 
 from __future__ import annotations
 
@@ -22,12 +22,13 @@ from cocoweave.errors import InputError, ProgramError
 from cocoweave.schedule.schedule import Schedule
 
 
-def _program(world: int, dim: int, width: int, rows: int | None, back: bool = False) -> cw.Program:
+def _program(world: int, dim: int, width: int, rows: int | str | None, back: bool = False,
+             dtype: str = "float32") -> cw.Program:
     """x (N rows along `dim`) Local; its rows exchanged by the runtime counts s (sent) and r (received), scaled;
     with `back`, exchanged again with the counts swapped (combine)."""
     p = cw.Program("a2av")
     shape = ("N", width) if dim == 0 else (width, "N")
-    x = p.tensor("x", shape, "float32", cw.Local)
+    x = p.tensor("x", shape, dtype, cw.Local)
     s = p.tensor("s", (world,), "int64", cw.Local)
     r = p.tensor("r", (world,), "int64", cw.Local)
     y = cw.all_to_all(x, dim, splits=s, recv=r, rows=rows) * 2.0
@@ -37,12 +38,12 @@ def _program(world: int, dim: int, width: int, rows: int | None, back: bool = Fa
     return p
 
 
-def _inputs(sends: list[list[int]], n: int, width: int, dim: int, seed: int) -> list[dict]:
+def _inputs(sends: list[list[int]], n: int, width: int, dim: int, seed: int, dtype: str = "float32") -> list[dict]:
     world = len(sends)
     g = torch.Generator().manual_seed(seed)
     ins = []
     for i in range(world):
-        x = torch.randn(n, width, generator=g)
+        x = torch.randn(n, width, generator=g).to(getattr(torch, dtype))
         ins.append({"x": x if dim == 0 else x.T.contiguous(), "s": torch.tensor(sends[i]),
                     "r": torch.tensor([sends[j][i] for j in range(world)])})
     return ins
@@ -132,8 +133,9 @@ def test_the_torch_backend_equals_the_reference_and_all_to_all_single(local_worl
     @given(data=st.data())
     def check(data):
         sends, n, width, dim, rows, seed = data.draw(cases(world))
-        p = _program(world, dim, width, rows)
-        ins = _inputs(sends, n, width, dim, seed)
+        dtype = data.draw(st.sampled_from(["float32", "bfloat16"]))
+        p = _program(world, dim, width, rows, dtype=dtype)
+        ins = _inputs(sends, n, width, dim, seed, dtype)
         want = reference.run(p, ins, {"N": n})
         got = w.run(_torch_case, p, ins, {"N": n}, dim, rows if rows is not None else n)
         for j in range(world):
