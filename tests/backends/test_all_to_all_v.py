@@ -291,3 +291,14 @@ def test_a_shared_memory_receive_buffer_of_the_wrong_shape_is_one_sentence(local
     got = local_world(2).run(_wrong_receive_buffer)
     assert all("receive buffer must be contiguous torch.float32 of shape (3, 2), got torch.float32 (4, 2)" in m
                for m in got), got
+
+
+def test_a_receive_capacity_named_by_a_size_is_one_of_the_programs_sizes():
+    """`rows="M"` names a size no input has: the program lists it (the CLI's -s M=..., bound_sizes) and a run that
+    leaves it unbound is one InputError naming it."""
+    p = _program(2, 0, 3, "M", back=True)
+    assert p.size_names() == ["N", "M"]
+    ins = _inputs([[1, 1], [0, 2]], 3, 3, 0, 0)
+    with pytest.raises(InputError, match="size M is not bound"):
+        reference.run(p, ins, {"N": 3})
+    assert reference.run(p, ins, {"N": 3, "M": 4})[1].outputs["y"].shape == (3, 3)
