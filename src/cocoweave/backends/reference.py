@@ -51,8 +51,9 @@ def combine(op: str, parts: Sequence[torch.Tensor], weights: Sequence[int] | Non
 
 
 def collective(v: Value, parts: list[torch.Tensor]) -> list[torch.Tensor]:
-    """Result per group rank of communication value `v` given the group's operands (fresh tensors): a send hands
-    each its own, a collective kind means what its registration says (collectives/kinds.py)."""
+    """Result per group rank of communication value `v` given the group's operands (fresh tensors; where it has
+    several, a tuple per rank of them and the result's shape, its sizes bound): a send hands each its own, a
+    collective kind means what its registration says (collectives/kinds.py)."""
     out = list(parts) if v.op == "send" else collectives.kind(v.op).reference(v, parts, combine)
     return [t.clone() for t in out]
 
@@ -162,7 +163,10 @@ def _evaluate(v: Value, env: Mapping[Value, list[Any]], inputs: Sequence[RankInp
             out[r] = t
     elif R.group(v.op) == R.COLLECTIVE:
         for line in v.group.lines(world, v.attrs.get("axis")):
-            for r, t in zip(line, collective(v, [_get(env, v.args[0])[s] for s in line])):
+            ops = [_get(env, a) for a in v.args]  # several operands: per rank a tuple of them and v's bound shape
+            whole = bind_shape(v.shape, sizes)
+            parts = [ops[0][s] if len(ops) == 1 else (*(o[s] for o in ops), whole) for s in line]
+            for r, t in zip(line, collective(v, parts)):
                 out[r] = t
     else:
         for r in ranks:

@@ -238,7 +238,8 @@ RING = register(Algorithm(
     enumerated=(("written", ("collective",)), ("fused", ("fused",))), auto="never",
     doc="a ring of point-to-point messages; a fused RS-C-AG computes each piece as it is reduced (CoCoNet)"))
 SHM = register(Algorithm(
-    "shm", ("all_reduce", "reduce_scatter", "all_gather", "send"), ORDERED, devices=("cpu",), one_host=True,
+    "shm", ("all_reduce", "reduce_scatter", "all_gather", "all_to_all_v", "send"), ORDERED, devices=("cpu",),
+    one_host=True,
     enumerated=(("each", ("collective", "fused", "p2p")), ("fused", ("collective", "fused", "p2p"))),
     auto="preferred",
     doc="shared memory between the ranks of one host, CPU tensors only (its segments are the host's memory)"))

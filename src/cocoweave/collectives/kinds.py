@@ -31,7 +31,9 @@ class CollectiveKind:
     formula for it; `benchmark(b)`: the library call calibration times on `b` (x, part, full, exchanged: float32
     tensors of n, n/p, n and n elements; p, rank); `recorded`: torch.distributed function -> (index of the tensor
     whose bytes count, whether it is one rank's part) the profiler counts as this kind; `chunkable`: an overlapped
-    chain may chunk it; `opens_chain`: enumeration chunks it with the matmul after it (MoE's dispatch)."""
+    chain may chunk it; `opens_chain`: enumeration chunks it with the matmul after it (MoE's dispatch);
+    `draw(v, per_rank, sizes, gen, drawn)`: makes random inputs of its operands agree across ranks (all_to_all_v's
+    counts; `drawn`: the input names already drawn, which it extends)."""
 
     name: str
     token: str
@@ -47,6 +49,7 @@ class CollectiveKind:
     recorded: Mapping[str, tuple[int, bool]] = field(default_factory=dict)
     chunkable: bool = True
     opens_chain: bool = False
+    draw: Callable[..., None] | None = None
     doc: str = ""
 
 

@@ -15,15 +15,19 @@ import math
 from ..errors import CocoweaveError
 from .kinds import find
 
-KINDS = ("all_reduce", "reduce_scatter", "all_gather", "all_to_all", "broadcast", "reduce", "p2p", "send", "recv")
+KINDS = ("all_reduce", "reduce_scatter", "all_gather", "all_to_all", "all_to_all_v", "broadcast", "reduce", "p2p",
+         "send", "recv")
+EXCHANGES = ("reduce_scatter", "all_gather", "all_to_all", "all_to_all_v")  # (p-1)/p of the tensor in p-1 steps
 
 
 def moved(kind: str, p: int) -> float:
     """Fraction of the tensor one rank moves in collective `kind` over p ranks (bandwidth-optimal algorithm); for
-    all_to_all the tensor is the rank's part, which it keeps 1/p of."""
+    all_to_all the tensor is the rank's part, which it keeps 1/p of. An all_to_all_v's splits are runtime values,
+    unknown when a schedule is priced: it is priced as the even all_to_all of its operand (every row sent, 1/p of
+    them to itself); at run time it moves the rows its splits send the other ranks, at most the operand."""
     if kind == "all_reduce":
         return 2 * (p - 1) / p
-    if kind in ("reduce_scatter", "all_gather", "all_to_all"):
+    if kind in EXCHANGES:
         return (p - 1) / p
     if kind in ("broadcast", "reduce", "p2p", "send"):
         return 1.0 if p > 1 else 0.0
@@ -38,7 +42,7 @@ def steps(kind: str, p: int) -> int:
     """Message steps one rank takes in collective `kind` over p ranks (ring, tree for broadcast and reduce)."""
     if kind == "all_reduce":
         return 2 * (p - 1)
-    if kind in ("reduce_scatter", "all_gather", "all_to_all"):
+    if kind in EXCHANGES:
         return p - 1
     if kind in ("broadcast", "reduce"):
         return math.ceil(math.log2(p)) if p > 1 else 0

@@ -363,9 +363,10 @@ class Program:
         return out
 
     def size_names(self) -> list[str]:
-        """Symbolic size names used by input shapes, in first-use order."""
+        """Symbolic size names used by the program's shapes (its inputs', and an all_to_all_v's `rows`), in first-use
+        order."""
         seen: list[str] = []
-        for v in self.tensor_inputs:
+        for v in self.values:
             for d in v.shape:
                 if isinstance(d, str) and d not in seen:
                     seen.append(d)

@@ -18,7 +18,7 @@ from ..errors import InputError, ProgramError
 from . import registry as R
 from .graph import Group, Program, Value, make_layout, user_location
 from .layout import Layout, Local, Placement, Replicated, Sliced, check_shares, placements, split_sizes
-from .types import Shape, broadcast_shapes, canonical_dtype, is_float, promote
+from .types import Shape, bind_shape, broadcast_shapes, canonical_dtype, is_float, promote
 
 REDUCE_OPS = ("sum", "avg", "max", "min", "adasum")  # how a collective combines the ranks' tensors
 
@@ -687,11 +687,20 @@ register_kind(CollectiveKind(
     recorded={"all_gather_into_tensor": (0, False), "all_gather_single": (0, False), "all_gather": (1, True)}))
 
 
-def all_to_all(x: Value, dim: int, axis: str | None = None, shares: Sequence[int] | None = None) -> Value:
+def all_to_all(x: Value, dim: int, axis: str | None = None, shares: Sequence[int] | None = None, *,
+               splits: Value | None = None, recv: Value | None = None, rows: int | str | None = None) -> Value:
     """Move the slicing of a tensor Sliced along one dimension across the ranks of `axis` to dimension `dim`
     (Sliced(dim, shares): equal parts, or in proportion to `shares`): each rank sends every other rank the piece of
     its part that rank keeps. The whole tensor is unchanged. This is MoE's dispatch and combine (a tensor of
-    [source rank, expert, ...] sliced by source becomes sliced by expert) and DTensor's Shard(a) -> Shard(b)."""
+    [source rank, expert, ...] sliced by source becomes sliced by expert) and DTensor's Shard(a) -> Shard(b).
+
+    With `splits` (and `recv`), the splits are runtime values instead (`all_to_all_v`: a dropless MoE's dispatch and
+    combine, whose row counts routing decides each step)."""
+    if splits is not None or recv is not None or rows is not None:
+        if shares is not None:
+            raise _fail("all_to_all", (_tensor_operand("all_to_all", x),),
+                        "shares= are static parts of a Sliced tensor; runtime splits= take none")
+        return all_to_all_v(x, splits, recv, dim, axis, rows)
     x = _tensor_operand("all_to_all", x)
     i, ax = _axis("all_to_all", x, axis)
     p = _at(x, i, len(_axes(x.group)))
@@ -723,12 +732,135 @@ def _exchange_call(v: Value, shape: tuple[int, ...]) -> tuple[tuple[Any, ...], t
     return (src.dim, v.attrs["dim"], shape[src.dim]), (("src_shares", src.shares),)
 
 
+def _exchange_benchmark(b: Any) -> Any:
+    """Calibration's library call of an all_to_all (even splits): all_to_all's and all_to_all_v's lines."""
+    return lambda: dist.all_to_all_single(b.exchanged, b.x)
+
+
 register_kind(CollectiveKind(
     "all_to_all", "A2A", all_to_all, attrs=("dim", "axis", "shares"),
     rebuild=lambda p, args, a: all_to_all(args[0], a["dim"], a["axis"], a["shares"]),
     reference=_exchange, call=_exchange_call, shares=lambda v: v.attrs.get("shares"),
-    benchmark=lambda b: lambda: dist.all_to_all_single(b.exchanged, b.x), recorded={"all_to_all_single": (1, False)},
+    benchmark=_exchange_benchmark, recorded={"all_to_all_single": (1, False)},
     opens_chain=True))
+
+
+def all_to_all_v(x: Value, splits: Value, recv: Value, dim: int = 0, axis: str | None = None,
+                 rows: int | str | None = None) -> Value:
+    """An all_to_all whose splits are runtime values (MPI's alltoallv, a dropless MoE's dispatch and combine): rank
+    r's rows along `dim` (Local along `axis`: each rank its own) go splits_r[0] to group rank 0, the next splits_r[1]
+    to rank 1, ...; rank j receives recv_j[i] rows from rank i, in rank order. `splits` and `recv` are integer
+    tensors holding one count per rank of the axis on each rank (any shape; recv_j[i] must equal splits_i[j]: the
+    counts' own even all_to_all gives it). Shapes stay static: the operand's rows past sum(splits) are not sent and the
+    result has `rows` rows (default: the operand's), those past sum(recv) zero. Its adjoint is the same call with
+    `splits` and `recv` swapped."""
+    name = "all_to_all_v"
+    x = _tensor_operand(name, x)
+    i, ax = _axis(name, x, axis)
+    n = len(_axes(x.group))
+    p = _at(x, i, n)
+    if not p.is_local:
+        got = f"{x.layout!r}" if ax is None else f"{p!r} along axis `{ax}`"
+        rule = ("a Replicated operand holds the same rows on every rank; declare each rank's own rows Local"
+                if p.is_replicated else "a Sliced operand moves with the static form, all_to_all(x, dim, shares=)")
+        raise _fail(name, (x,), f"needs a Local operand (each rank's own rows, ordered by destination), got {got}; "
+                                + rule)
+    d = _norm_dims(name, x, dim)[0]
+    sliced = [a for a, q in zip(_axes(x.group), placements(x.layout, n)) if q.is_sliced and q.dim == d]
+    if sliced:
+        raise _fail(name, (x,), f"its rows dimension {d} is sliced along axis `{sliced[0]}`; the rows a rank sends "
+                                "must be whole on it (gather them first)")
+    ranks = x.group.mesh.shape[i] if x.group.mesh is not None else None
+    counts = []
+    for what, c in (("splits", splits), ("recv", recv)):
+        if not isinstance(c, Value) or c.is_scalar or c.program is not x.program:
+            raise _fail(name, (x,), f"`{what}` must be an integer tensor of this program (one count per rank), "
+                                    f"got {c!r}")
+        if c.dtype not in ("int32", "int64"):
+            raise _fail(name, (x, c), f"`{what}` holds row counts: an int32 or int64 tensor, not {c.dtype}")
+        if c.group != x.group:
+            raise _fail(name, (x, c), f"`{what}` lives on another process group than the rows")
+        static = [s for s in c.shape if isinstance(s, int)]
+        whole = all(isinstance(s, int) for s in c.shape) and not c.layout.is_sliced
+        if ranks is not None and whole and len(static) == len(c.shape) and torch.Size(static).numel() != ranks:
+            raise _fail(name, (x, c), f"`{what}` holds {torch.Size(static).numel()} counts on each rank; the axis "
+                                      f"has {ranks} ranks, one count each")
+        counts.append(c)
+    if rows is not None and not (isinstance(rows, int) and rows >= 0 or isinstance(rows, str) and rows.isidentifier()):
+        raise _fail(name, (x,), f"rows (the receive capacity) must be a non-negative int or a size name, got {rows!r}")
+    rows = x.shape[d] if rows is None else rows
+    shape = x.shape[:d] + (rows,) + x.shape[d + 1:]
+    return x.program._add(name, (x, *counts), {"dim": d, "axis": ax, "rows": rows}, x.dtype, shape, x.layout,
+                          x.group)
+
+
+def row_counts(t: Any, n: int, what: str, where: str) -> list[int]:
+    """all_to_all_v's counts operand `what` (a tensor) as n non-negative ints on the host: the reference's and the
+    torch backend's one check (InputError naming `where` otherwise)."""
+    c = [int(k) for k in t.reshape(-1).tolist()]
+    if len(c) != n or builtins.min(c, default=0) < 0:
+        raise InputError(f"{where}: `{what}` must hold {n} non-negative row counts (one per rank), got {c}")
+    return c
+
+
+def _draw_counts(v: Value, per_rank: list[dict[str, Any]], sizes: Any, gen: torch.Generator, drawn: set[str]
+                 ) -> None:
+    """Random inputs' counts that agree where all_to_all_v `v`'s counts are inputs of the program (random integers
+    would not): along each line of its axis, rank i sends rank j c[i][j] rows, at most its rows and at most 1/p of
+    the result's rows in all (so every rank's rows fit), zeros included; `splits` on rank i is row i, `recv` on rank
+    j column j. Counts in `drawn` (an earlier one's: the combine's, swapped) are kept; those drawn join it."""
+    s, r = v.args[1], v.args[2]
+    if s.op != "input" or r.op != "input" or {s.name, r.name} & drawn:
+        return
+    d = v.attrs["dim"]
+    sent, rows = bind_shape(v.args[0].shape, sizes)[d], bind_shape(v.shape, sizes)[d]
+    for line in v.group.lines(len(per_rank), v.attrs.get("axis")):
+        p = len(line)
+        c = []
+        for _ in line:
+            total = int(torch.randint(0, builtins.min(sent, rows // p) + 1, (), generator=gen))
+            cuts = sorted(torch.randint(0, total + 1, (p - 1,), generator=gen).tolist())
+            c.append([b - a for a, b in zip([0, *cuts], [*cuts, total])])
+        for k, rank in enumerate(line):
+            for name, counts in ((s.name, c[k]), (r.name, [c[i][k] for i in range(p)])):
+                t = per_rank[rank][name]
+                if t.numel() == p:
+                    per_rank[rank][name] = torch.tensor(counts, dtype=t.dtype, device=t.device).reshape(t.shape)
+    drawn |= {s.name, r.name}
+
+
+def _exchange_v(v: Value, parts: list[Any], combine: Any) -> list[torch.Tensor]:
+    """Each rank's rows for rank j, in rank order, padded with zero rows to the result's size."""
+    d, n = v.attrs["dim"], len(parts)
+    where = f"all_to_all_v `{v.name}`"
+    sends = [row_counts(s, n, "splits", where) for _, s, _, _ in parts]
+    for (x, _, _, _), k in zip(parts, sends):
+        if builtins.sum(k) > x.shape[d]:
+            raise InputError(f"{where}: a rank's splits {k} sum to {builtins.sum(k)} rows but it holds {x.shape[d]}")
+    out = []
+    for j, (x, _, r, _) in enumerate(parts):
+        got = row_counts(r, n, "recv", where)
+        if got != [s[j] for s in sends]:
+            raise InputError(f"{where}: rank {j} expects {got} rows from the ranks but they send it "
+                             f"{[s[j] for s in sends]}; recv on rank j must be every rank's splits[j]")
+        pieces = [src.narrow(d, builtins.sum(s[:j]), s[j]) for (src, _, _, _), s in zip(parts, sends)]
+        out.append(torch.cat(pieces, d) if pieces else x.narrow(d, 0, 0))
+    rows = parts[0][3][d]  # the result's rows, bound
+    res = []
+    for t in out:
+        if t.shape[d] > rows:
+            raise InputError(f"{where}: a rank receives {t.shape[d]} rows but the result holds {rows}")
+        pad = list(t.shape)
+        pad[d] = rows - t.shape[d]
+        res.append(torch.cat([t, t.new_zeros(pad)], d))
+    return res
+
+
+register_kind(CollectiveKind(
+    "all_to_all_v", "A2AV", all_to_all_v, attrs=("dim", "axis", "rows"),
+    rebuild=lambda p, args, a: all_to_all_v(args[0], args[1], args[2], a["dim"], a["axis"], a["rows"]),
+    reference=_exchange_v, call=lambda v, shape: ((v.attrs["dim"], shape[v.attrs["dim"]]), ()),
+    benchmark=_exchange_benchmark, draw=_draw_counts, chunkable=False))
 
 
 def broadcast(x: Value, root: int = 0, axis: str | None = None) -> Value:

@@ -179,7 +179,7 @@ class Emitter:
 
     def communicate(self, v: Value, async_op: bool = False) -> str:
         """A collective or send through the runtime, into this value's preallocated buffer."""
-        x = self.chunked(v.args[0])
+        x = ", ".join([self.chunked(v.args[0]), *(self.ref(a) for a in v.args[1:])])  # all_to_all_v's counts follow
         key = f'("{v.name}", k)' if self.chunk is not None else f'"{v.name}"'  # a buffer per chunk in flight
         tail = f", out={key}" + (", async_op=True" if async_op else "")
         if v.attrs.get("weights") is not None:  # a weighted average: scale by w_r / sum(w), then sum

@@ -18,6 +18,8 @@ import torch
 import torch.distributed as dist
 
 from ... import collectives
+from ...errors import InputError
+from ...ir.ops import row_counts
 from . import runtime
 from .ring import parts, with_dim
 from .runtime import _REDUCE, RankContext
@@ -172,6 +174,48 @@ def all_to_all(ctx: RankContext, x: torch.Tensor, src_dim: int, dim: int, total:
     return ctx.done(work if async_op else None, finish, async_op)
 
 
+def all_to_all_v(ctx: RankContext, x: torch.Tensor, splits: torch.Tensor, recv: torch.Tensor, dim: int, rows: int,
+                 group: Any, out: Any, async_op: bool = False, start: Callable[..., Any] | None = None) -> Any:
+    """An all_to_all with runtime splits (ir/ops.py's all_to_all_v): this rank's first sum(splits) rows along `dim`,
+    splits[j] to group rank j; recv[i] rows from rank i, in rank order, into a result of `rows` rows whose tail is
+    zero. One all_to_all_single (`start(x, in_splits, out_splits, out)`, an object whose `.wait()` fills `out`,
+    replaces it: shm_algorithm's shared-memory exchange); the counts are read on the host (a device sync
+    for CUDA tensors)."""
+    n = dist.get_world_size(group) if dist.is_initialized() else 1
+    where = f"rank {ctx.rank}: all_to_all_v"
+    sent, came = row_counts(splits, n, "splits", where), row_counts(recv, n, "recv", where)
+    if sum(sent) > x.shape[dim] or sum(came) > rows:
+        raise InputError(f"{where} sends {sum(sent)} of its {x.shape[dim]} rows and receives "
+                         f"{sum(came)} into {rows}: the counts do not fit the tensors")
+    res = ctx.buffer(out, with_dim(x.shape, dim, rows), x.dtype)
+    rt = res.movedim(dim, 0)
+    rt[sum(came):].zero_()
+    xt = x.movedim(dim, 0)[:sum(sent)]
+    if n == 1:
+        rt[:sum(came)].copy_(xt)
+        return ctx.done(None, lambda: res, async_op)
+    if (alone := ctx.alone(x, out, async_op, group=group)) is not None:
+        return alone  # launched early or provided
+    host = ctx.backend == "gloo" and x.device.type != "cpu"  # Gloo's all-to-all takes host tensors
+    wire = (xt.detach().to("cpu") if host else xt).contiguous()
+    direct = dim == 0 and not host and res.is_contiguous()  # received straight into the result
+    got = rt[:sum(came)] if direct else ctx.buffer((out, "got"), (rows, *wire.shape[1:]), wire.dtype,
+                                                   wire.device)[:sum(came)]
+    if start is not None:
+        work = start(wire, sent, came, got)
+    else:
+        work = dist.all_to_all_single(got, wire, came, sent, group=group, async_op=async_op)
+
+    def finish() -> torch.Tensor:
+        if start is not None:
+            work.wait()
+        if not direct:
+            rt[:sum(came)].copy_(got)
+        return res
+
+    return ctx.done(work if async_op or start is not None else None, finish, async_op)
+
+
 def broadcast(ctx: RankContext, x: torch.Tensor, root: int, group: Any, out: Any, async_op: bool = False) -> Any:
     if (alone := ctx.alone(x, out, async_op, group=group)) is not None:
         return alone
@@ -219,5 +263,5 @@ def send_recv(ctx: RankContext, x: torch.Tensor | None, peer: int, sending: bool
     return ctx.done(dist.irecv(wire, src=peer), lambda: buf.copy_(wire), async_op)
 
 collectives.implement("torch", collectives.DEFAULT, all_reduce=all_reduce, reduce_scatter=reduce_scatter,
-                      all_gather=all_gather, all_to_all=all_to_all, broadcast=broadcast, reduce=reduce,
-                      send=send_recv)
+                      all_gather=all_gather, all_to_all=all_to_all, all_to_all_v=all_to_all_v, broadcast=broadcast,
+                      reduce=reduce, send=send_recv)

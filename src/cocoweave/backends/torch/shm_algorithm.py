@@ -10,9 +10,10 @@ from collections.abc import Sequence
 from typing import Any
 
 import torch
+import torch.distributed as dist
 
 from ... import collectives
-from . import library, shm
+from . import library, shm, shm_all_to_all
 from .ring import parts, with_dim
 from .runtime import RankContext
 
@@ -120,5 +121,14 @@ def shm_send_recv(ctx: RankContext, x: torch.Tensor | None, peer: int, sending: 
     buf = pair.recv(ctx.buffer(out, shape, dtype))
     return ctx.done(None, lambda: buf, async_op)
 
+def shm_all_to_all_v(ctx: RankContext, x: torch.Tensor, splits: torch.Tensor, recv: torch.Tensor, dim: int,
+                     rows: int, group: Any, out: Any, async_op: bool = False) -> Any:
+    """all_to_all_v through shm_all_to_all's slots (one copy out and one in per row, no socket); the library's
+    all_to_all_single where the group cannot use shared memory."""
+    g = ctx._shm_group(group, x) if dist.is_initialized() and dist.get_world_size(group) > 1 else None
+    start = None if g is None else (lambda wire, sent, came, got: shm_all_to_all.start(g, group, wire, sent, came, got))
+    return library.all_to_all_v(ctx, x, splits, recv, dim, rows, group, out, async_op, start=start)
+
+
 collectives.implement("torch", "shm", all_reduce=shm_all_reduce, reduce_scatter=shm_reduce_scatter,
-                      all_gather=shm_all_gather, send=shm_send_recv)
+                      all_gather=shm_all_gather, all_to_all_v=shm_all_to_all_v, send=shm_send_recv)

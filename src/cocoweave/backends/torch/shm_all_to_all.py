@@ -84,13 +84,18 @@ def _bytes(t: torch.Tensor) -> torch.Tensor:
 
 class Exchange:
     """An all_to_all that this rank has written and flagged (`start`); `wait()` waits for the others and returns
-    the rows received, in `out` (allocated at the start, not to be read before). Holds its operand until then."""
+    the rows received, in `out` (allocated at the start unless given, not to be read before). Holds its operand until
+    then."""
 
     def __init__(self, g: shm.ShmGroup, group: Any, x: torch.Tensor, in_splits: Sequence[int],
-                 out_splits: Sequence[int], state: _State | None) -> None:
+                 out_splits: Sequence[int], state: _State | None, out: torch.Tensor | None = None) -> None:
         self.g, self.group, self.x, self.state = g, group, x, state
         self.in_splits, self.out_splits = list(in_splits), list(out_splits)
-        self.out = x.new_empty((sum(self.out_splits), *x.shape[1:]))  # the receive buffer: filled by `wait`
+        shape = (sum(self.out_splits), *x.shape[1:])
+        if out is not None and (tuple(out.shape) != shape or not out.is_contiguous() or out.dtype != x.dtype):
+            raise BackendError(f"shared-memory all_to_all of ranks {g.ranks}: its receive buffer must be contiguous "
+                               f"{x.dtype} of shape {shape}, got {out.dtype} {tuple(out.shape)}")
+        self.out = x.new_empty(shape) if out is None else out  # the receive buffer: filled by `wait`
         self.done = False
         if state is None:  # no slots: the library's call, at the wait
             return
@@ -167,18 +172,19 @@ class Exchange:
         return self.out
 
 
-def start(g: shm.ShmGroup, group: Any, x: torch.Tensor, in_splits: Sequence[int], out_splits: Sequence[int]
-          ) -> Exchange:
+def start(g: shm.ShmGroup, group: Any, x: torch.Tensor, in_splits: Sequence[int], out_splits: Sequence[int],
+          out: torch.Tensor | None = None) -> Exchange:
     """Begin the all_to_all of `x`'s rows over shared-memory group `g` (of torch.distributed group `group`): the
     first in_splits[0] rows to group rank 0, the next in_splits[1] to rank 1, ...; out_splits[j] rows come from
-    rank j. `.wait()` returns them; compute between the two while the other ranks arrive."""
+    rank j. `.wait()` returns them (in `out` when given: contiguous, x's dtype, sum(out_splits) rows); compute
+    between the two while the other ranks arrive."""
     if len(in_splits) != g.size or len(out_splits) != g.size:
         raise BackendError(f"shared-memory all_to_all of ranks {g.ranks}: {len(in_splits)} input and "
                            f"{len(out_splits)} output splits for {g.size} ranks")
     if x.dim() == 0 or sum(in_splits) != x.shape[0]:
         raise BackendError(f"shared-memory all_to_all of ranks {g.ranks}: the input splits sum to {sum(in_splits)} "
                            f"rows but the input has shape {tuple(x.shape)}")
-    return Exchange(g, group, x.detach().contiguous(), in_splits, out_splits, _state(g))
+    return Exchange(g, group, x.detach().contiguous(), in_splits, out_splits, _state(g), out)
 
 
 def all_to_all(g: shm.ShmGroup, group: Any, x: torch.Tensor, in_splits: Sequence[int], out_splits: Sequence[int]
