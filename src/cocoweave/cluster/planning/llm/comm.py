@@ -30,11 +30,16 @@ def group_link(system: System, size: int, stride: int) -> Link | None:
     inter = system.inter
     if inter is None:
         raise PlanningError(f"machine {system.machine.name} names no inter_node network for a group across nodes.")
-    rails = max(1, min(size, per_node // stride)) if stride < per_node else 1
+    rails = ranks_per_node(size, stride, per_node)
     link = Link.of(inter.key, inter.bandwidth_gb_s, inter.latency_us, system.eff.inter, rails)
     if intra is None:
         return link
     return Link(link.name, min(link.bandwidth, _intra(system).bandwidth), link.latency)
+
+
+def ranks_per_node(size: int, stride: int, per_node: int) -> int:
+    """Members of a group of `size` ranks, `stride` apart, that share a node of `per_node` GPUs (at least 1)."""
+    return max(1, min(size, per_node // stride)) if stride < per_node else 1
 
 
 def _intra(system: System) -> Link:
@@ -79,7 +84,7 @@ def all_to_all_s(nbytes: float, size: int, stride: int, system: System) -> float
     if size <= 1 or nbytes <= 0:
         return 0.0
     per_node = system.gpus_per_node
-    local = max(1, min(size, per_node // stride)) if stride < per_node else 1
+    local = ranks_per_node(size, stride, per_node)
     if local < size and system.inter is None or local > 1 and system.intra is None:
         raise PlanningError(f"machine {system.machine.name} names no network for an all-to-all over {size} ranks.")
     near = _intra(system) if local > 1 else None

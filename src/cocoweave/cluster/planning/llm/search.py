@@ -16,13 +16,13 @@ from cocoweave.cluster.planning.llm.memory import MemoryBreakdown, memory_per_gp
 from cocoweave.cluster.planning.llm.parallelism import RECOMPUTE, ParallelConfig
 from cocoweave.cluster.planning.llm.spec import TransformerSpec
 from cocoweave.cluster.planning.llm.step import (
-    SIXTEEN_BIT,
     StepBreakdown,
     forward_key,
     layer_forward_s,
     layer_key,
     layer_terms,
     predict_step,
+    sixteen_bit_peak,
 )
 from cocoweave.cluster.planning.llm.system import Stack, System
 from cocoweave.errors import PlanningError
@@ -217,7 +217,7 @@ def _forwards(spec: TransformerSpec, system: System) -> dict[tuple, tuple[float,
     shared by every search on a machine with that GPU (they depend on nothing else of the machine: its peaks, its
     HBM bandwidth and the stack's constants)."""
     fp8 = system.peak_flops("float8") if spec.dtype == "float8" else None
-    key = (spec, system.peak_flops(SIXTEEN_BIT if spec.dtype == "float8" else spec.dtype), fp8, system.hbm_bytes_s,
+    key = (spec, sixteen_bit_peak(system, spec.dtype), fp8, system.hbm_bytes_s,
            system.eff)
     if key not in _FORWARDS:
         if len(_FORWARDS) >= 64:

@@ -65,7 +65,7 @@ class _Gemm:
     """Matmul time at its shape's efficiency; with float8, linear layers at the FP8 peak and `fp8_max`."""
 
     def __init__(self, system: System, dtype: str):
-        self.peak = system.peak_flops(SIXTEEN_BIT if dtype == "float8" else dtype)
+        self.peak = sixteen_bit_peak(system, dtype)
         self.fp8_peak = system.peak_flops("float8") * system.eff.fp8_max if dtype == "float8" else None
         self.eff = system.eff
 
@@ -77,6 +77,11 @@ class _Gemm:
 
 
 SIXTEEN_BIT = "bfloat16"  # what float8 training runs outside its linear layers, and the peak MFU is quoted against
+
+
+def sixteen_bit_peak(system: System, dtype: str) -> float:
+    """The peak everything but float8's linear layers runs at (and MFU is quoted against): bf16 for float8."""
+    return system.peak_flops(SIXTEEN_BIT if dtype == "float8" else dtype)
 
 
 def local_tokens(spec: TransformerSpec, cfg: ParallelConfig) -> int:
@@ -333,8 +338,7 @@ def predict_step(spec: TransformerSpec, cfg: ParallelConfig, system: System,
                                           pipeline, split)
     optimizer = optimizer_s(spec, cfg, system, split)
     total = pipeline + exposed + optimizer
-    mfu = spec.model_flops_per_step() / (total * cfg.gpus * system.peak_flops(
-        SIXTEEN_BIT if spec.dtype == "float8" else spec.dtype))
+    mfu = spec.model_flops_per_step() / (total * cfg.gpus * sixteen_bit_peak(system, spec.dtype))
     dp_link = group_link(system, cfg.cp * cfg.dp, cfg.tp)
     notes = (f"dp traffic on {dp_link.name if dp_link else 'no link'} ({algo})",)
     return StepBreakdown(
