@@ -80,6 +80,24 @@ def test_recomputation_costs_a_forward_or_the_attention_core():
     assert base.compute_s < sel.compute_s < full.compute_s
 
 
+def test_block_recomputation_adds_those_layers_forward_per_micro_batch():
+    """Megatron's recompute_method=block (Megatron-Bridge's H100 Llama 3 8B recipe recomputes 5 layers): k layers of
+    each stage run their forward again; by hand, one layer's forward at b 1, s 128, h 256 on the ideal GPU is its
+    GEMMs (24 b s h^2 + 4 b s^2 h FLOPs at 100 TFLOP/s), softmax and dropout (5 a s^2 b bytes) and the stored
+    activations (s b h x 34 bytes) at 1000 GB/s; 32 micro-batches."""
+    b, s, h = 1, 128, 256
+    fwd = (24 * b * s * h * h + 4 * b * s * s * h) / 100e12 + (5 * 8 * s * s * b + s * b * h * 34) / 1000e9
+    base = predict_step(SPEC, ParallelConfig(), SYSTEM)
+    three = predict_step(SPEC, ParallelConfig(recompute_layers=3), SYSTEM)
+    assert three.total_s - base.total_s == pytest.approx(32 * 3 * fwd)
+    assert three.compute_s - base.compute_s == pytest.approx(32 * 3 * fwd)
+    # every layer recomputed this way is full recomputation
+    every = predict_step(SPEC, ParallelConfig(recompute_layers=8), SYSTEM)
+    assert every.total_s == pytest.approx(predict_step(SPEC, ParallelConfig(recompute="full"), SYSTEM).total_s)
+    assert ParallelConfig(recompute="full", recompute_layers=3).problems(SPEC, 8)
+    assert ParallelConfig(pp=2, recompute_layers=5).problems(SPEC, 8)  # 4 layers a stage
+
+
 def test_published_runs_within_the_bar():
     runs = published_runs()
     errs = np.abs(errors(runs, load_catalog(), {k: v.eff for k, v in STACKS.items()}))

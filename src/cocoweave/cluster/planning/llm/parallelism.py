@@ -36,6 +36,8 @@ class ParallelConfig:
     zero: int = 0  # 0 DDP, 1 distributed optimizer / ZeRO-1, 2 ZeRO-2, 3 FSDP / ZeRO-3
     sp: bool = False  # sequence parallelism (Korthikanti et al. 2022): LayerNorm/dropout sharded over tp
     recompute: Recompute = "none"
+    recompute_layers: int = 0  # with recompute "none": this many layers of each stage fully recomputed (Megatron's
+    # recompute_method=block, as Megatron-Bridge's H100 Llama 3 8B recipe sets 5); priced, not in the memory model
     dp_overlap: bool = True  # data-parallel traffic overlapped with backward (torch DDP, FSDP); False: Megatron's
     # 2021 "local" DDP, whose all-reduce runs after the pipeline flush
     tp_overlap: bool = False  # tp collectives hidden behind GEMMs (a cocoweave schedule, TE's userbuffers,
@@ -88,6 +90,10 @@ class ParallelConfig:
                        f"to split over tp x cp {self.tp * self.cp}")
         if self.ep > 1 and (spec.experts % self.ep or (self.cp * self.dp) % self.ep):
             out.append(f"ep {self.ep} must divide the {spec.experts} experts and cp x dp {self.cp * self.dp}")
+        if self.recompute_layers and (self.recompute != "none" or self.recompute_layers > min(
+                self.stage_layers(spec))):
+            out.append(f"recomputing {self.recompute_layers} layers a stage needs recompute 'none' and that many "
+                       "layers in every stage")
         if self.sp and self.tp == 1:
             out.append("sequence parallelism needs tp > 1")
         if self.zero == 3 and self.pp > 1:
@@ -105,6 +111,8 @@ class ParallelConfig:
             parts.append("sp")
         if self.recompute != "none":
             parts.append(f"{self.recompute}-recompute")
+        if self.recompute_layers:
+            parts.append(f"recompute-{self.recompute_layers}-layers")
         return " ".join(parts)
 
 

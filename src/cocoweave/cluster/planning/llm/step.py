@@ -293,6 +293,8 @@ def pipeline_s(spec: TransformerSpec, cfg: ParallelConfig, system: System,
     layer_compute, layer_tp, layer_cp, layer_ep = layer
     per_layer = layer_compute + layer_tp + layer_cp + layer_ep
     p2p = p2p_micro_s(spec, cfg, system)
+    # Megatron's block recomputation: those layers' forward again (their tp collectives not counted again)
+    per_block = sum(layer_forward_s(spec, cfg, system)) if cfg.recompute_layers else 0.0
     hbm = system.hbm_bytes_s
     logits = 3 * gemm(tokens, spec.vocab / t, h) + 3 * 4 * tokens * spec.vocab / t * 2 / hbm
     embedding = 3 * tokens * h * spec.bytes_per_value / hbm
@@ -302,6 +304,7 @@ def pipeline_s(spec: TransformerSpec, cfg: ParallelConfig, system: System,
         stages = [n * per_layer + p2p for n in cfg.stage_layers(spec)]
         stages[0] += embedding
         stages[-1] += logits
+    stages = [t + cfg.recompute_layers * per_block for t in stages]
     slowest, mean = max(stages), sum(stages) / len(stages)
     bubble = (cfg.pp - 1) / cfg.vp * mean
     return cfg.micro_batches(spec) * slowest + bubble, bubble, stages, p2p
@@ -343,7 +346,8 @@ def predict_step(spec: TransformerSpec, cfg: ParallelConfig, system: System,
     notes = (f"dp traffic on {dp_link.name if dp_link else 'no link'} ({algo})",)
     return StepBreakdown(
         total_s=total, pipeline_s=pipeline, bubble_s=bubble,
-        compute_s=m * busiest_layers * layer_compute, tp_comm_s=m * busiest_layers * layer_tp,
+        compute_s=m * (busiest_layers * layer_compute + cfg.recompute_layers * fwd),
+        tp_comm_s=m * busiest_layers * layer_tp,
         cp_comm_s=m * busiest_layers * layer_cp, ep_comm_s=m * busiest_layers * layer_ep,
         pp_comm_s=m * p2p, dp_comm_s=dp_time, dp_exposed_s=exposed,
         optimizer_s=optimizer, mfu=mfu, memory=memory_per_gpu(spec, cfg), notes=notes)
