@@ -227,7 +227,8 @@ def plan_command(
     stack: Annotated[str, typer.Option(
         "--stack", help="Software stack whose layouts and calibrated efficiency --llm assumes: megatron-2022, "
                         "megatron-2021 or torchtitan-2024 (calibrated on A100); megatron-core-2024, "
-                        "torchtitan-compile-2024 or llm-foundry-2023 (calibrated on H100; docs/planning_llm.md).")
+                        "megatron-bridge-2025, torchtitan-compile-2024 or llm-foundry-2023 (calibrated on H100; "
+                        "docs/planning_llm.md).")
     ] = "megatron-2022",
     max_gpus: Annotated[int, typer.Option("--max-gpus", min=1, help="Most GPUs --llm considers.")] = 4096,
     resizes: Annotated[str | None, typer.Option(

@@ -13,10 +13,11 @@ from cocoweave.cluster.planning.llm.system import stack_efficiencies
 from cocoweave.cluster.planning.llm.validate import groups, main, table
 
 CATALOG = load_catalog()
-# measured 2026-12-05 (`python -m cocoweave.cluster.planning.llm.validate`): H100/H200 held-out 35 rows, mean
-# 5.00 %, max 19.91 % (before FP8 all-gathers, FSDP1's drag and a GEMM rate per H100 kind: 7.46 % / 21.33 %);
-# before Hopper constants 16.94 % / 44.04 %. The bound leaves room for refits, not regressions.
-H100_HELD_OUT_MEAN, H100_HELD_OUT_MAX = 5.5, 21.0
+# measured 2026-12-05 (`python -m cocoweave.cluster.planning.llm.validate`): H100/H200 held-out 38 rows, mean
+# 4.92 %, max 19.00 % (before Megatron-Bridge's own stack and its release series: 35 rows, 5.00 % / 19.91 %; before
+# FP8 all-gathers, FSDP1's drag and a GEMM rate per H100 kind: 7.46 % / 21.33 %); before Hopper constants
+# 16.79 % / 44.04 %. The bound leaves room for refits, not regressions.
+H100_HELD_OUT_MEAN, H100_HELD_OUT_MAX = 5.0, 19.5
 
 
 def test_h100_held_out_rows_within_the_bound_and_far_better_than_the_spec_sheet():
@@ -28,8 +29,13 @@ def test_h100_held_out_rows_within_the_bound_and_far_better_than_the_spec_sheet(
         "megatron-core-2024", "torchtitan-compile-2024", "llm-foundry-2023"}
     assert held.mean <= H100_HELD_OUT_MEAN and held.max <= H100_HELD_OUT_MAX
     assert held.mean < 0.6 * then["H100/H200 held-out"].mean and held.max < then["H100/H200 held-out"].max
-    # the one MoE row (Qwen3-30B-A3B, ep 8) is predicted 2.4x too fast (59.20 %): a known gap, bounded, not hidden
-    assert now["H100/H200 MoE held-out"].rows == 1 and now["H100/H200 MoE held-out"].max <= 60.0
+    # Megatron-Bridge's Qwen3-30B-A3B on 16 H100s, seven releases: the four at ep 8 / pp 2 (Megatron's all-to-all
+    # dispatcher in 25.11's recipe) run 1.3x-3x slower than predicted, a known gap, bounded, not hidden
+    # (docs/planning_llm.md); the three at ep 16 / pp 1 (HybridEP's dispatcher) are within 5 %
+    moe = [(r, e) for r, e in zip(runs, after, strict=True) if r.spec.experts > 1]
+    assert now["H100/H200 MoE held-out"].rows == len(moe) == 7
+    assert all(-67.0 <= e < -25.0 for r, e in moe if r.cfg.ep == 8)
+    assert all(abs(e) <= 5.0 for r, e in moe if r.cfg.ep == 16)
     assert now["A100 held-out"].mean <= 3.5 and now["A100 held-out"].max <= 9.0
     assert now["A100 calibration"].mean <= 3.5 and now["A100 calibration"].max <= 9.0
 
@@ -52,6 +58,21 @@ def test_shipped_constants_are_what_calibration_fits():
     assert np.abs(errors(fit, CATALOG, refit)).mean() >= before - 0.05
     moved = calibrate([r for r in runs if r.role == "calibration"], CATALOG, shipped, rounds=1, points=21)
     assert moved == refit
+
+
+def test_megatron_bridge_releases_alternate_calibration_and_held_out():
+    """The rule fixed before the rows were predicted: Megatron-Bridge's dense H100 releases, in order, alternate
+    calibration / held-out from 25.09 (so 25.11, held out from the start, stays held out); its MoE rows are all held
+    out; its own stack prices them all."""
+    from cocoweave.cluster.planning.llm.published import BRIDGE_RELEASES
+
+    bridge = [r for r in h100_runs() if r.name.startswith("Megatron-Bridge")]
+    assert len(bridge) == 20 and {r.stack for r in bridge} == {"megatron-bridge-2025"}
+    for run in bridge:
+        release = run.name.split()[1]
+        dense_role = "held-out" if BRIDGE_RELEASES.index(release) % 2 else "calibration"
+        assert run.role == ("held-out" if run.spec.experts > 1 else dense_role), run.name
+    assert {r.name.split()[1] for r in bridge if r.role == "calibration"} == {"25.09", "26.02", "26.04", "26.06"}
 
 
 def test_the_command_prints_the_groups(capsys):

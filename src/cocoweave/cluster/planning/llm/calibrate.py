@@ -14,25 +14,29 @@ from cocoweave.cluster.planning.llm.system import HOPPER, STACKS, Efficiency, ef
 
 # (constants sharing the value, field, low, high): what calibration may move. A100 stacks by name; Hopper ones
 # as "stack/hopper", each stack's own (its kernels, its overlap), fitted on its own calibration rows
-MC, TT, MF = (f"{name}/{HOPPER}" for name in ("megatron-core-2024", "torchtitan-compile-2024", "llm-foundry-2023"))
+MC, MB, TT, MF = (f"{name}/{HOPPER}" for name in ("megatron-core-2024", "megatron-bridge-2025",
+                                                  "torchtitan-compile-2024", "llm-foundry-2023"))
 FREE = (
     (("megatron-2021",), "gemm_max", 0.6, 1.0),
     (("megatron-2022", "torchtitan-2024"), "gemm_max", 0.6, 1.0),
     (("megatron-2021", "megatron-2022", "torchtitan-2024"), "gemm_half", 0.0, 400.0),
     (("megatron-2021", "megatron-2022"), "elementwise_passes", 0.5, 8.0),
     (("torchtitan-2024",), "elementwise_passes", 0.5, 20.0),
-    ((MC, MF), "gemm_max", 0.4, 1.0),  # cuBLAS on Hopper: one GEMM rate per GPU, DGX H100's (700 W SXM)
+    ((MC, MB, MF), "gemm_max", 0.4, 1.0),  # cuBLAS on Hopper: one GEMM rate per GPU, DGX H100's (700 W SXM)
     ((TT,), "gemm_max", 0.4, 1.0),  # Grand Teton's H100 at 500 W, its peak not known (the NVL one assumed)
-    ((MC, TT, MF), "gemm_half", 0.0, 400.0),
+    ((MC, MB, TT, MF), "gemm_half", 0.0, 400.0),
     ((MC,), "fp8_max", 0.2, 1.0),  # Transformer Engine's FP8 (delayed scaling in NeMo 24.07)
+    ((MB,), "fp8_max", 0.2, 1.0),  # Transformer Engine's FP8 current scaling (Megatron-Bridge)
     ((TT,), "fp8_max", 0.2, 1.0),  # torchao's float8 (dynamic tensorwise scaling)
     ((MC,), "elementwise_passes", 0.5, 20.0),
+    ((MB,), "elementwise_passes", 0.5, 20.0),
     ((TT,), "elementwise_passes", 0.5, 20.0),
     ((MF,), "elementwise_passes", 0.5, 20.0),
     ((MC,), "flash", 0.2, 1.0),  # attention kernels relative to the GEMM rate: cuDNN's through TE,
+    ((MB,), "flash", 0.2, 1.0),  # a year's newer cuDNN through TE,
     ((TT,), "flash", 0.2, 1.0),  # FlashAttention-2 through torch's SDPA,
     ((MF,), "flash", 0.2, 1.0),  # FlashAttention with ALiBi (llm-foundry's Triton kernel)
-    ((MC,), "tp_overlap", 0.0, 1.0),  # TE's userbuffers
+    ((MC, MB), "tp_overlap", 0.0, 1.0),  # TE's userbuffers
     ((TT,), "tp_overlap", 0.0, 1.0),  # async TP
     ((MF,), "overlap_drag", 0.0, 1.0),  # NCCL's kernels beside the GEMMs they overlap: FSDP's
 )

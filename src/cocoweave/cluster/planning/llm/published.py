@@ -22,11 +22,12 @@ H100 (Hopper) sources, each row's step = global batch x sequence / (tokens/s/GPU
   as the NeMo performance recipes of that release set them: sequence parallelism with tp > 1, no recomputation,
   the distributed optimizer (ZeRO-1) overlapping its reduce-scatter and all-gather, TP communication overlap,
   bf16 gradient reduction.
-- Megatron-Bridge 25.11: NVIDIA-NeMo/Megatron-Bridge docs/performance-summary.md at commit 00b7660b, "25.11 NeMo
-  Container", "System: DGX-H100" (FP8 current scaling); the dense Llama 3 rows, the 405B one's 126 layers on
+- Megatron-Bridge: NVIDIA-NeMo/Megatron-Bridge docs/performance-summary.md at commit 00b7660b (release 25.11) and
+  docs/performance-summary-archive.md at commit 067f987d (25.09 to 26.06), "DGX-H100" pretraining (FP8): every
+  dense Llama 3 row of seven releases, its own stack (`megatron-bridge-2025`: a year of Megatron / TE releases
+  after NeMo 24.07), alternate releases calibrating it (the rule at `BRIDGE_H100`); the 405B rows' 126 layers on
   pp 8 x vp 8 stated as Megatron splits them when it counts the embedding and the loss as layers (ASSUMED: the
-  recipe's setting). Held out, priced with the 2024 stack's constants: they say how far a year of Megatron / TE
-  releases moved the step.
+  recipe's setting).
 - DGX Cloud: NVIDIA/dgxc-benchmarking nemo_megatron/README_175b.md at commit 0b71cfda, "Expected Performance":
   GPT-3 175B (vocab 51200 as its FLOPs note counts) on 128 to 2048 DGX H100s, BF16 and FP8, weak-scaled (global
   batch 16 per node, TP 4, PP 8, VP 12, MBS 1): a data-parallel scaling series of one model, dp 4 to 64. All held
@@ -189,13 +190,36 @@ NEMO_2407 = (
     ("LLAMA3-8B", 8, 128, 1, 8192, 1, 1, 2, 1, 12036, True),
     ("LLAMA3-70B", 64, 128, 1, 8192, 4, 4, 2, 5, 1533, False),
 )
-# Megatron-Bridge 25.11, DGX-H100, FP8-CS: (model, GPUs, GBS, MBS, seq, FSDP, TP, PP, CP, VP, tokens/s/GPU,
-# calibration?)
-BRIDGE_2511 = (
-    ("LLAMA3-8B", 8, 128, 1, 8192, True, 1, 1, 1, 1, 14451, False),
-    ("LLAMA3-70B", 64, 128, 1, 8192, False, 4, 8, 1, 5, 1602, False),
-    ("LLAMA3.1-405B", 1024, 512, 1, 8192, False, 8, 8, 2, 8, 292, False),
+# Megatron-Bridge on DGX-H100, every dense pretraining row of its performance summaries (docs/performance-summary-
+# archive.md @067f987d, releases 25.09 to 26.06; 25.11's as docs/performance-summary.md @00b7660b gave them):
+# Each model's layout, the same in every release: (GPUs, MBS, seq, FSDP, TP, PP, CP, VP); then the rows
+# (release, model, GBS, tokens/s/GPU, layers recomputed per stage: 25.11's 8B recipe recomputes 5
+# (scripts/performance/configs/llama/llama3_workload_base_configs.py @97ad8cc6, "Added 25.11 starter pack":
+# recompute_num_layers=5, which utils/overrides.py makes full block recomputation; 25.09's
+# llama3_8b_llm_pretrain.yaml @fa0315ae sets none)). Precision FP8 (25.11: FP8-CS; 25.09's H100 table names none,
+# FP8 ASSUMED: its TFLOP/s are within 3 % of 25.11's FP8-CS ones). Roles by a rule fixed before any of these rows
+# was predicted: the releases in order alternate calibration / held-out, 25.09 first, so 25.11 (held out from the
+# start) stays held out: 25.09, 26.02, 26.04, 26.06 calibrate; 25.11, 26.02.01, 26.04.01 are held out. SFT and
+# LoRA rows are not pretraining and are not taken.
+BRIDGE_LAYOUTS = {
+    "LLAMA3-8B": (8, 1, 8192, True, 1, 1, 1, 1),
+    "LLAMA3-70B": (64, 1, 8192, False, 4, 8, 1, 5),
+    "LLAMA3.1-405B": (1024, 1, 8192, False, 8, 8, 2, 8),
+}
+BRIDGE_H100 = (
+    ("25.09", "LLAMA3-8B", 128, 14079, 0), ("25.09", "LLAMA3-70B", 128, 1619, 0),
+    ("25.09", "LLAMA3.1-405B", 512, 302, 0),
+    ("25.11", "LLAMA3-8B", 128, 14451, 5), ("25.11", "LLAMA3-70B", 128, 1602, 0),
+    ("25.11", "LLAMA3.1-405B", 512, 292, 0),
+    ("26.02", "LLAMA3-70B", 256, 1621, 0), ("26.02", "LLAMA3.1-405B", 1536, 311, 0),
+    ("26.02.01", "LLAMA3-70B", 256, 1639, 0),
+    # 26.04 and 26.04.01 as published: tokens/s 1633 -> 1664 (+1.9 %) while their TFLOP/s go 734 -> 731, the same
+    # layout and model: one of the two columns is off in one of them; the tokens/s are used
+    ("26.04", "LLAMA3-70B", 256, 1633, 0),
+    ("26.04.01", "LLAMA3-70B", 256, 1664, 0), ("26.04.01", "LLAMA3.1-405B", 1536, 328, 0),
+    ("26.06", "LLAMA3.1-405B", 1536, 326, 0),
 )
+BRIDGE_RELEASES = ("25.09", "25.11", "26.02", "26.02.01", "26.04", "26.04.01", "26.06")
 # Megatron counts the embedding and the loss as a layer each when it splits Llama 3.1 405B's 126 layers over
 # pp 8 x vp 8 (--account-for-embedding/loss-in-pipeline-split, as the Bridge recipe sets them): 128 in chunks of 2,
 # the first and last stages one layer short
@@ -235,22 +259,37 @@ def _megatron_core_cfg(gpus: int, tp: int, pp: int, cp: int, vp: int, mb: int, z
                           sp=tp > 1, tp_overlap=tp > 1, gather_overlap=True)
 
 
-# Megatron-Bridge 25.11's one H100 MoE row whose model the spec describes (GPT-OSS's sliding-window attention and
-# sinks are not; the Qwen3 235B row's columns are shifted): Qwen3-30B-A3B (its config.json: 48 layers, hidden 2048,
-# 32 heads of 128, 4 KV heads, 128 experts of width 768, top-8, vocab 151936) on 16 H100s, FP8-CS, GBS 512, MBS 2,
-# seq 4096, TP 1, PP 2, VP 24, EP 8: 5275 tokens/s/GPU
+# Megatron-Bridge's H100 MoE rows whose model the spec describes (GPT-OSS's sliding-window attention and sinks are
+# not; the Qwen3 235B rows' columns are shifted): Qwen3-30B-A3B (its config.json: 48 layers, hidden 2048, 32 heads
+# of 128, 4 KV heads, 128 experts of width 768, top-8, vocab 151936) on 16 H100s, FP8, seq 4096, TP 1, every
+# release of the summaries (the sources of `BRIDGE_H100`): (release, GBS, MBS, PP, VP, EP, tokens/s/GPU). All held
+# out (a rule fixed before they were predicted: no MoE constant is calibrated). 25.09's is "tokendrop" (experts'
+# capacity capped; with the forced balance the summaries state, nothing to drop). The same layout family runs at
+# 5275 (25.11) and 5113 (26.02) tokens/s/GPU, then 9058 (26.02.01): a point release 1.77x faster, so the two slow
+# releases' figures are the stack's, not the model's (published as they are).
 QWEN3_30B = TransformerSpec(name="Qwen3-30B-A3B", layers=48, hidden=2048, heads=32, kv_heads=4, head_dim=128,
                             ffn=768, gated_mlp=True, vocab=151936, seq_len=4096, global_batch=512, experts=128,
                             experts_per_token=8, dtype="float8")
+BRIDGE_QWEN3_H100 = (
+    ("25.09", 512, 2, 2, 24, 8, 10494), ("25.11", 512, 2, 2, 24, 8, 5275), ("26.02", 1024, 1, 2, 12, 8, 5113),
+    ("26.02.01", 1024, 1, 2, 12, 8, 9058), ("26.04", 1024, 1, 1, 1, 16, 8901), ("26.04.01", 1024, 1, 1, 1, 16, 8960),
+    ("26.06", 1024, 1, 1, 1, 16, 8826),
+)
 
 
 def _h100_moe_runs() -> list[PublishedRun]:
-    cfg = replace(_megatron_core_cfg(16, 1, 2, 1, 24, 2), ep=8)
-    return [PublishedRun(
-        "Megatron-Bridge 25.11 Qwen3-30B-A3B (MoE, ep 8), 16 H100", QWEN3_30B, cfg, _step(512, 4096, 5275, 16),
-        "NVIDIA-NeMo/Megatron-Bridge docs/performance-summary.md @00b7660b, 25.11, DGX-H100 (FP8-CS): 5275 "
-        "tokens/s/GPU; experts assumed balanced (the table forces balance); all-to-alls exposed as modelled",
-        "held-out", "megatron-core-2024", "dgx-h100")]
+    runs = []
+    for release, batch, mb, pp, vp, ep, tps in BRIDGE_QWEN3_H100:
+        src = ("docs/performance-summary.md @00b7660b" if release == "25.11" else
+               "docs/performance-summary-archive.md @067f987d")
+        runs.append(PublishedRun(
+            f"Megatron-Bridge {release} Qwen3-30B-A3B (MoE, ep {ep}), 16 H100",
+            QWEN3_30B.model_copy(update={"global_batch": batch}),
+            replace(_megatron_core_cfg(16, 1, pp, 1, vp, mb), ep=ep), _step(batch, 4096, tps, 16),
+            f"NVIDIA-NeMo/Megatron-Bridge {src}, {release}, DGX-H100 (FP8): {tps} tokens/s/GPU; experts assumed "
+            "balanced (the table forces balance); all-to-alls exposed as modelled",
+            "held-out", "megatron-bridge-2025", "dgx-h100"))
+    return runs
 
 
 def _h100_megatron_runs() -> list[PublishedRun]:
@@ -262,13 +301,17 @@ def _h100_megatron_runs() -> list[PublishedRun]:
             f"NVIDIA/NeMo docs/source/performance/performance_summary.md @070a0bb1, Pretraining (FP8, DGX-H100): "
             f"{tps} tokens/s/GPU; SP, no recomputation, distributed optimizer, overlaps ASSUMED (recipe defaults)",
             "calibration" if calib else "held-out", "megatron-core-2024", "dgx-h100"))
-    for model, gpus, batch, mb, seq, fsdp, tp, pp, cp, vp, tps, calib in BRIDGE_2511:
+    for release, model, batch, tps, redo in BRIDGE_H100:
+        gpus, mb, seq, fsdp, tp, pp, cp, vp = BRIDGE_LAYOUTS[model]
+        src = ("docs/performance-summary.md @00b7660b" if release == "25.11" else
+               "docs/performance-summary-archive.md @067f987d")
         runs.append(PublishedRun(
-            f"Megatron-Bridge 25.11 {model}, {gpus} H100", _nemo_spec(model, seq, batch),
-            replace(_megatron_core_cfg(gpus, tp, pp, cp, vp, mb, 3 if fsdp else 1), stages=STATED_STAGES.get(model)),
+            f"Megatron-Bridge {release} {model}, {gpus} H100", _nemo_spec(model, seq, batch),
+            replace(_megatron_core_cfg(gpus, tp, pp, cp, vp, mb, 3 if fsdp else 1), stages=STATED_STAGES.get(model),
+                    recompute_layers=redo),
             _step(batch, seq, tps, gpus),
-            f"NVIDIA-NeMo/Megatron-Bridge docs/performance-summary.md @00b7660b, 25.11, DGX-H100 (FP8-CS): {tps} "
-            "tokens/s/GPU", "calibration" if calib else "held-out", "megatron-core-2024", "dgx-h100"))
+            f"NVIDIA-NeMo/Megatron-Bridge {src}, {release}, DGX-H100 (FP8): {tps} tokens/s/GPU",
+            "held-out" if BRIDGE_RELEASES.index(release) % 2 else "calibration", "megatron-bridge-2025", "dgx-h100"))
     return runs
 
 
