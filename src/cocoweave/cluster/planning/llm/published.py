@@ -369,17 +369,33 @@ FOUNDRY_H100 = (
     ("760m", 2048, 32, 24, 1, 768, False, 2175091), ("760m", 8192, 8, 6, 2, 96, False, 334602),
 )
 
+# The same README's "H100 80GB BF16 (Large Scale, >= 128 GPUs)" table, every row (micro-batch x GPUs is each one's
+# global batch, no accumulation): 128 to 512 GPUs. By the same rule as the table above, fixed before any was
+# predicted: in the table's order every second row calibrates, the first one first.
+FOUNDRY_H100_LARGE = (  # (model, micro-batch, activation checkpointing, ((GPUs, tokens/s), ...)), seq 2048
+    ("70b", 8, True, ((512, 515636), (256, 265149), (128, 135490))),
+    ("30b", 8, True, ((512, 1083366), (256, 550022), (128, 281491))),
+    ("13b", 16, True, ((512, 2535811), (256, 1277214), (128, 650264))),
+    ("7b", 6, False, ((512, 4951479), (256, 2590548), (128, 1340830))),
+    ("3b", 8, False, ((512, 11092218), (256, 5829686), (128, 2998098))),
+    ("1b", 12, False, ((512, 20396905), (256, 10894207), (128, 5647854))),
+)
+
 
 def _foundry_h100_runs() -> list[PublishedRun]:
     runs = []
-    for i, (model, seq, gpus, mb, _accum, batch, ac, tokens_s) in enumerate(FOUNDRY_H100):
+    large = [(model, 2048, gpus, mb, 1, mb * gpus, ac, tokens_s) for model, mb, ac, series in FOUNDRY_H100_LARGE
+             for gpus, tokens_s in series]
+    rows = [(i, r, "") for i, r in enumerate(FOUNDRY_H100)] + [
+        (i, r, " (large scale)") for i, r in enumerate(large)]
+    for i, (model, seq, gpus, mb, _accum, batch, ac, tokens_s), table in rows:
         layers, hidden, heads = MPT[model]
         spec = TransformerSpec(name=f"MPT-{model}", layers=layers, hidden=hidden, heads=heads, vocab=50368,
                                seq_len=seq, global_batch=batch, tied_embeddings=True)
         cfg = ParallelConfig(dp=gpus, micro_batch=mb, zero=3, recompute="full" if ac else "none", grad_bytes=4)
         runs.append(PublishedRun(
             f"llm-foundry MPT-{model} seq {seq}, {gpus} H100", spec, cfg, batch * seq / tokens_s,
-            f"mosaicml/llm-foundry scripts/train/benchmarking/README.md @8c8dd48f, H100 80GB BF16: {tokens_s} "
+            f"mosaicml/llm-foundry scripts/train/benchmarking/README.md @8c8dd48f, H100 80GB BF16{table}: {tokens_s} "
             "tokens/s; network ASSUMED DGX H100's", "calibration" if i % 2 == 0 else "held-out", "llm-foundry-2023",
             "dgx-h100"))
     return runs
