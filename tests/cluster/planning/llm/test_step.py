@@ -9,10 +9,17 @@ import pytest
 
 from cocoweave.cluster.catalog import GPUSpec, MachineType, NetworkSpec, load_catalog
 from cocoweave.cluster.planning.llm.calibrate import errors
+from cocoweave.cluster.planning.llm.memory import stage_param_split
 from cocoweave.cluster.planning.llm.parallelism import ParallelConfig
 from cocoweave.cluster.planning.llm.published import published_runs
 from cocoweave.cluster.planning.llm.spec import TransformerSpec
-from cocoweave.cluster.planning.llm.step import layer_forward_s, p2p_micro_s, predict_step, tp_comm_layer_s
+from cocoweave.cluster.planning.llm.step import (
+    dp_exposed_s,
+    layer_forward_s,
+    p2p_micro_s,
+    predict_step,
+    tp_comm_layer_s,
+)
 from cocoweave.cluster.planning.llm.system import STACKS, Efficiency, System, system_for
 
 GPU = GPUSpec("G", "g", {"float32": 10.0, "bfloat16": 100.0}, 1000.0, 80.0, "s")
@@ -70,6 +77,22 @@ def test_data_parallel_overlap_and_tp_overlap():
     assert exposed.total_s - hidden.total_s == pytest.approx(exposed.dp_exposed_s - hidden.dp_exposed_s)
     tp = ParallelConfig(tp=8)
     assert predict_step(SPEC, replace(tp, tp_overlap=True), SYSTEM).tp_comm_s < predict_step(SPEC, tp, SYSTEM).tp_comm_s
+
+
+def test_overlap_drag_prices_the_bytes_moved_not_the_latency_waited():
+    """DDP's all-reduce in 25 MB buckets on 8 GPUs of one node (100 GB/s, 5 us a message step): a ring bucket takes
+    14 alpha + 2 x 7/8 x bytes / B; every bucket but the last hides behind the backward and costs `overlap_drag` of
+    its bandwidth seconds only (1.75 x bytes / B each), the last one is exposed whole."""
+    system = replace(SYSTEM, intra=NetworkSpec("nvl", 100.0, 5.0, "s"), eff=replace(EFF, overlap_drag=0.5))
+    wide = SPEC.model_copy(update={"hidden": 1024})
+    cfg = ParallelConfig(dp=8)
+    nbytes = stage_param_split(wide, cfg)[0] * 2
+    buckets = -(-nbytes // 25e6)
+    bandwidth = 1.75 * nbytes / buckets / 100e9
+    total, exposed, algo = dp_exposed_s(wide, cfg, system, window_bwd=1e3, window_fwd=0.0, pipeline=0.0)
+    assert algo == "ring" and buckets == 9
+    assert total == pytest.approx(buckets * (14 * 5e-6 + bandwidth))
+    assert exposed == pytest.approx(14 * 5e-6 + bandwidth + 0.5 * (buckets - 1) * bandwidth)
 
 
 def test_recomputation_costs_a_forward_or_the_attention_core():

@@ -14,11 +14,11 @@ from cocoweave.cluster.planning.llm.validate import groups, main, table
 
 CATALOG = load_catalog()
 # measured 2026-12-05 (`python -m cocoweave.cluster.planning.llm.validate`): H100/H200 held-out 47 rows, mean
-# 4.81 %, max 19.00 % (before Megatron-Bridge's own stack and its release series and llm-foundry's 128-512 GPU
-# table: 35 rows, 5.00 % / 19.91 %; before FP8 all-gathers, FSDP1's drag and a GEMM rate per H100 kind:
-# 7.46 % / 21.33 %); the same 47 rows before Hopper constants 15.22 % / 44.04 %. The bound leaves room for refits,
-# not regressions.
-H100_HELD_OUT_MEAN, H100_HELD_OUT_MAX = 5.0, 19.5
+# 4.31 %, max 20.88 % (the max torchtitan's cp 8 row, moved by the shared gemm_half). Before Megatron-Bridge's own
+# stack, llm-foundry's 128-512 GPU table and the bandwidth-share drag: 35 rows, 5.00 % / 19.91 % (bound 5.5 / 21);
+# before FP8 all-gathers, FSDP1's drag and a GEMM rate per H100 kind: 7.46 % / 21.33 %; the same 47 rows before
+# Hopper constants 15.22 % / 44.04 %. The bound leaves room for refits, not regressions.
+H100_HELD_OUT_MEAN, H100_HELD_OUT_MAX = 4.5, 21.0
 
 
 def test_h100_held_out_rows_within_the_bound_and_far_better_than_the_spec_sheet():

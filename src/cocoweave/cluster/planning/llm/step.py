@@ -19,7 +19,8 @@ dp x cp group's link (experts': over the cp x dp / ep ranks that replicate them)
 collective's latency (2 (g - 1) alpha for a ring, 2 log2(g) alpha for a tree: at thousands of ranks this is what a
 large data-parallel step adds), overlapped with the last micro-batch's backward where the framework does so (and
 ZeRO's parameter all-gather with the next forward where the stack does that), each hidden second still costing
-`overlap_drag` of a second of compute; then the optimizer.
+`overlap_drag` of a second of compute times the share of it spent moving bytes (not waiting out latency); then the
+optimizer.
 """
 
 from __future__ import annotations
@@ -213,8 +214,9 @@ def dp_exposed_s(spec: TransformerSpec, cfg: ParallelConfig, system: System, win
                  pipeline: float, split: tuple[float, float] | None = None) -> tuple[float, float, str]:
     """Data-parallel seconds per step (all of it, the part not hidden, the algorithm): dense gradients over the
     cp x dp ranks that replicate them (tp apart), experts' over the cp x dp / ep ranks (tp x ep apart); the hidden
-    part still costs `overlap_drag` of itself (the collectives' kernels beside the compute); `split`, when given,
-    is `stage_param_split(spec, cfg)`."""
+    part still costs `overlap_drag` of its bandwidth share (the collectives' kernels moving bytes through SMs and
+    HBM beside the compute; the latency they wait out takes neither); `split`, when given, is
+    `stage_param_split(spec, cfg)`."""
     dense, experts = split if split is not None else stage_param_split(spec, cfg)
     total = exposed = 0.0
     algo = "none"
@@ -223,28 +225,42 @@ def dp_exposed_s(spec: TransformerSpec, cfg: ParallelConfig, system: System, win
         if size <= 1 or params <= 0:
             continue
         link = group_link(system, size, stride)
-        grads, weights = params * cfg.grad_bytes, params * spec.bytes_per_value
-        if cfg.zero == 0:
-            t, last, algo = bucketed_s("all_reduce", grads, size, link)
-            hidden = max(t - window_bwd, last)
-        elif cfg.zero in (1, 2):
-            rs, last_rs, _ = bucketed_s("reduce_scatter", grads, size, link)
-            ag, last_ag, algo = bucketed_s("all_gather", weights, size, link)
-            t = rs + ag
-            hidden = max(rs - window_bwd, last_rs) + max(ag - window_fwd, last_ag) if cfg.gather_overlap else \
-                max(t - window_bwd, last_rs)
-        else:  # FSDP: parameters gathered for forward, again for backward (and recomputation), gradients scattered,
-            # one collective per layer (FSDP's unit is the transformer block)
-            m = cfg.micro_batches(spec)
-            gathers = 2 + (1 if cfg.recompute == "full" else 0)
-            units = spec.layers / cfg.pp
-            ag, last, algo = bucketed_s("all_gather", weights, size, link, weights / units)
-            rs, _, _ = bucketed_s("reduce_scatter", grads, size, link, grads / units)
-            t = m * (gathers * ag + rs)
-            hidden = max(t - pipeline, last)
+        t, part, algo = _group_traffic(spec, cfg, params, size, link, window_bwd, window_fwd, pipeline)
         total += t
-        exposed += hidden + system.eff.overlap_drag * (t - hidden) if cfg.dp_overlap else t
+        if not cfg.dp_overlap:
+            exposed += t
+        elif system.eff.overlap_drag and t > part:
+            bandwidth_only = _group_traffic(spec, cfg, params, size, Link(link.name, link.bandwidth, 0.0),
+                                            window_bwd, window_fwd, pipeline)[0]
+            exposed += part + system.eff.overlap_drag * (t - part) * min(1.0, bandwidth_only / t)
+        else:
+            exposed += part
     return total, exposed, algo
+
+
+def _group_traffic(spec: TransformerSpec, cfg: ParallelConfig, params: float, size: int, link: Link,
+                   window_bwd: float, window_fwd: float, pipeline: float) -> tuple[float, float, str]:
+    """One replica group's data-parallel seconds per step, the part of them not hidden, and the algorithm."""
+    grads, weights = params * cfg.grad_bytes, params * spec.bytes_per_value
+    if cfg.zero == 0:
+        t, last, algo = bucketed_s("all_reduce", grads, size, link)
+        return t, max(t - window_bwd, last), algo
+    if cfg.zero in (1, 2):
+        rs, last_rs, _ = bucketed_s("reduce_scatter", grads, size, link)
+        ag, last_ag, algo = bucketed_s("all_gather", weights, size, link)
+        t = rs + ag
+        part = max(rs - window_bwd, last_rs) + max(ag - window_fwd, last_ag) if cfg.gather_overlap else \
+            max(t - window_bwd, last_rs)
+        return t, part, algo
+    # FSDP: parameters gathered for forward, again for backward (and recomputation), gradients scattered, one
+    # collective per layer (FSDP's unit is the transformer block)
+    m = cfg.micro_batches(spec)
+    gathers = 2 + (1 if cfg.recompute == "full" else 0)
+    units = spec.layers / cfg.pp
+    ag, last, algo = bucketed_s("all_gather", weights, size, link, weights / units)
+    rs, _, _ = bucketed_s("reduce_scatter", grads, size, link, grads / units)
+    t = m * (gathers * ag + rs)
+    return t, max(t - pipeline, last), algo
 
 
 def layer_compute_s(spec: TransformerSpec, cfg: ParallelConfig, forward: tuple[float, float, float]) -> float:
