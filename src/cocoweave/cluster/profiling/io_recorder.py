@@ -100,9 +100,13 @@ class IoRecorder:
 
     def _loader(self, loader: Any, iterator: Any) -> None:
         workers = getattr(iterator, "_workers", None) or []
-        for w in workers:
+        fresh = not getattr(loader, "persistent_workers", False)
+        for w in workers:  # a worker the iterator just started: everything it read and ran since is this step's (a
+            # baseline read now would lose the samples it prefetched before this line, as a loaded machine showed);
+            # a persistent one may have run before the recording: from now on
             if w.pid is not None and w.pid not in self.workers:
-                self.workers[w.pid] = (proc_io(w.pid), proc_cpu_s(w.pid) or 0.0)
+                self.workers[w.pid] = ((dict.fromkeys(IO_FIELDS, 0), 0.0) if fresh else
+                                       (proc_io(w.pid), proc_cpu_s(w.pid) or 0.0))
         n = int(getattr(loader, "num_workers", 0))
         self.loaders[id(loader)] = {
             "num_workers": n, "prefetch_factor": getattr(loader, "prefetch_factor", None) if n else None,
