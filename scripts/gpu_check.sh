@@ -13,6 +13,11 @@
 # Steps (seconds allowed):
 #   tests        75  the GPU tests (tests/kernels/test_cuda.py, the sm_90 compile test) with compiled Triton, and
 #                    the device-routing tests under the interpreter
+#   titan-tp    100  issue #44's last item: torchtitan's unmodified Llama 3 ("debugmodel") trained 20 clipped steps at
+#                    tp 2 through one parallelize call (2 Gloo ranks sharing the GPU; FlexAttention has a backward
+#                    there) against one process: examples/torchtitan_llama3.py --steps 20 --device cuda, exit 0 when
+#                    within 1e-5 (its line, in summary.json's output tail). Needs torchtitan's wheels in .whl/:
+#                    `pip download --no-deps -d .whl torchtitan==0.3.0 spmd_types tyro docstring_parser`
 #   step-nccl    90  benchmarks/train_step.py --device cuda at 1 rank over NCCL, both models (the first run's 5.3M
 #                    model alone, 2 x 4 steps, was launch-bound: DistributedAdamW 1.26x DDP + AdamW(fused) there)
 #   step-gloo    75  benchmarks/train_step.py --device cuda at 2 ranks sharing the GPU over Gloo
@@ -65,11 +70,21 @@ if [ -d .whl ] && ! "$PY" -c "import pydantic" 2>/dev/null; then  # the GPU imag
     "$PY" -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target "$WORK/site" .whl/*.whl \
         && export PYTHONPATH=$PYTHONPATH:$WORK/site
 fi
+TITAN_PATH=$PYTHONPATH  # torchtitan and its model's imports, carried as wheels, for the titan-tp step only
+if ls .whl/torchtitan-*.whl >/dev/null 2>&1 && ! "$PY" -c "import torchtitan" 2>/dev/null; then
+    "$PY" -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --target "$WORK/titan" \
+        .whl/torchtitan-*.whl .whl/spmd_types-*.whl .whl/tyro-*.whl .whl/docstring_parser-*.whl \
+        && TITAN_PATH=$PYTHONPATH:$WORK/titan
+fi
 nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv,noheader >"$WORK/gpu.txt" 2>&1 || true
 
 step tests 75 bash -c "TRITON_INTERPRET=$TEST_MODE $PY -m pytest -q -p no:cacheprovider tests/kernels/test_cuda.py \
     tests/kernels/test_sm90_compile.py -rs && TRITON_INTERPRET=1 $PY -m pytest -q -p no:cacheprovider \
     tests/backends/test_placement.py tests/optim/test_device_routes.py tests/test_launch.py -k 'torchrun or nccl'"
+TITAN_STEPS=20
+[ -n "${GPU_CHECK_DRY:-}" ] && TITAN_STEPS=0  # the CPU has no FlexAttention backward: the forward check alone
+step titan-tp 100 env PYTHONPATH="$TITAN_PATH" "$PY" examples/torchtitan_llama3.py --tensor-parallel 2 \
+    --device $DEV --steps $TITAN_STEPS
 step step-nccl 90 "$PY" benchmarks/train_step.py --device $DEV --backend $NCCL --worlds 1 --models $STEP_MODELS \
     --rounds $ROUNDS --steps $STEPS_EACH --out "$WORK/nccl"
 step step-gloo 75 "$PY" benchmarks/train_step.py --device $DEV --backend gloo --worlds 2 --models small \
