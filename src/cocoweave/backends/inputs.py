@@ -11,6 +11,7 @@ import torch
 
 from .. import collectives, settings
 from ..errors import InputError
+from ..ir import registry as R
 from ..ir.graph import Program, Value
 from ..ir.layout import Layout, Replicated, cut, local_shape, part_bounds, placements
 from ..ir.semantics import local_rank
@@ -66,10 +67,11 @@ def make_inputs(program: Program, world_size: int, sizes: Mapping[str, int] | No
                 logical[key] = _random(full, v.dtype, v.attrs["init"], gen, device)
             per_rank[r][v.name] = cut(logical[key], whole, part_bounds(v.layout, full, pos)).clone()
     drawn: set[str] = set()
-    for v in program.values:  # inputs that must agree (all_to_all_v's counts): the collective kind draws them
+    for v in program.values:  # inputs that must agree (all_to_all_v's, grouped_matmul's counts): the op draws them
         kind = collectives.kinds.find(v.op)
-        if kind is not None and kind.draw is not None:
-            kind.draw(v, per_rank, sizes, gen, drawn)
+        draw = kind.draw if kind is not None else R.opdef(v.op).draw
+        if draw is not None:
+            draw(v, per_rank, sizes, gen, drawn)
     for v in program.scalar_inputs:
         given = (scalars or {}).get(v.name, v.attrs.get("default"))
         value = float(given) if given is not None else 0.1 + 0.8 * torch.rand((), generator=gen).item()

@@ -23,12 +23,13 @@ from .types import Shape, bind_shape, broadcast_shapes, canonical_dtype, is_floa
 REDUCE_OPS = ("sum", "avg", "max", "min", "adasum")  # how a collective combines the ranks' tensors
 
 
-def operation(name: str, group: str, attrs: Sequence[str] = (), rebuild: R.Rebuild | None = None):
+def operation(name: str, group: str, attrs: Sequence[str] = (), rebuild: R.Rebuild | None = None,
+              draw: Any = None):
     """Register the decorated DSL function as operation `name` of `group` (registry.py). By default a
     rewrite rebuilds it by calling the function on the new operands."""
 
     def wrap(fn):
-        R.register(name, group, attrs, fn, rebuild or (lambda program, args, a: fn(*args)))
+        R.register(name, group, attrs, fn, rebuild or (lambda program, args, a: fn(*args)), draw)
         return fn
 
     return wrap
@@ -483,6 +484,94 @@ def _matmul_placement(vals: tuple[Value, Value], la: Placement, lb: Placement, a
         return la
     raise _fail("matmul", vals, f"no layout rule applies ({la!r} x {lb!r}{_along(axis)}); the rules are: "
                                 f"{MATMUL_RULES}")
+
+
+def _partition(total: int, parts: int, gen: torch.Generator) -> list[int]:
+    """`total` cut at random into `parts` non-negative counts (zeros included)."""
+    if parts == 0:
+        return []
+    cuts = sorted(torch.randint(0, total + 1, (parts - 1,), generator=gen).tolist())
+    return [b - a for a, b in zip([0, *cuts], [*cuts, total])]
+
+
+def _draw_segments(v: Value, per_rank: list[dict[str, Any]], sizes: Any, gen: torch.Generator, drawn: set[str]
+                   ) -> None:
+    """Random inputs' counts for grouped_matmul `v` where they are an input of the program (random integers would
+    not fit its rows): where its rows are all_to_all_v's result and the counts hold one row of segments per source
+    rank, row i partitions the rows received from rank i (the recv drawn before); otherwise the segments cover a
+    random number of the rows, zeros and padding included."""
+    from .semantics import local_rank  # semantics fills in the meanings of the operations this module registers
+
+    c = v.args[2]
+    if c.op != "input" or c.name in drawn:
+        return
+    x, m = v.args[0], bind_shape(v.args[0].shape, sizes)[0]
+    recv = x.args[2] if x.op == "all_to_all_v" and x.attrs["dim"] == 0 else None
+    same: dict[int, torch.Tensor] = {}  # one draw per set of ranks holding the same counts (Replicated ones)
+    for rank in v.group.ranks(len(per_rank)):
+        t = per_rank[rank][c.name]
+        g = t.shape[-1] if t.ndim else 1
+        lines = t.numel() // g if g else 0
+        got = per_rank[rank].get(recv.name) if recv is not None else None
+        if got is not None and got.numel() == lines > 0:  # each source rank's rows, split among the groups
+            totals, each = [int(k) for k in got.reshape(-1).tolist()], g
+        else:
+            key = local_rank(c.layout, c.position(rank, len(per_rank)))
+            if key not in same:
+                same[key] = _partition(int(torch.randint(0, m + 1, (), generator=gen)), t.numel(), gen)
+            per_rank[rank][c.name] = torch.tensor(same[key], dtype=t.dtype, device=t.device).reshape(t.shape)
+            continue
+        segs = [k for total in totals for k in _partition(total, each, gen)]
+        per_rank[rank][c.name] = torch.tensor(segs, dtype=t.dtype, device=t.device).reshape(t.shape)
+    drawn.add(c.name)
+
+
+@operation("grouped_matmul", R.MATMUL, draw=_draw_segments)
+def grouped_matmul(x: Value, w: Value, counts: Value) -> Value:
+    """Segment by segment matmul (a dropless MoE's expert GEMMs): x [M, K]'s rows are consecutive segments whose
+    lengths are the runtime integer tensor `counts` read in row-major order; segment k is multiplied by w[k mod G]
+    of w [G, K, N] (so counts [G] is one segment per expert, counts [R, G] one per source rank and expert, as
+    all_to_all_v receives them); rows past sum(counts) are padding and give zero rows. Result [M, N]. With w Sliced
+    along its experts, each rank's counts count its own experts' segments (G / ranks per line of counts)."""
+    program = _program_of(x, w, counts)
+    x, w, counts = (lift(t, program) for t in (x, w, counts))
+    vals = (x, w, counts)
+    if x.is_scalar or x.ndim != 2 or w.is_scalar or w.ndim != 3:
+        raise _fail("grouped_matmul", vals, "needs rows x of shape [M, K] and one matrix per group, w [G, K, N]")
+    if x.shape[1] != w.shape[1]:
+        raise _fail("grouped_matmul", vals, f"inner dimensions differ ({x.shape[1]} vs {w.shape[1]})")
+    if counts.is_scalar or counts.dtype not in ("int32", "int64"):
+        raise _fail("grouped_matmul", vals, "`counts` holds segment lengths: an int32 or int64 tensor")
+    _float_only("grouped_matmul", (x, w))
+    group = _common_group("grouped_matmul", vals)
+    axes = _axes(group)
+    per, ranks = [], 1
+    for i, ax in enumerate(axes):
+        lx, lw, lc = (_at(t, i, len(axes)) for t in vals)
+        if lx.is_sliced:
+            why = ("its rows are sliced, which would cut segments across ranks; declare each rank's rows Local"
+                   if lx.dim == 0 else "its inner dimension is sliced; all_gather it first")
+            raise _fail("grouped_matmul", vals, f"`{x.name}` is {lx!r}{_along(ax)}: {why}")
+        if lc.is_sliced:
+            raise _fail("grouped_matmul", vals, f"`{counts.name}` is {lc!r}{_along(ax)}: each rank needs all of its "
+                                                "segments' counts; declare them Local")
+        if lw.is_sliced and lw.dim != 0:
+            raise _fail("grouped_matmul", vals, f"`{w.name}` is {lw!r}{_along(ax)}: only its experts (dimension 0) "
+                                                "may be sliced; all_gather it first")
+        if lw.is_sliced:
+            if lw.shares is not None:
+                raise _fail("grouped_matmul", vals, f"`{w.name}`'s experts are sliced in shares {lw.shares}"
+                                                    f"{_along(ax)}; the counts need equal parts")
+            size = group.mesh.shape[i] if group is not None and group.mesh is not None else None
+            ranks = ranks * size if size is not None and ranks is not None else None
+        per.append(Replicated if lx.is_replicated and lw.is_replicated and lc.is_replicated else Local)
+    g, last = w.shape[0], counts.shape[-1] if counts.ndim else 1
+    if ranks is not None and isinstance(g, int) and isinstance(last, int):
+        if g % ranks or last != g // ranks:
+            raise _fail("grouped_matmul", vals, f"`{counts.name}`'s last dimension ({last}) must be the number of "
+                                                f"groups each rank holds ({g} over {ranks} ranks)")
+    return program._add("grouped_matmul", vals, {}, promote(x.dtype, w.dtype), (x.shape[0], w.shape[2]),
+                        make_layout(group, per), group)
 
 
 @operation("layer_norm", R.NORMALISATION, ("eps", "has_weight", "has_bias"), rebuild=lambda p, args, a: layer_norm(

@@ -12,7 +12,7 @@ registration (collectives.CollectiveKind) and its implementation per backend.
 from __future__ import annotations
 
 from collections.abc import Callable, Mapping, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import TYPE_CHECKING, Any
 
 from ..collectives import kinds
@@ -48,7 +48,8 @@ Rebuild = Callable[["Program", Sequence["Value"], Mapping[str, Any]], "Value"]
 class OpDef:
     """One operation: `rebuild(program, args, attrs)` applies it again to new operands (rewrites rebuild
     programs through the checked builders), `meaning(v, args, place)` computes it on one rank's local tensors
-    (computations only; set by semantics.py)."""
+    (computations only; set by semantics.py), `draw(v, per_rank, sizes, gen, drawn)` makes the random inputs that
+    must agree for it to run (grouped_matmul's counts; a collective's is its kind's, CollectiveKind.draw)."""
 
     name: str
     group: str
@@ -56,6 +57,7 @@ class OpDef:
     build: Callable[..., Value] | None
     rebuild: Rebuild | None
     meaning: Callable[..., Any] | None = None
+    draw: Callable[..., None] | None = None
 
     @property
     def elementwise(self) -> bool:
@@ -70,11 +72,11 @@ REGISTRY: dict[str, OpDef] = {}
 
 
 def register(name: str, group: str, attrs: Sequence[str] = (), build: Callable[..., Value] | None = None,
-             rebuild: Rebuild | None = None) -> OpDef:
+             rebuild: Rebuild | None = None, draw: Callable[..., None] | None = None) -> OpDef:
     """Add operation `name` to the table (once)."""
     if name in REGISTRY:
         raise AssertionError(f"operation {name!r} is registered twice")
-    d = REGISTRY[name] = OpDef(name, group, tuple(attrs), build, rebuild)
+    d = REGISTRY[name] = OpDef(name, group, tuple(attrs), build, rebuild, draw=draw)
     return d
 
 
@@ -95,7 +97,7 @@ kinds.hook(_add_kind, unregister)
 def set_meaning(name: str, meaning: Callable[..., Any]) -> None:
     """Attach the local semantics of computation `name` (semantics.py does this for every computation)."""
     d = REGISTRY[name]
-    REGISTRY[name] = OpDef(d.name, d.group, d.attrs, d.build, d.rebuild, meaning)
+    REGISTRY[name] = replace(d, meaning=meaning)
 
 
 def opdef(name: str) -> OpDef:

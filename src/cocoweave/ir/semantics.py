@@ -15,6 +15,7 @@ from typing import Any
 import torch
 
 from .. import rng
+from ..errors import InputError
 from . import registry as R
 from .graph import Value
 from .layout import Position, cut, part_bounds, placements
@@ -139,6 +140,32 @@ def _layer_norm(v: Value, a: list, place: Place) -> Any:
     return _finish(v, torch.nn.functional.layer_norm(x.float(), (x.shape[-1],), w, b, v.attrs["eps"]))
 
 
+def segments(counts: torch.Tensor, rows: int, groups: int, where: str) -> list[tuple[int, int, int]]:
+    """grouped_matmul's (start, length, group) per non-empty segment from its counts on the host: the reference's
+    and the torch backend's one check (InputError naming `where` otherwise)."""
+    c = [int(k) for k in counts.reshape(-1).tolist()]
+    g = counts.shape[-1] if counts.ndim else 1
+    if g != groups:
+        raise InputError(f"{where}: the counts hold {g} segments per line but the rank holds {groups} groups")
+    if min(c, default=0) < 0 or sum(c) > rows:
+        raise InputError(f"{where}: the counts {c} must be non-negative and sum to at most the {rows} rows")
+    out, start = [], 0
+    for k, n in enumerate(c):
+        if n:
+            out.append((start, n, k % groups))
+        start += n
+    return out
+
+
+def _grouped_matmul(v: Value, a: list, place: Place) -> Any:
+    """Each segment of rows times its group's matrix, in float32; zero rows past the segments."""
+    x, w = a[0].float(), a[1].float()
+    out = x.new_zeros(x.shape[0], w.shape[2])
+    for start, n, g in segments(a[2], x.shape[0], w.shape[0], f"grouped_matmul `{v.name}`"):
+        out[start:start + n] = x[start:start + n] @ w[g]
+    return _finish(v, out)
+
+
 MEANINGS: dict[str, Meaning] = {
     "const": _const,
     "add": _binary(torch.add), "sub": _binary(torch.sub), "mul": _binary(torch.mul), "div": _binary(torch.div),
@@ -155,6 +182,7 @@ MEANINGS: dict[str, Meaning] = {
     "min": lambda v, a, place: _finish(v, reduce_local("min", a[0], v.attrs["dims"], v.attrs["keepdim"])),
     "norm": lambda v, a, place: _finish(v, reduce_local("norm", a[0], v.attrs["dims"], v.attrs["keepdim"])),
     "matmul": lambda v, a, place: _finish(v, torch.matmul(a[0].float(), a[1].float())),
+    "grouped_matmul": _grouped_matmul,
     "layer_norm": _layer_norm,
     "slice": lambda v, a, place: align(v.args[0], a[0], v, place),
 }

@@ -32,6 +32,7 @@ from ..storage.statedir import state_dir
 
 COLLECTIVE_OPS = R.names(R.COLLECTIVE)
 COMM_OPS = R.names(R.COLLECTIVE, R.P2P)
+MATMUL_OPS = R.names(R.MATMUL)
 FREE_OPS = ("update",)  # aliases: the write happens in the end-of-step state copy
 CALIBRATION_ENV = settings.CALIBRATION_DIR.name
 
@@ -224,6 +225,8 @@ def _kernel_terms(values: Sequence[Value], sizes: Mapping[str, int], world_size:
 
 
 def _matmul_term(v: Value, sizes: Mapping[str, int], world_size: int) -> Term:
+    """2 x the result's elements x the inner dimension; a grouped_matmul's at its capacity (every row in a
+    segment: sum(counts) x K x N x 2 at run time is at most this; the counts are unknown statically)."""
     out = local_bytes(v, sizes, world_size) // _itemsize(v.dtype)
     k_dim = largest_part(v.args[0], sizes, world_size)[-1]  # the inner dimension of this rank's part
     return Term("matmul", v.dtype, 2.0 * out * k_dim)
@@ -250,7 +253,7 @@ class PlanCoster:
         if isinstance(stage, P2P):
             return [_comm_term(v, "library", sz, w, self.wire) for v in stage.values if v.op == "send"]
         if isinstance(stage, MatMul):
-            return [_matmul_term(v, sz, w) for v in stage.values if v.op == "matmul"]
+            return [_matmul_term(v, sz, w) for v in stage.values if v.op in MATMUL_OPS]
         if isinstance(stage, Compute):
             fused = (stage.fused and self.cal.fused_kernels) if fused_override is None else fused_override
             return _kernel_terms(stage.values, sz, w, fused, {id(v) for v in stage.live_outs})

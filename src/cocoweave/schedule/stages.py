@@ -183,7 +183,7 @@ def make_stage(v: Value) -> Stage | None:
         return None
     if v.op in COMPUTE_OPS:
         return Compute((v.name,))
-    if v.op == "matmul":
+    if R.group(v.op) == R.MATMUL:
         return MatMul((v.name,))
     if v.op == "send":
         return P2P((v.name,))
@@ -368,6 +368,9 @@ def chunk_dim(program: Program, members: list[str], names: str) -> int:
         kind = collectives.kinds.find(v.op)
         if kind is not None and not kind.chunkable:  # a send is chunked piece by piece
             raise ScheduleError(f"cannot overlap {names}: a {v.op} cannot be chunked")
+        if v.op == "grouped_matmul":
+            raise ScheduleError(f"cannot overlap {names}: grouped_matmul `{v.name}`'s segments are runtime counts, "
+                                "which static chunks of its rows would cut")
         if v.op == "all_reduce" and v.attrs["op"] == "adasum":
             raise ScheduleError(f"cannot overlap {names}: adasum all_reduce `{v.name}` combines whole tensors "
                                 "(its coefficients need every element), so it cannot be chunked")
