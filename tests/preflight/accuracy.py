@@ -135,7 +135,7 @@ def _busy(ms: float) -> None:
         a @ a
 
 
-def calibrate(pipe: Any, m: int, n: int, seq: int, d: int, reps: int = 5) -> dict[str, Any]:
+def calibrate(pipe: Any, m: int, n: int, seq: int, d: int, reps: int = 9) -> dict[str, Any]:
     """Before the timed steps, on both ranks at once (as they will run): this rank's stage's forward (the last
     stage's loss included) and backward of one micro-batch, each timed alone (median of `reps` after a warm-up);
     and the seconds a rank takes to receive a message that arrived while it computed, the sender computing too
