@@ -10,8 +10,9 @@ Memory: the whole job (model, optimizer, a warm-up step, the measured step) runs
 profile_memory, whose "[memory]" events are every allocation and free of the CPU allocator; the measured peak is the
 largest sum of live bytes during the second step. Idle: each rank's time inside its stages' forward and backward
 calls (and the last stage's loss) against Pipeline.step's wall time, median of 5 steps after 2 warm-ups; the
-prediction with unit costs (a forward of the stage's blocks, a backward twice that) and with the run's own median
-per-stage costs (PipelineJob.stage_costs)."""
+prediction with unit costs (a forward of the stage's blocks, a backward twice that), calibrated before the timed
+steps (each stage's costs timed alone and a receive probe: PipelineJob.stage_costs and link, `calibrate`) and with
+the run's own median per-stage costs."""
 
 from __future__ import annotations
 
