@@ -2,6 +2,7 @@
 
     python tests/preflight/accuracy.py memory [--json PATH]  # per rank: predicted peak vs the CPU allocator's peak
     python tests/preflight/accuracy.py idle [--json PATH]    # pp 2: predicted bubble vs the measured idle share
+    python tests/preflight/accuracy.py replay JSON...        # saved idle runs: own stage costs + calibrated link
 
 Each prints a table and writes every figure, with the machine and its load average, to PATH (default
 preflight-accuracy-WHAT.json), so that a run on a quiet machine can be compared.
@@ -16,6 +17,7 @@ the run's own median per-stage costs."""
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import os
 import platform
@@ -236,16 +238,17 @@ def idle_rows() -> list[dict[str, Any]]:
     with LocalWorld(pp, timeout_s=600) as world:
         for schedule, m in (("1f1b", 4), ("gpipe", 4), ("1f1b", 8), ("gpipe", 8)):
             out = world.run(idle_case, pp, schedule, m, n, seq, d, heads, blocks)
-            with_costs: list[Any] = []  # per timed step: the bubble predicted with that step's own mean costs
-            for i in range(len(out[0]["steps"])):
+            cal = [r["calibration"] for r in out]
+            link = _link(cal)
+            with_costs: list[Any] = []  # per timed step: the bubble predicted with that step's own mean costs,
+            for i in range(len(out[0]["steps"])):  # without and with the calibrated link
                 calls = {k: v for r in out for k, v in r["steps"][i]["calls"].items()}
                 costs = {s: (statistics.mean(calls[f"{s}F"]) + statistics.mean(calls.get(f"{s}L", [0.0])),
                              statistics.mean(calls[f"{s}B"])) for s in range(pp)}
                 job = PipelineJob(pp=pp, microbatches=m, n_blocks=blocks, batch=n, seq=seq, d_model=d, heads=heads,
                                   schedule=schedule, stage_costs=costs)
-                with_costs.append((preflight(job, ranks=[]), costs))
-            cal = [r["calibration"] for r in out]
-            link = _link(cal)
+                with_costs.append((preflight(job, ranks=[]), costs,
+                                   preflight(dataclasses.replace(job, link=link), ranks=[])))
             calibrated = preflight(PipelineJob(pp=pp, microbatches=m, n_blocks=blocks, batch=n, seq=seq, d_model=d,
                                                heads=heads, schedule=schedule, link=link,
                                                stage_costs={c["stage"]: (c["forward"], c["backward"]) for c in cal}),
@@ -253,7 +256,8 @@ def idle_rows() -> list[dict[str, Any]]:
             for r in out:
                 st = r["steps"]
                 idle = [1 - x["busy"] / x["wall"] for x in st]
-                own = [rep.bubble(r["rank"]) for rep, _ in with_costs]
+                own = [rep.bubble(r["rank"]) for rep, _, _ in with_costs]
+                own_link = [rep.bubble(r["rank"]) for _, _, rep in with_costs]
                 rows.append({"schedule": schedule, "microbatches": m, "rank": r["rank"],
                              "measured_idle": round(statistics.median(idle), 4),
                              "measured_idle_per_step": [round(v, 4) for v in idle],
@@ -261,17 +265,50 @@ def idle_rows() -> list[dict[str, Any]]:
                              "predicted_unit_costs": round(r["predicted"], 4),
                              "predicted_own_costs": round(statistics.median(own), 4),
                              "predicted_own_costs_per_step": [round(v, 4) for v in own],
+                             "predicted_own_costs_and_link": round(statistics.median(own_link), 4),
                              "predicted_calibrated": round(calibrated.bubble(r["rank"]), 4),
                              "calibration": r["calibration"] | {"link_bandwidth_B_s": link.bandwidth,
                                                                 "link_latency_s": link.latency},
                              "step_s": round(statistics.median(x["wall"] for x in st), 4),
-                             "backward_over_forward": [round(c[s][1] / c[s][0], 3) for _, c in with_costs
+                             "backward_over_forward": [round(c[s][1] / c[s][0], 3) for _, c, _ in with_costs
                                                        for s in range(pp)],
                              "steps": st})
     return rows
 
 
+def replay(paths: list[str]) -> None:
+    """From saved `idle` JSONs: each rank's measured idle share against the prediction from each timed step's own
+    stage costs and the run's calibrated link (what `predicted_own_costs_and_link` holds in newer files); the tally."""
+    from cocoweave.preflight import PipelineJob, preflight
+
+    within = total = 0
+    worst = 0.0
+    for path in paths:
+        with open(path, encoding="utf-8") as f:
+            rows = json.load(f)["rows"]
+        for pair in zip(rows[0::2], rows[1::2]):
+            link = _link([r["calibration"] for r in pair])
+            job = PipelineJob(pp=2, microbatches=pair[0]["microbatches"], n_blocks=8, batch=16, seq=128, d_model=512,
+                              heads=8, schedule=pair[0]["schedule"], link=link)
+            reps = []
+            for i in range(len(pair[0]["steps"])):
+                calls = {k: v for r in pair for k, v in r["steps"][i]["calls"].items()}
+                costs = {s: (statistics.mean(calls[f"{s}F"]) + statistics.mean(calls.get(f"{s}L", [0.0])),
+                             statistics.mean(calls[f"{s}B"])) for s in range(2)}
+                reps.append(preflight(dataclasses.replace(job, stage_costs=costs), ranks=[]))
+            for r in pair:
+                predicted = statistics.median(rep.bubble(r["rank"]) for rep in reps)
+                error = abs(predicted - r["measured_idle"])
+                within, total, worst = within + (error <= 0.02), total + 1, max(worst, error)
+                print(f"{path}: {r['schedule']}, {r['microbatches']}, rank {r['rank']}: measured "
+                      f"{100 * r['measured_idle']:.1f}%, predicted {100 * predicted:.1f}%")
+    print(f"{within} of {total} within 2 points; worst {100 * worst:.1f} points")
+
+
 def main(argv: list[str]) -> None:
+    if argv and argv[0] == "replay":
+        replay(argv[1:])
+        return
     what = argv[0] if argv else "memory"
     path = argv[argv.index("--json") + 1] if "--json" in argv else f"preflight-accuracy-{what}.json"
     before = _machine()
@@ -289,13 +326,15 @@ def main(argv: list[str]) -> None:
                   f"{r['terms_MiB']['activations']} |")
     else:
         print("| schedule, micro-batches | rank | measured idle (steps' range) | in waits | predicted, unit costs | "
-              "predicted, calibrated | predicted, each step's own costs | backward / forward | step s |")
+              "predicted, calibrated | predicted, each step's own costs | the same and the link | backward / forward "
+              "| step s |")
         for r in rows:
             per, ratio = r["measured_idle_per_step"], r["backward_over_forward"]
             print(f"| {r['schedule']}, {r['microbatches']} | {r['rank']} | {100 * r['measured_idle']:.1f}% "
                   f"({100 * min(per):.1f}-{100 * max(per):.1f}) | {100 * r['measured_wait']:.1f}% | "
                   f"{100 * r['predicted_unit_costs']:.1f}% | {100 * r['predicted_calibrated']:.1f}% | "
-                  f"{100 * r['predicted_own_costs']:.1f}% | {min(ratio):.2f}-{max(ratio):.2f} | {r['step_s']:.2f} |")
+                  f"{100 * r['predicted_own_costs']:.1f}% | {100 * r['predicted_own_costs_and_link']:.1f}% | "
+                  f"{min(ratio):.2f}-{max(ratio):.2f} | {r['step_s']:.2f} |")
     print(f"load average {before['load_average']} before, {doc['load_average_after']} after; JSON: {path}")
 
 
