@@ -284,6 +284,8 @@ def test_a_link_costs_each_receiver_its_messages(m: int) -> None:
     assert report.bubble(1) == pytest.approx(1 - 3 * m / (3 + 3 * m + 2 * m * c))
     free = preflight(dataclasses.replace(job, link=None))
     assert free.timing.makespan == pytest.approx(3 + 3 * m)  # no link: communication is free
+    with pytest.raises(ParallelConfigError, match="^a link prices each receive in seconds: state the stages' costs"):
+        preflight(dataclasses.replace(job, stage_costs=None))  # seconds beside block units: refused
 
 
 def test_activations_count_the_stage_outputs_kept_for_backward() -> None:

@@ -19,8 +19,8 @@ from .trace import P2P, Event, Op, Trace
 
 @dataclass(frozen=True)
 class Timing:
-    """The simulated step: its length (in block-forward units), and per rank the time busy computing and the
-    idle share (the bubble)."""
+    """The simulated step: its length (in the job's cost units: block forwards, or seconds), and per rank the time
+    busy computing and the idle share (the bubble)."""
 
     makespan: float
     busy: dict[int, float]

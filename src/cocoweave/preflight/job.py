@@ -95,6 +95,9 @@ class PipelineJob:
             raise ParallelConfigError(f"a batch of {self.batch} samples cannot be split into {self.microbatches} "
                                       "equal micro-batches")
         self.value_bytes  # noqa: B018 - checks the dtype
+        if self.link is not None and self.stage_costs is None:
+            raise ParallelConfigError("a link prices each receive in seconds: state the stages' costs in seconds too "
+                                      "(stage_costs), or leave the link out for the unit-cost bubble")
 
     @property
     def micro_batch(self) -> int:
