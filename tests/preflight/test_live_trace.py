@@ -1,24 +1,27 @@
 """The predicted trace of the layouts the suite trains equals the one recorded from a live step on 4 Gloo ranks:
 every point-to-point operation and every covered collective (the stage boundary's, the loss's and
 DistributedAdamW's bucket collectives over dp), in the order each rank issues it, with its peer, group, size and
-dtype. Pipeline.check() on a built pipeline passes them."""
+dtype. Pipeline.check() on a built pipeline passes them, and times them with the stage costs and link it is given."""
 
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 
 import pytest
 import torch
 import torch.nn.functional as F
 from torch import nn
 
+from cocoweave.collectives.pricing import Link
 from cocoweave.nn import TransformerBlock, parallel_mesh
 from cocoweave.nn.pipeline import Pipeline
 from cocoweave.optim import DistributedAdamW
-from cocoweave.preflight import PipelineJob, compare, predict, recording
+from cocoweave.preflight import PipelineJob, compare, predict, preflight, recording
 from cocoweave.preflight.optimizer import bucket_collectives
 
 V, D, H, T, BLOCKS = 11, 16, 4, 8, 4
+COSTS, LINK = {s: (1.0 + s, 2.0) for s in range(8)}, Link("test", 1e30, 0.25)  # seconds, and a receive's cost
 
 
 def ce(logits: torch.Tensor, target: torch.Tensor) -> torch.Tensor:
@@ -38,6 +41,7 @@ def live_case(rank: int, world_size: int, tp: int, pp: int, schedule: str, m: in
     dp = mesh.size(0)
     opt = DistributedAdamW(list(pipe.parameters()), process_group=mesh.get_group("dp"))
     report = pipe.check(batch=n // dp, seq=T, optimizer=opt)
+    timed = pipe.check(batch=n // dp, seq=T, memory=False, stage_costs=COSTS, link=LINK)
     g = torch.Generator().manual_seed(1)
     x, y = torch.randint(0, V, (n // dp, T), generator=g), torch.randint(0, V, (n // dp, T), generator=g)
     for step in range(2):  # shapes are inferred on the first step: record the second
@@ -46,7 +50,8 @@ def live_case(rank: int, world_size: int, tp: int, pp: int, schedule: str, m: in
             pipe.step(x, y, step=step, no_sync=opt.no_sync)
             opt.step()
     return {"ops": rec.trace.ops.get(rank, []), "other": len(rec.other), "checked_rank": list(report.memory),
-            "bubble": report.bubble(rank), "pp_rank": pipe.pp_rank, "optimizer": bucket_collectives(opt),
+            "bubble": report.bubble(rank), "timed": timed.timing.makespan, "pp_rank": pipe.pp_rank,
+            "optimizer": bucket_collectives(opt),
             "predicted": report.trace.ops[rank]}
 
 
@@ -67,6 +72,10 @@ def test_recorded_trace_equals_predicted(world4, tp: int, pp: int, schedule: str
         assert r["checked_rank"] == [rank]
         assert r["predicted"] == predicted.ops[rank]  # Pipeline.check on the rank predicts what the job does
     assert compare(predicted, recorded) == []
+    if job.dp == job.tp == 1:  # Pipeline.check passes stated stage costs and a link on to the timing
+        timed = preflight(dataclasses.replace(job, stage_costs=COSTS, link=LINK, optimizer_steps=None), ranks=[])
+        assert all(r["timed"] == pytest.approx(timed.timing.makespan) for r in results)
+        assert timed.timing.makespan > preflight(dataclasses.replace(job, stage_costs=COSTS), ranks=[]).timing.makespan
     if job.dp > 1:  # the optimizer's reduce-scatters and all-gathers were recorded (and matched) on every rank
         for r in results:
             assert {op.kind for op in r["ops"] if op.label == "optimizer"} == {"reduce_scatter", "all_gather"}

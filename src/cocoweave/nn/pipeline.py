@@ -19,8 +19,9 @@ PipelineBoundary is the same boundary by hand (send_forward / recv_forward), out
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import warnings
-from collections.abc import Callable, Iterator, Sequence
+from collections.abc import Callable, Iterator, Mapping, Sequence
 from typing import Any
 
 import torch
@@ -353,17 +354,20 @@ class Pipeline:
         return float(total)
 
     def check(self, *, batch: int, seq: int, d_model: int | None = None, device_memory: float | None = None,
-              memory: bool = True, optimizer: Any = None) -> Any:
+              memory: bool = True, optimizer: Any = None, stage_costs: Mapping[int, tuple[float, float]] | None = None,
+              link: Any = None) -> Any:
         """Pre-flight (cocoweave.preflight, no tensors): one step's communication for every rank of the mesh from
         torch's schedule for a batch of `batch` samples of `seq` tokens per replica, checked to match up and never
         wait in a circle (with `optimizer`, its step's collectives after it); with `memory`, this rank's peak memory
         against `device_memory` bytes (without: the communication of one dp x tp replica, which the others
         mirror). Returns the Report; raises PreflightError with one sentence if the step would hang or not fit.
-        step() runs it (without memory) before the first step unless `preflight` is set False."""
+        `stage_costs` and `link` time the idle share as PipelineJob's do (seconds per micro-batch, the receives'
+        link). step() runs it (without memory) before the first step unless `preflight` is set False."""
         from ..preflight import job_of, mesh_position, preflight
 
         job = job_of(self, batch=batch, seq=seq, d_model=d_model, device_memory=device_memory, need_width=memory,
                      optimizer=optimizer)
+        job = dataclasses.replace(job, stage_costs=stage_costs, link=link)
         return preflight(job, ranks=[mesh_position(self.mesh)] if memory else [], one_replica=not memory)
 
     def boundary_bytes(self) -> dict[str, int]:
