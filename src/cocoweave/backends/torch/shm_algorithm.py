@@ -121,6 +121,7 @@ def shm_send_recv(ctx: RankContext, x: torch.Tensor | None, peer: int, sending: 
     buf = pair.recv(ctx.buffer(out, shape, dtype))
     return ctx.done(None, lambda: buf, async_op)
 
+
 def shm_all_to_all_v(ctx: RankContext, x: torch.Tensor, splits: torch.Tensor, recv: torch.Tensor, dim: int,
                      rows: int, group: Any, out: Any, async_op: bool = False) -> Any:
     """all_to_all_v through shm_all_to_all's slots (one copy out and one in per row, no socket); the library's
