@@ -21,7 +21,7 @@ import torch.distributed as dist
 from torch.utils._python_dispatch import _get_current_dispatch_mode
 
 from ... import collectives, faults, rng
-from ...ir.semantics import reduce_local, segments
+from ...ir.semantics import grouped_matmul_wgrad, reduce_local, segments  # noqa: F401 - rt.grouped_matmul_wgrad
 from . import shm
 from .ring import with_dim  # noqa: F401 - generated code calls rt.with_dim
 
