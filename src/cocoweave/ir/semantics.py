@@ -168,12 +168,18 @@ def _grouped_matmul(v: Value, a: list, place: Place) -> Any:
 
 def grouped_matmul_wgrad(x: torch.Tensor, dy: torch.Tensor, counts: torch.Tensor, name: str) -> torch.Tensor:
     """The DSL's grouped_matmul_wgrad `name` on tensors, the reference's (in float32) and the torch backend's (in
-    the operands' dtype) one body: per group, the sum of x_segᵀ dy_seg over its non-empty segments (one addmm each)
-    into the zeroed [G, K, N]."""
+    the operands' dtype) one body: per group, the sum of x_segᵀ dy_seg over its non-empty segments (the first one
+    mm written in place, the others one addmm each), a group without rows zero."""
     groups = counts.shape[-1] if counts.ndim else 1
-    out = x.new_zeros(groups, x.shape[1], dy.shape[1])
+    out, seen = x.new_empty(groups, x.shape[1], dy.shape[1]), set()
     for start, n, g in segments(counts, x.shape[0], groups, f"grouped_matmul_wgrad `{name}`"):
-        out[g].addmm_(x[start:start + n].T, dy[start:start + n])
+        if g in seen:
+            out[g].addmm_(x[start:start + n].T, dy[start:start + n])
+        else:
+            torch.mm(x[start:start + n].T, dy[start:start + n], out=out[g])
+            seen.add(g)
+    for g in set(range(groups)) - seen:
+        out[g].zero_()
     return out
 
 
