@@ -139,8 +139,8 @@ class MoE(nn.Module):
         if self.programs is not None:  # dispatch -> grouped SwiGLU -> combine as the compiled programs
             sent = counts.view(self.ep, n_local)
             received = sent if self.ep == 1 else self.exchange(sent, self.group)
-            *sizes, self._size_slots = agreed_sizes(rows.shape[0], received, self.group if self.ep > 1 else None,
-                                                    self._size_slots)
+            *sizes, self._size_slots = agreed_sizes(rows.shape[0], flat.shape[0] * self.top_k, received,
+                                                    self.group if self.ep > 1 else None, self._size_slots)
             out = DroplessExperts.apply(rows, *self.experts.weights(), sent, received, tuple(sizes), self.programs)
             return out, None if shared is None else shared(flat)
         if self.group is None or self.ep == 1:

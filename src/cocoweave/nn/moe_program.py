@@ -5,9 +5,10 @@ exchange, the weighting and the shared expert stay in torch (nn/moe.py).
 
 The ranks must run the same programs, whose shapes are static, while the rows a rank sends (capacity drops) and
 receives (routing) are runtime values: `agreed_sizes` takes the maximum of both over the ranks (one small max
-all-reduce, on shared memory where the ranks share a host) and rounds the receive capacity up to a quarter of the
-rows sent; rows past the segments are zero padding that the GEMMs skip, and one step's programs are reused by the
-next unless its load moves by more than that quarter.
+all-reduce, on shared memory where the ranks share a host) and rounds the rows sent up to a quarter of the most a
+rank can send (tokens x top_k), the receive capacity up to a quarter of those; rows past the segments are zero
+padding that the GEMMs skip, so a layer compiles at most 4 x (4 ep + 1) programs of each kind, and one step's are
+reused by the next unless its load moves by more than a quarter.
 """
 
 from __future__ import annotations
@@ -21,19 +22,19 @@ from ..ir.types import canonical_dtype
 from . import programs as P
 
 
-def capacity(received: int, rows: int) -> int:
-    """The receive capacity for `received` rows when each rank sends at most `rows`: rounded up to a quarter of
-    `rows`."""
-    step = max(1, rows // 4)
-    return max(step, -(-received // step) * step)
+def capacity(rows: int, bound: int) -> int:
+    """`rows` rounded up to a multiple of a quarter of `bound` (at least one quarter)."""
+    step = max(1, bound // 4)
+    return max(step, -(-rows // step) * step)
 
 
-def agreed_sizes(rows: int, received: torch.Tensor, group: Any, slots: Any) -> tuple[int, int, Any]:
+def agreed_sizes(rows: int, bound: int, received: torch.Tensor, group: Any, slots: Any) -> tuple[int, int, Any]:
     """(the rows every rank's programs take, their receive capacity, the slots for the next call): the maximum over
-    `group`'s ranks of the rows sent and received (None group: this rank's)."""
+    `group`'s ranks (None: this rank alone) of the rows sent, rounded up to a quarter of `bound` (the most a rank
+    sends), and of the rows received, rounded up to a quarter of that."""
     mine = torch.tensor([rows, int(received.sum())], dtype=torch.int32)
     top, slots = (mine, slots) if group is None else max_flags(group, mine, slots)
-    n = int(top[0])
+    n = capacity(int(top[0]), bound)
     return n, capacity(int(top[1]), n), slots
 
 
