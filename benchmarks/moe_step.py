@@ -32,6 +32,8 @@ ones over every rank, the experts' over dp, all divided by the world: the data-p
               it is a peer only with --titan-peer
   floor       cocoweave's layer with its two all-to-alls and the count exchange skipped (each rank's tokens go to its
               own experts of the same local index): the same sharded compute, a limit and not a peer
+  cocoweave-program  (A/B, only when named) the layer with `experts_schedule="auto"`: dispatch, grouped SwiGLU and
+              combine as the compiled dropless programs and their backward (nn/moe_program.py)
 
 Before timing, each variant trains two steps from the same weights and tokens and its losses are compared with the
 single-process model's on the whole batch (`same_work`). Each round then times every variant for --steps steps after
@@ -77,7 +79,7 @@ MODELS: dict[str, dict[str, Any]] = {
 }
 ADAMW = {"lr": 3e-4, "weight_decay": 0.1}
 VARIANTS = ("cocoweave", "cocoweave-gloo", "megatron", "torchtitan", "floor")
-AB = ("cocoweave-sync",)  # A/B variants, only when named in --variants
+AB = ("cocoweave-sync", "cocoweave-program")  # A/B variants, only when named in --variants
 PEERS = ("megatron", "torchtitan")
 
 
@@ -235,6 +237,7 @@ class Variant:
     """One variant's model on this rank, its optimizers and its step."""
 
     def __init__(self, name: str, model: str, mesh: Any, shape: dict[str, int]) -> None:
+        from cocoweave.nn.compiled import Programs
         from cocoweave.nn.moe_dispatch import (
             library_exchange_counts,
             library_start_all_to_all,
@@ -255,6 +258,9 @@ class Variant:
                 layer.moe.start, layer.moe.exchange = library_start_all_to_all, library_exchange_counts
             elif name == "cocoweave-sync":  # A/B: no overlap of the shared expert with the all-to-alls
                 layer.moe.overlap = False
+            elif name == "cocoweave-program":  # A/B: the experts through the dropless programs, schedule "auto"
+                moe = layer.moe
+                moe.programs = Programs("auto", moe.group, moe.ep, moe.ep_rank)
             elif name == "megatron":
                 layer.moe = MegatronMoE(layer.moe, ep_mesh.get_group())
             elif name == "torchtitan":

@@ -24,6 +24,7 @@ from .ir.ops import (
     exp,
     ge,
     grouped_matmul,
+    grouped_matmul_wgrad,
     gt,
     layer_norm,
     le,
@@ -70,7 +71,7 @@ def __getattr__(name: str):
 __all__ = [
     "WORLD", "Group", "Layout", "Local", "Mesh", "Program", "Replicated", "Sliced", "Value", "errors",
     "abs", "add", "all_gather", "all_reduce", "all_to_all", "broadcast", "cast", "div", "dropout", "eq", "exp", "ge",
-    "grouped_matmul", "gt", "layer_norm", "le", "lt", "matmul", "max", "maximum", "min", "minimum", "mul", "ne", "neg",
-    "norm", "pow",
+    "grouped_matmul", "grouped_matmul_wgrad", "gt", "layer_norm", "le", "lt", "matmul", "max", "maximum", "min",
+    "minimum", "mul", "ne", "neg", "norm", "pow",
     "recv", "reduce", "reduce_scatter", "rsqrt", "slice", "send", "sqrt", "sub", "sum", "update", "where",
 ]

@@ -152,7 +152,7 @@ def test_skewed_inputs_leave_experts_without_tokens_and_capacity_drops_pairs():
 def ep_case(rank: int, world_size: int, case: dict, state: dict | None, x: torch.Tensor, g: torch.Tensor) -> dict:
     """The layer at ep = the world: its initial experts (whole), then, with the reference's state loaded (if
     given), this rank's call on x[rank] and every parameter's gradient."""
-    layer = MoE(**_kwargs(case))
+    layer = MoE(**_kwargs(case), experts_schedule=case.get("program"))  # "program": through the DSL programs
     layer.overlap = case.get("overlap", True)  # False: the plain path (every all-to-all waited at once)
     if case.get("gloo"):  # every all-to-all through the library's all_to_all_single, not shared memory
         layer.start, layer.exchange = library_start_all_to_all, library_exchange_counts
@@ -161,7 +161,8 @@ def ep_case(rank: int, world_size: int, case: dict, state: dict | None, x: torch
     if state is not None:
         layer.load_state_dict(state)
         out["whole"] = full_state_dict(layer)  # back to the whole tensors a single-process layer loads
-    return out | _run(layer, x[rank], g[rank]) | {"grads": _grads(layer)}
+    out |= _run(layer, x[rank], g[rank]) | {"grads": _grads(layer)}
+    return out | {"ran": dict(layer.programs.chosen) if layer.programs is not None else None}
 
 
 def _check_against_reference(case: dict, results: list[dict], state: dict | None = None) -> None:
@@ -248,6 +249,30 @@ def test_the_layer_through_shared_memory_equals_it_through_gloo(local_world, ep)
         for a, b in zip(shm, gloo, strict=True):
             assert torch.equal(a["y"], b["y"]) and torch.equal(a["x_grad"], b["x_grad"]), case
             assert all(torch.equal(a["grads"][n], b["grads"][n]) for n in a["grads"]), case
+
+
+PROGRAM_CASES = [{"top_k": 2, "shared": 8}, {"top_k": 1, "skew": 12.0, "shared": 8}, {"top_k": 3, "skew": 3.0},
+                 {"top_k": 2, "capacity": 0.5, "shared": 8, "score": "sigmoid"}]
+
+
+@pytest.mark.parametrize("ep", [1, 2, 4])
+def test_the_program_path_equals_the_hand_written_one(local_world, ep):
+    """`experts_schedule`: dispatch, grouped SwiGLU and combine as the compiled dropless programs (forward and
+    backward, nn/moe_program.py) equal the hand-written path (outputs, input and every parameter's gradient, 1e-6)
+    and the single-process layer, with uneven loads, experts without rows, capacity drops; "auto" and named
+    schedules (the program as written, and on shared memory)."""
+    named = ["A2AV-MM-MM-c-MM-A2AV"] + (["A2AV@shm-MM-MM-C-MM-A2AV@shm"] if ep > 1 else [])
+    for i, case in enumerate(PROGRAM_CASES):
+        x, g = _inputs(case, ep)
+        hand = local_world(ep).run(ep_case, case, None, x, g)
+        for schedule in ["auto", named[i % len(named)]]:
+            prog = local_world(ep).run(ep_case, case | {"program": schedule}, None, x, g)
+            assert all(r["ran"].keys() == {"experts forward", "experts backward"} for r in prog), prog[0]["ran"]
+            assert schedule == "auto" or all(r["ran"]["experts forward"] == schedule for r in prog)
+            _check_against_reference(case, prog)
+            for a, b in zip(hand, prog, strict=True):
+                assert _close(a["y"], b["y"]) and _close(a["x_grad"], b["x_grad"]), (case, schedule)
+                assert all(_grad_close(a["grads"][n], b["grads"][n]) for n in a["grads"]), (case, schedule)
 
 
 @settings(max_examples=8, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])

@@ -16,7 +16,7 @@ def test_moe_step_quick_times_every_variant_doing_the_same_work(tmp_path: Path, 
     bench = import_module_file("cocoweave_benchmark_moe_step", str(SCRIPT))
     monkeypatch.setattr(launch, "LocalWorld", lambda ws, **_: contextlib.nullcontext(local_world(ws)))
     titan = importlib.util.find_spec("torchtitan") is not None
-    variants = "cocoweave,cocoweave-gloo,megatron,floor" + (",torchtitan" if titan else "")
+    variants = "cocoweave,cocoweave-gloo,cocoweave-program,megatron,floor" + (",torchtitan" if titan else "")
     assert bench.main(["--quick", "--variants", variants, "--out", str(tmp_path)]) == 0
     doc = json.loads(next(tmp_path.glob("moe_step-*.json")).read_text())
     assert {"cpu", "torch", "cocoweave", "date", "load_average"} <= doc["machine"].keys()

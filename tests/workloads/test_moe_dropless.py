@@ -114,3 +114,88 @@ def test_every_schedule_equals_the_program_on_random_agreeing_counts(local_world
 def test_experts_that_do_not_divide_over_the_ranks_are_one_sentence():
     with pytest.raises(ProgramError, match="5 experts do not divide over 2 ranks"):
         workloads.moe_dropless(R=2, E=5)
+
+
+# The backward: moe_dropless_backward from moe_dropless(save=True)'s saved rows equals torch autograd of the plain layer
+
+
+def _autograd(experts: list[list[int]], ins: list[dict], w: tuple, gs: list[torch.Tensor]) -> tuple[list, list]:
+    """torch autograd of sum over ranks of (plain layer's y * g): each rank's dx and the whole w1, w3, w2 gradients."""
+    xs = [i["x"].clone().requires_grad_() for i in ins]
+    ws = [t.clone().requires_grad_() for t in w]
+    zero = sum(t.sum() for t in xs + ws) * 0  # every leaf in the graph: zero gradients where no token flows
+    sum(((_plain(x, ks, *ws) * g).sum() for x, ks, g in zip(xs, experts, gs)), zero).backward()
+    return [x.grad for x in xs], [t.grad for t in ws]
+
+
+def _backward_inputs(ins: list[dict], saved: list[dict], seed: int) -> list[dict]:
+    """Each rank's output gradient g, the forward's counts and saved rows, its experts' weights transposed."""
+    g = torch.Generator().manual_seed(seed + 1)
+    return [{"g": torch.randn(i["x"].shape, generator=g), "s": i["s"], "r": i["r"], "c": i["c"],
+             **{k: o[k] for k in ("got", "gate", "up")},
+             **{f"{k}t": i[k].transpose(1, 2) for k in ("w1", "w3", "w2")}} for i, o in zip(ins, saved)]
+
+
+def _check_backward(world: int, case: tuple, run_forward, run_backward) -> None:  # noqa: ANN001
+    """Forward (save=True) then backward through the given runners; every rank's dx and its experts' gw1, gw3,
+    gw2 equal autograd's (fp32, 1e-5)."""
+    e, experts, n, seed = case
+    ins, w1, w3, w2 = _routed(experts, n, e, seed)
+    fwd = workloads.moe_dropless(R=world, E=e, N=n, D=D, F=F, save=True)
+    bwd = workloads.moe_dropless_backward(R=world, E=e, N=n, D=D, F=F)
+    bins = _backward_inputs(ins, run_forward(fwd, ins), seed)
+    dx, (g1, g3, g2) = _autograd(experts, ins, (w1, w3, w2), [b["g"] for b in bins])
+    per = e // world
+    for got in run_backward(bwd, bins):  # one list of per-rank outputs per schedule
+        for j in range(world):
+            mine = slice(j * per, (j + 1) * per)
+            for name, want in (("dx", dx[j]), ("gw1", g1[mine]), ("gw3", g3[mine]), ("gw2", g2[mine])):
+                torch.testing.assert_close(got[j][name], want, rtol=1e-5, atol=1e-5, msg=lambda m, k=name: f"{k}: {m}")
+
+
+def _reference(p, ins):  # noqa: ANN001, ANN202
+    return [r.outputs for r in reference.run(p, ins)]
+
+
+@settings(max_examples=20, deadline=None, suppress_health_check=list(HealthCheck))
+@given(data=st.data(), world=st.integers(1, 4))
+def test_the_backward_equals_torch_autograd_of_plain_torch_on_the_reference_every_schedule(data, world):
+    def every_schedule(p, ins):  # noqa: ANN001, ANN202
+        return [[r.outputs for r in reference.run(s, ins)] for s in enumerate_schedules(p)]
+
+    _check_backward(world, data.draw(routings(world)), _reference, every_schedule)
+
+
+@pytest.mark.parametrize("world", [2, 4])
+def test_the_backward_on_the_torch_backend_equals_torch_autograd_every_schedule(local_world, world):
+    ranks = local_world(world)
+
+    def on_torch(schedules):  # noqa: ANN001, ANN202
+        def run(p, ins):  # noqa: ANN001, ANN202
+            got = ranks.run(run_schedules, schedules(p), ins, {})
+            return [[got[j][k].outputs for j in range(world)] for k in range(len(got[0]))]
+        return run
+
+    @settings(max_examples=3, deadline=None, suppress_health_check=list(HealthCheck))
+    @given(data=st.data())
+    def check(data):
+        forward = on_torch(lambda p: [Schedule(p)])
+        _check_backward(world, data.draw(routings(world)), lambda p, ins: forward(p, ins)[0],
+                        on_torch(enumerate_schedules))
+
+    check()
+
+
+def test_the_backward_schedules_are_its_program_fused_and_on_shared_memory():
+    names = [s.name for s in enumerate_schedules(workloads.moe_dropless_backward())]
+    assert names == ["A2AV-MM-c-MM-MM-MM-MM-MM-c-A2AV", "A2AV-MM-C-MM-MM-MM-MM-MM-C-A2AV",
+                     "A2AV@shm-MM-C-MM-MM-MM-MM-MM-C-A2AV@shm"]
+
+
+@pytest.mark.parametrize("world", [2, 4])
+def test_every_backward_schedule_equals_the_program_on_random_agreeing_counts(local_world, world):
+    p = workloads.moe_dropless_backward(R=world, E=2 * world, N=5, D=4, F=3)
+    found = enumerate_schedules(p)
+    rows = check_schedules(p, found, world, seed=1) + check_schedules(p, found, world, seed=5,
+                                                                      batch=torch_runner(local_world(world)))
+    assert len(rows) == 2 * len(found) and all(r.ok for r in rows), rows

@@ -574,6 +574,39 @@ def grouped_matmul(x: Value, w: Value, counts: Value) -> Value:
                         make_layout(group, per), group)
 
 
+@operation("grouped_matmul_wgrad", R.MATMUL, draw=_draw_segments)
+def grouped_matmul_wgrad(x: Value, dy: Value, counts: Value) -> Value:
+    """grouped_matmul's weight gradient: for x [M, K] and dy [M, N] in the same consecutive segments of the runtime
+    counts (row-major, G per line), group g's [K, N] is the sum over its segments of x_segᵀ dy_seg (rows past
+    sum(counts) are padding and add nothing). Result [G, K, N], G = the counts' last dimension: with grouped_matmul's
+    w Sliced along its experts, this rank's own experts' gradients, Local like its counts."""
+    program = _program_of(x, dy, counts)
+    x, dy, counts = (lift(t, program) for t in (x, dy, counts))
+    vals = (x, dy, counts)
+    if x.is_scalar or x.ndim != 2 or dy.is_scalar or dy.ndim != 2:
+        raise _fail("grouped_matmul_wgrad", vals, "needs rows x of shape [M, K] and their gradients dy of shape "
+                                                  "[M, N]")
+    if x.shape[0] != dy.shape[0]:
+        raise _fail("grouped_matmul_wgrad", vals, f"x and dy hold different numbers of rows ({x.shape[0]} vs "
+                                                  f"{dy.shape[0]})")
+    if counts.is_scalar or counts.dtype not in ("int32", "int64"):
+        raise _fail("grouped_matmul_wgrad", vals, "`counts` holds segment lengths: an int32 or int64 tensor")
+    _float_only("grouped_matmul_wgrad", (x, dy))
+    group = _common_group("grouped_matmul_wgrad", vals)
+    axes = _axes(group)
+    per = []
+    for i, ax in enumerate(axes):
+        places = [_at(t, i, len(axes)) for t in vals]
+        for t, place in zip(vals, places):
+            if place.is_sliced:
+                raise _fail("grouped_matmul_wgrad", vals, f"`{t.name}` is {place!r}{_along(ax)}: each rank sums "
+                                                          "over its own whole segments; declare it Local")
+        per.append(Replicated if all(place.is_replicated for place in places) else Local)
+    g = counts.shape[-1] if counts.ndim else 1
+    return program._add("grouped_matmul_wgrad", vals, {}, promote(x.dtype, dy.dtype), (g, x.shape[1], dy.shape[1]),
+                        make_layout(group, per), group)
+
+
 @operation("layer_norm", R.NORMALISATION, ("eps", "has_weight", "has_bias"), rebuild=lambda p, args, a: layer_norm(
     args[0], args[1] if a["has_weight"] else None, args[1 + a["has_weight"]] if a["has_bias"] else None, a["eps"]))
 def layer_norm(x: Value, weight: Value | None = None, bias: Value | None = None, eps: float = 1e-5) -> Value:

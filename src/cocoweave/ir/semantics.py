@@ -166,6 +166,23 @@ def _grouped_matmul(v: Value, a: list, place: Place) -> Any:
     return _finish(v, out)
 
 
+def grouped_matmul_wgrad(x: torch.Tensor, dy: torch.Tensor, counts: torch.Tensor, name: str) -> torch.Tensor:
+    """The DSL's grouped_matmul_wgrad `name` on tensors, the reference's (in float32) and the torch backend's (in
+    the operands' dtype) one body: per group, the sum of x_segᵀ dy_seg over its non-empty segments (the first one
+    mm written in place, the others one addmm each), a group without rows zero."""
+    groups = counts.shape[-1] if counts.ndim else 1
+    out, seen = x.new_empty(groups, x.shape[1], dy.shape[1]), set()
+    for start, n, g in segments(counts, x.shape[0], groups, f"grouped_matmul_wgrad `{name}`"):
+        if g in seen:
+            out[g].addmm_(x[start:start + n].T, dy[start:start + n])
+        else:
+            torch.mm(x[start:start + n].T, dy[start:start + n], out=out[g])
+            seen.add(g)
+    for g in set(range(groups)) - seen:
+        out[g].zero_()
+    return out
+
+
 MEANINGS: dict[str, Meaning] = {
     "const": _const,
     "add": _binary(torch.add), "sub": _binary(torch.sub), "mul": _binary(torch.mul), "div": _binary(torch.div),
@@ -183,6 +200,8 @@ MEANINGS: dict[str, Meaning] = {
     "norm": lambda v, a, place: _finish(v, reduce_local("norm", a[0], v.attrs["dims"], v.attrs["keepdim"])),
     "matmul": lambda v, a, place: _finish(v, torch.matmul(a[0].float(), a[1].float())),
     "grouped_matmul": _grouped_matmul,
+    "grouped_matmul_wgrad": lambda v, a, place: _finish(v, grouped_matmul_wgrad(a[0].float(), a[1].float(), a[2],
+                                                                                v.name)),
     "layer_norm": _layer_norm,
     "slice": lambda v, a, place: align(v.args[0], a[0], v, place),
 }

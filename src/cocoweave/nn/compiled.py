@@ -122,6 +122,7 @@ def _layer_schedules() -> dict[str, frozenset[str]]:
     tiny = [P.row_forward(4, 4, 4, drop=0.1, sp=sp) for sp in (False, True)]
     tiny += [P.row_backward(4, 4, 4, drop=0.1, sp=sp) for sp in (False, True)]
     tiny += [P.column_backward(4, 4, 4, sp=sp) for sp in (False, True)] + [P.column_forward_sp(4, 4, 4)]
+    tiny += [P.moe_forward(1, 1, 4, 4, 4, 4), P.moe_backward(1, 1, 4, 4, 4, 4)]  # the MoE layer's experts
     every = {s.name: collectives.uses(s.stages) for p in tiny for s in schedules(p)}
     return {**every, ASYNC: frozenset(), ASYNC_SHM: frozenset({"shm"})}  # the column backward's routes
 

@@ -30,9 +30,11 @@ from torch import nn
 
 from ..errors import ParallelConfigError
 from ..sharding import is_dtensor, local_data, tp_mesh
+from .compiled import Programs, check_schedule
 from .functional import group_rank, group_size, mix_seed
 from .moe_dispatch import exchange_counts, start_all_to_all, wait_all_to_all
 from .moe_experts import GroupedExperts, SharedExpert, uniform
+from .moe_program import DroplessExperts, agreed_sizes
 from .moe_router import SCORES, Router
 
 try:
@@ -61,13 +63,17 @@ class MoE(nn.Module):
     for sigmoid only); `shared_hidden_dim`: the shared expert's width (None: none); `capacity_factor`: each expert
     takes at most ceil(T k / E * factor) of a call's T tokens, the highest-scored (None: dropless);
     `aux_loss_coeff`: the load-balancing loss's coefficient (kept in `aux_loss` after each call); `seed`: the
-    experts', router's and shared expert's initial values; `expert_grad_divisor`: see the module."""
+    experts', router's and shared expert's initial values; `expert_grad_divisor`: see the module;
+    `experts_schedule`: None (or "as written") runs dispatch, experts and combine by hand (the default: the fastest
+    measured, docs/moe.md), a schedule's name or "auto" runs them as the checked dropless programs
+    (nn/moe_program.py; the shared expert then runs after them, not during the exchanges)."""
 
     def __init__(self, dim: int, hidden_dim: int, n_experts: int, top_k: int = 2, *, group: Any = None,
                  score: str = "softmax", normalize: bool | None = None, shared_hidden_dim: int | None = None,
                  capacity_factor: float | None = None, aux_loss_coeff: float = 0.0, seed: int = 0,
-                 expert_grad_divisor: float = 1.0) -> None:
+                 expert_grad_divisor: float = 1.0, experts_schedule: str | None = None) -> None:
         super().__init__()
+        schedule = check_schedule(experts_schedule, "MoE")
         self.group, mesh = ep_group(group)
         self.ep, self.ep_rank = group_size(self.group), group_rank(self.group)
         _check(dim, hidden_dim, n_experts, top_k, self.ep, score, capacity_factor, aux_loss_coeff,
@@ -86,6 +92,8 @@ class MoE(nn.Module):
         self.tokens_per_expert = torch.zeros(n_experts, dtype=torch.long)  # the last call's, before any drop
         self.start, self.wait, self.exchange = start_all_to_all, wait_all_to_all, exchange_counts  # floor: no-ops
         self.overlap = True  # the shared expert's two parts while the dispatch and the combine are in flight
+        self.programs = Programs(schedule, self.group, self.ep, self.ep_rank) if schedule else None
+        self._size_slots = None  # agreed_sizes' shared-memory slots
         if self.group is not None and self.ep > 1:
             from .groups import agree_on_build
 
@@ -128,6 +136,13 @@ class MoE(nn.Module):
         combine is; backward: autograd runs the nodes recorded between a start and its wait (later first) while the
         gradients' all-to-all is in flight, so the shared expert's backward overlaps both backward all-to-alls."""
         n_local, shared = self.experts.n_local, self.shared_experts
+        if self.programs is not None:  # dispatch -> grouped SwiGLU -> combine as the compiled programs
+            sent = counts.view(self.ep, n_local)
+            received = sent if self.ep == 1 else self.exchange(sent, self.group)
+            *sizes, self._size_slots = agreed_sizes(rows.shape[0], flat.shape[0] * self.top_k, received,
+                                                    self.group if self.ep > 1 else None, self._size_slots)
+            out = DroplessExperts.apply(rows, *self.experts.weights(), sent, received, tuple(sizes), self.programs)
+            return out, None if shared is None else shared(flat)
         if self.group is None or self.ep == 1:
             return self.experts(rows, counts.tolist()), None if shared is None else shared(flat)
         sent = counts.view(self.ep, n_local)

@@ -107,3 +107,23 @@ def grad_all_reduce(rows: int, d_in: int, dtype: str = "float32", sp: bool = Fal
     g = p.tensor("g", (rows, d_in), dtype, Local)
     p.output(reduce_scatter(g, "sum", 0) if sp else all_reduce(g, "sum"), "gx")
     return p
+
+
+@functools.lru_cache(maxsize=256)
+def moe_forward(ranks: int, experts: int, rows: int, dim: int, hidden: int, capacity: int,
+                dtype: str = "float32") -> Program:
+    """The MoE layer's dropless experts (workloads.moe_dropless with `save`): this rank's `rows` routed rows in,
+    sorted by (destination rank, local expert); dispatch, SwiGLU as grouped_matmul, combine; `capacity` rows a
+    rank may receive. Also outputs what moe_backward takes (the received rows and the two first GEMMs')."""
+    from ..workloads import moe_dropless
+
+    return moe_dropless(R=ranks, E=experts, N=rows, D=dim, F=hidden, M=capacity, dtype=dtype, save=True)
+
+
+@functools.lru_cache(maxsize=256)
+def moe_backward(ranks: int, experts: int, rows: int, dim: int, hidden: int, capacity: int,
+                 dtype: str = "float32") -> Program:
+    """moe_forward's gradients (workloads.moe_dropless_backward): the rows' and this rank's experts'."""
+    from ..workloads import moe_dropless_backward
+
+    return moe_dropless_backward(R=ranks, E=experts, N=rows, D=dim, F=hidden, M=capacity, dtype=dtype)

@@ -225,8 +225,12 @@ def _kernel_terms(values: Sequence[Value], sizes: Mapping[str, int], world_size:
 
 
 def _matmul_term(v: Value, sizes: Mapping[str, int], world_size: int) -> Term:
-    """2 x the result's elements x the inner dimension; a grouped_matmul's at its capacity (every row in a
-    segment: sum(counts) x K x N x 2 at run time is at most this; the counts are unknown statically)."""
+    """2 x the result's elements x the inner dimension (a grouped_matmul_wgrad's: 2 x its rows x K x N); a
+    grouped_matmul's at its capacity (every row in a segment: sum(counts) x K x N x 2 at run time is at most this;
+    the counts are unknown statically)."""
+    if v.op == "grouped_matmul_wgrad":  # [G, K, N] from rows [M, K] and [M, N]: 2 M K N, the rows contracted
+        (m, k_dim), n = largest_part(v.args[0], sizes, world_size), largest_part(v.args[1], sizes, world_size)[-1]
+        return Term("matmul", v.dtype, 2.0 * m * k_dim * n)
     out = local_bytes(v, sizes, world_size) // _itemsize(v.dtype)
     k_dim = largest_part(v.args[0], sizes, world_size)[-1]  # the inner dimension of this rank's part
     return Term("matmul", v.dtype, 2.0 * out * k_dim)

@@ -368,8 +368,8 @@ def chunk_dim(program: Program, members: list[str], names: str) -> int:
         kind = collectives.kinds.find(v.op)
         if kind is not None and not kind.chunkable:  # a send is chunked piece by piece
             raise ScheduleError(f"cannot overlap {names}: a {v.op} cannot be chunked")
-        if v.op == "grouped_matmul":
-            raise ScheduleError(f"cannot overlap {names}: grouped_matmul `{v.name}`'s segments are runtime counts, "
+        if v.op in ("grouped_matmul", "grouped_matmul_wgrad"):
+            raise ScheduleError(f"cannot overlap {names}: {v.op} `{v.name}`'s segments are runtime counts, "
                                 "which static chunks of its rows would cut")
         if v.op == "all_reduce" and v.attrs["op"] == "adasum":
             raise ScheduleError(f"cannot overlap {names}: adasum all_reduce `{v.name}` combines whole tensors "

@@ -15,10 +15,10 @@ needs and a user can print, check or tune any of them:
   can keep the masters sliced and all-gather only the half-size parameters.
 """
 
-from .experts import moe_dropless, moe_experts
+from .experts import moe_dropless, moe_dropless_backward, moe_experts
 from .meshes import mlp_1d, mlp_2d, mlp_3d, mlp_torch
 from .optimizers import GRADS, adam, adamw, lamb, reduce_gradient, sgd
 from .parallel import boundary, layer
 
 __all__ = ["GRADS", "adam", "adamw", "boundary", "lamb", "layer", "mlp_1d", "mlp_2d", "mlp_3d", "mlp_torch",
-           "moe_dropless", "moe_experts", "reduce_gradient", "sgd"]
+           "moe_dropless", "moe_dropless_backward", "moe_experts", "reduce_gradient", "sgd"]

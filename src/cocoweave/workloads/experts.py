@@ -12,8 +12,8 @@ enumerates them and `cocoweave check` proves each equal to this program.
 from __future__ import annotations
 
 from ..errors import ProgramError
-from ..ir import Layout, Local, Program, Sliced
-from ..ir.ops import all_to_all, exp, grouped_matmul, matmul
+from ..ir import Layout, Local, Program, Sliced, Value
+from ..ir.ops import all_to_all, exp, grouped_matmul, grouped_matmul_wgrad, matmul
 
 
 def moe_experts(R: int = 2, E: int = 4, C: int = 8, D: int = 16, F: int = 32, dtype: str = "float32") -> Program:
@@ -31,8 +31,26 @@ def moe_experts(R: int = 2, E: int = 4, C: int = 8, D: int = 16, F: int = 32, dt
     return p
 
 
+def _on_ep(name: str, R: int, E: int) -> tuple[Program, Layout, Layout]:
+    """Program `name` on the mesh axis `ep` of R ranks holding E experts (refused unless E / R each); its Local and
+    its expert-sliced layout."""
+    if E % R:
+        raise ProgramError(f"{name}: {E} experts do not divide over {R} ranks; give each rank as many")
+    p = Program(name)
+    p.mesh(ep=R)
+    return p, Layout(ep=Local), Layout(ep=Sliced(0))
+
+
+def _counts(p: Program, R: int, E: int) -> tuple[Value, Value, Value]:
+    """The dropless programs' runtime counts: rows sent to (`s`) and received from (`r`) each rank, and `c`
+    [R, E / R] received from each source rank for each local expert."""
+    mine = Layout(ep=Local)
+    return (p.tensor("s", (R,), "int64", mine), p.tensor("r", (R,), "int64", mine),
+            p.tensor("c", (R, E // R), "int64", mine))
+
+
 def moe_dropless(R: int = 2, E: int = 4, N: int = 8, D: int = 16, F: int = 32, M: int | None = None,
-                 dtype: str = "float32") -> Program:
+                 dtype: str = "float32", save: bool = False) -> Program:
     """The dropless experts over R ranks of the mesh axis `ep`, each holding E / R of the E SwiGLU experts (hidden
     size F): N rows of width D per rank in, N out; M (default R x N, every row) rows a rank can receive.
 
@@ -40,21 +58,52 @@ def moe_dropless(R: int = 2, E: int = 4, N: int = 8, D: int = 16, F: int = 32, M
     rows sent to and received from each rank, `c` [R, E / R] the rows received from each source rank for each local
     expert (row i sums to r[i]: what a router's counts exchange gives). Dispatch (all_to_all_v) then leaves the
     received rows in (source rank, local expert) segments, which is the row-major order of `c`, so each expert GEMM
-    is one grouped_matmul over them with no regrouping; combine sends each row back where it came from."""
-    if E % R:
-        raise ProgramError(f"moe_dropless: {E} experts do not divide over {R} ranks; give each rank as many")
-    p = Program("moe_dropless")
-    p.mesh(ep=R)
-    mine, ep = Layout(ep=Local), Layout(ep=Sliced(0))
+    is one grouped_matmul over them with no regrouping; combine sends each row back where it came from. With `save`
+    the program also outputs what moe_dropless_backward takes: the received rows `got` and the two first GEMMs'
+    results `gate` (got w1) and `up` (got w3)."""
+    p, mine, ep = _on_ep("moe_dropless", R, E)
     x = p.tensor("x", (N, D), dtype, mine)
-    s = p.tensor("s", (R,), "int64", mine)
-    r = p.tensor("r", (R,), "int64", mine)
-    c = p.tensor("c", (R, E // R), "int64", mine)
+    s, r, c = _counts(p, R, E)
     w1 = p.tensor("w1", (E, D, F), dtype, ep)
     w3 = p.tensor("w3", (E, D, F), dtype, ep)
     w2 = p.tensor("w2", (E, F, D), dtype, ep)
     got = all_to_all(x, 0, splits=s, recv=r, rows=R * N if M is None else M)  # dispatch
-    gate = grouped_matmul(got, w1, c)
-    hidden = gate / (1.0 + exp(-gate)) * grouped_matmul(got, w3, c)  # silu(x w1) * (x w3)
+    gate, up = grouped_matmul(got, w1, c), grouped_matmul(got, w3, c)
+    hidden = gate / (1.0 + exp(-gate)) * up  # silu(x w1) * (x w3)
     p.output(all_to_all(grouped_matmul(hidden, w2, c), 0, splits=r, recv=s, rows=N), "y")  # combine
+    if save:
+        for v, name in ((got, "got"), (gate, "gate"), (up, "up")):
+            p.output(v, name)
+    return p
+
+
+def moe_dropless_backward(R: int = 2, E: int = 4, N: int = 8, D: int = 16, F: int = 32, M: int | None = None,
+                          dtype: str = "float32") -> Program:
+    """moe_dropless's gradients from its output's gradient `g` [N, D] and what its `save` form output (`got`,
+    `gate`, `up`; counts `s`, `r`, `c` as in the forward): the input gradient `dx` [N, D] (combine's adjoint is a
+    dispatch, each row's gradient sent to the rank that computed it; the GEMMs' with the transposed weights `w2t`,
+    `w1t`, `w3t` (views of w2, w1, w3 with their last two dimensions swapped); SwiGLU's elementwise backward; the
+    dispatch's adjoint a combine) and this rank's experts' weight gradients `gw1`, `gw3` [E / R, D, F] and `gw2`
+    [E / R, F, D] (grouped_matmul_wgrad over the same segments)."""
+    m = R * N if M is None else M
+    p, mine, ep = _on_ep("moe_dropless_backward", R, E)
+    g = p.tensor("g", (N, D), dtype, mine)
+    s, r, c = _counts(p, R, E)
+    got = p.tensor("got", (m, D), dtype, mine)
+    gate = p.tensor("gate", (m, F), dtype, mine)
+    up = p.tensor("up", (m, F), dtype, mine)
+    w1t = p.tensor("w1t", (E, F, D), dtype, ep)
+    w3t = p.tensor("w3t", (E, F, D), dtype, ep)
+    w2t = p.tensor("w2t", (E, D, F), dtype, ep)
+    gy = all_to_all(g, 0, splits=s, recv=r, rows=m)  # combine's adjoint: each row's gradient to its expert's rank
+    sig = 1.0 / (1.0 + exp(-gate))
+    act = gate * sig  # silu(gate)
+    dh = grouped_matmul(gy, w2t, c)
+    p.output(grouped_matmul_wgrad(act * up, gy, c), "gw2")
+    dup = dh * act
+    dgate = dh * up * sig * (1.0 + gate * (1.0 - sig))  # silu'(a) = sig(a) (1 + a (1 - sig(a)))
+    p.output(grouped_matmul_wgrad(got, dgate, c), "gw1")
+    p.output(grouped_matmul_wgrad(got, dup, c), "gw3")
+    dgot = grouped_matmul(dgate, w1t, c) + grouped_matmul(dup, w3t, c)
+    p.output(all_to_all(dgot, 0, splits=r, recv=s, rows=N), "dx")  # dispatch's adjoint: back where each row came
     return p

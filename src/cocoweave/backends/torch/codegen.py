@@ -273,6 +273,7 @@ EXPR: dict[str, Callable[[Emitter, Value, list[str]], str]] = {
     "sum": _reduce, "max": _reduce, "min": _reduce, "norm": _reduce,
     "matmul": lambda em, v, a: f"torch.matmul({a[0]}, {a[1]})",
     "grouped_matmul": lambda em, v, a: f"rt.grouped_matmul({a[0]}, {a[1]}, {a[2]}, {v.name!r})",
+    "grouped_matmul_wgrad": lambda em, v, a: f"rt.grouped_matmul_wgrad({a[0]}, {a[1]}, {a[2]}, {v.name!r})",
     "layer_norm": _layer_norm,
     "slice": lambda em, v, a: em.slice(v, a),
 }

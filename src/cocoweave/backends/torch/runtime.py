@@ -21,7 +21,7 @@ import torch.distributed as dist
 from torch.utils._python_dispatch import _get_current_dispatch_mode
 
 from ... import collectives, faults, rng
-from ...ir.semantics import reduce_local, segments
+from ...ir.semantics import grouped_matmul_wgrad, reduce_local, segments  # noqa: F401 - rt.grouped_matmul_wgrad
 from . import shm
 from .ring import with_dim  # noqa: F401 - generated code calls rt.with_dim
 
@@ -75,11 +75,14 @@ def minimum(a: Any, b: Any) -> torch.Tensor:
 
 
 def grouped_matmul(x: torch.Tensor, w: torch.Tensor, counts: torch.Tensor, name: str) -> torch.Tensor:
-    """The DSL's grouped_matmul: one mm per non-empty segment, written into the zeroed result (the counts are read
+    """The DSL's grouped_matmul: one mm per non-empty segment, written into the result, its padding rows zeroed (the
+    counts are read
     on the host for their check; torch._grouped_mm was at most 10% faster on CPU: docs/programs.md)."""
-    out = x.new_zeros(x.shape[0], w.shape[2])
+    out, end = x.new_empty(x.shape[0], w.shape[2]), 0
     for start, n, g in segments(counts, x.shape[0], w.shape[0], f"grouped_matmul `{name}`"):
-        out[start:start + n] = x[start:start + n] @ w[g]
+        torch.mm(x[start:start + n], w[g], out=out[start:start + n])  # written in place; segments cover [0, end)
+        end = start + n
+    out[end:].zero_()  # the padding rows only
     return out
 
 
