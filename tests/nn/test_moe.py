@@ -275,6 +275,14 @@ def test_the_program_path_equals_the_hand_written_one(local_world, ep):
                 assert all(_grad_close(a["grads"][n], b["grads"][n]) for n in a["grads"]), (case, schedule)
 
 
+def test_a_tensor_parallel_schedule_name_is_refused_by_the_experts():
+    from cocoweave.nn.compiled import ASYNC_SHM
+
+    layer = MoE(16, 24, 4, top_k=2, experts_schedule=ASYNC_SHM)
+    with pytest.raises(ParallelConfigError, match="is not available for the MoE layer's experts; choose one of"):
+        layer(torch.randn(2, 5, 16))
+
+
 @settings(max_examples=8, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
 @given(case=CASE)
 def test_hypothesis_routings_at_ep2(local_world, case):

@@ -194,6 +194,9 @@ def test_bad_schedules_and_sequence_parallel_inputs_get_a_sentence():
         blk(torch.randn(5, 16), batch_shape=(2, 3))
     with pytest.raises(ParallelConfigError, match="is not available"):
         TransformerBlock(16, 4, schedule="no-such-schedule")(torch.randn(1, 2, 16))
+    moe = "A2AV-MM-MM-c-MM-A2AV"  # the MoE experts' program as written: not a schedule of these layers
+    with pytest.raises(ParallelConfigError, match=f"schedule '{moe}' is not available for the tensor-parallel"):
+        TransformerBlock(16, 4, schedule=moe)(torch.randn(1, 2, 16))
 
 
 def bf16_case(rank: int, world_size: int, schedule: str, sp: bool) -> dict[str, float]:

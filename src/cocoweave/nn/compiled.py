@@ -97,39 +97,46 @@ def candidates(program: Program, shared_host: bool) -> list[Schedule]:
         schedules(program)[:1]
 
 
+def _family(program: Program) -> str:
+    """Which layers a program belongs to: "moe" (the MoE layer's experts) or "tp" (the tensor-parallel layers)."""
+    return "moe" if program.name.startswith("moe") else "tp"
+
+
 def named(program: Program, name: str, shared_host: bool) -> Schedule:
-    """Schedule `name` of `program`, or, for a name another of the layer's programs has, this program's fused
+    """Schedule `name` of `program`, or, for a name another program of the same layers has, this program's fused
     schedule on the same collective algorithm."""
     every = schedules(program)
     for s in every:
         if s.name == name:
             return s
-    if name not in layer_schedule_names():
-        raise ParallelConfigError(f"schedule {name!r} is not available for the tensor-parallel layers; choose one "
-                                  f"of: auto, {AS_WRITTEN!r}, {', '.join(sorted(layer_schedule_names()))}")
+    family = _family(program)
+    known = _layer_schedules(family)
+    if name not in known:
+        who = "the MoE layer's experts" if family == "moe" else "the tensor-parallel layers"
+        raise ParallelConfigError(f"schedule {name!r} is not available for {who}; choose one of: auto, "
+                                  f"{AS_WRITTEN!r}, {', '.join(sorted(known))}")
     fused = [s for s in every if _fused(s)]
-    want_host = shared_host and _on_host(_layer_schedules().get(name, frozenset()))
+    want_host = shared_host and _on_host(known.get(name, frozenset()))
     same = [s for s in fused if _on_host(collectives.uses(s.stages)) == want_host and "fuse(" not in s.name]
     return (same or fused or every)[0]
 
 
-@functools.lru_cache(maxsize=1)
-def _layer_schedules() -> dict[str, frozenset[str]]:
-    """The name of every schedule of the layers' programs (at any size the same names), with the collective
-    algorithms it runs on (other than the default)."""
+@functools.lru_cache(maxsize=2)
+def _layer_schedules(family: str = "tp") -> dict[str, frozenset[str]]:
+    """The name of every schedule of one family's programs (at any size the same names), with the collective
+    algorithms it runs on (other than the default): "tp", the tensor-parallel layers', or "moe", the MoE layer's
+    experts'."""
     from . import programs as P
 
+    if family == "moe":
+        tiny = [P.moe_forward(1, 1, 4, 4, 4, 4), P.moe_backward(1, 1, 4, 4, 4, 4)]
+        return {s.name: collectives.uses(s.stages) for p in tiny for s in schedules(p)}
     tiny = [P.row_forward(4, 4, 4, drop=0.1, sp=sp) for sp in (False, True)]
     tiny += [P.row_backward(4, 4, 4, drop=0.1, sp=sp) for sp in (False, True)]
     tiny += [P.column_backward(4, 4, 4, sp=sp) for sp in (False, True)] + [P.column_forward_sp(4, 4, 4)]
-    tiny += [P.moe_forward(1, 1, 4, 4, 4, 4), P.moe_backward(1, 1, 4, 4, 4, 4)]  # the MoE layer's experts
     every = {s.name: collectives.uses(s.stages) for p in tiny for s in schedules(p)}
     return {**every, ASYNC: frozenset(), ASYNC_SHM: frozenset({"shm"})}  # the column backward's routes
 
-
-def layer_schedule_names() -> frozenset[str]:
-    """The name of every schedule of the layers' programs (at any size the same names), ASYNC and ASYNC_SHM."""
-    return frozenset(_layer_schedules())
 
 
 class Programs:
