@@ -78,6 +78,34 @@ def test_loader_workers_are_found_and_their_prefetch_depth_kept(tmp_path):
     del it
 
 
+def test_what_a_new_worker_prefetched_before_the_recorder_looked_counts(tmp_path, monkeypatch):
+    """A worker the iterator just started prefetches at once; the recorder may first look at it only after that
+    (a loaded machine): its reads still belong to the step. Forced here: the recorder's first look at a worker
+    is 0.5 s late, by which time the worker has prefetched 6 of the 8 samples."""
+    from cocoweave.cluster.profiling import io_recorder
+
+    if not proc_io():
+        pytest.skip("/proc/<pid>/io is not readable here")
+    seen: set[int] = set()
+
+    def late(pid: int | None = None) -> dict[str, int]:
+        if pid is not None and pid not in seen:
+            seen.add(pid)
+            time.sleep(0.5)
+        return proc_io(pid)
+
+    monkeypatch.setattr(io_recorder, "proc_io", late)
+    path = tmp_path / "data.bin"
+    path.write_bytes(bytes(4096 * 8))
+    rec = IoRecorder(gpu=False)
+    it, next_batch = wrapped_loader(rec, DataLoader(FileSamples(path), batch_size=2, num_workers=1,
+                                                    prefetch_factor=3))
+    for _ in range(4):
+        next_batch(it)
+    assert rec.take_step()["worker_rchar"] >= 8 * 4096
+    del it
+
+
 def test_a_checkpoint_is_timed_with_the_bytes_written(tmp_path):
     rec = IoRecorder(gpu=False)
     save = rec.timed_checkpoint("torch.save", torch.save)
