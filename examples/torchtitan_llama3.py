@@ -21,12 +21,10 @@ import argparse
 import sys
 
 
-def check(rank: int, world_size: int, config: str, seq: int) -> float:
-    """Max |difference| of the split model's logits from the single-process model's, on this rank."""
+def _twins(config: str) -> tuple:
+    """torchtitan's Llama 3 `config` built twice with the same initial weights: (whole, to be split)."""
     import torch
     from torchtitan.models.llama3 import llama3_configs
-
-    from cocoweave.nn import llama_plan, parallelize
 
     cfg = llama3_configs[config]("flex")
     torch.manual_seed(0)
@@ -35,6 +33,16 @@ def check(rank: int, world_size: int, config: str, seq: int) -> float:
         whole.init_weights()
     split = cfg.build()
     split.load_state_dict(whole.state_dict())
+    return whole, split
+
+
+def check(rank: int, world_size: int, config: str, seq: int) -> float:
+    """Max |difference| of the split model's logits from the single-process model's, on this rank."""
+    import torch
+
+    from cocoweave.nn import llama_plan, parallelize
+
+    whole, split = _twins(config)
     tokens = torch.randint(0, whole.config.vocab_size, (2, seq), generator=torch.Generator().manual_seed(3))
     positions = torch.arange(seq).unsqueeze(0).expand(2, seq)
     masks = whole.get_attention_masks(positions)
@@ -53,20 +61,12 @@ def train(rank: int, world_size: int, config: str, seq: int, steps: int, device:
     on the same batches: both loss curves and the norms torch's clip_grad_norm_ returned (fp32, TF32 off)."""
     import torch
     import torch.nn.functional as F
-    from torchtitan.models.llama3 import llama3_configs
 
     from cocoweave.nn import llama_plan, parallelize
 
     torch.backends.cuda.matmul.allow_tf32 = torch.backends.cudnn.allow_tf32 = False
     dev = torch.device(device, torch.cuda.current_device()) if device == "cuda" else torch.device(device)
-    cfg = llama3_configs[config]("flex")
-    torch.manual_seed(0)
-    whole = cfg.build()
-    if hasattr(whole, "init_weights"):
-        whole.init_weights()
-    split = cfg.build()
-    split.load_state_dict(whole.state_dict())
-    whole, split = whole.to(dev), split.to(dev)
+    whole, split = (m.to(dev) for m in _twins(config))
     parallelize(split, None, llama_plan(split))
     positions = torch.arange(seq + 1, device=dev)[:-1].unsqueeze(0).expand(BATCH, seq)
     out: dict[str, list[float]] = {}

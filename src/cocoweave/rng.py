@@ -69,16 +69,21 @@ def keep_threshold(p: float) -> int:
     return min(int(p * 2**32), MASK32)
 
 
+def _bits(index: torch.Tensor, key: int) -> torch.Tensor:
+    """uint32 hash values (as int64) of logical element indices `index` under `key`."""
+    return triple32((index.to(torch.int64) & MASK32) ^ key)
+
+
 def random_bits(index: torch.Tensor, seed: int, rank: int = NO_RANK) -> torch.Tensor:
     """uint32 hash values (as int64) for logical element indices `index`."""
-    return triple32((index.to(torch.int64) & MASK32) ^ dropout_key(seed, rank))
+    return _bits(index, dropout_key(seed, rank))
 
 
 def keep_mask(index: torch.Tensor, key: int, threshold: int) -> torch.Tensor:
     """Boolean keep-mask for logical element indices `index`, under a key (`dropout_key(seed, rank)`) and a threshold
     (`keep_threshold(p)`) computed once on the host: the one signature of the torch runtime's and the Triton
     kernels' (kernels/rng.py) keep-masks."""
-    return triple32((index.to(torch.int64) & MASK32) ^ key) >= threshold
+    return _bits(index, key) >= threshold
 
 
 def logical_index(shape: tuple[int, ...], device: torch.device | str = "cpu") -> torch.Tensor:

@@ -144,6 +144,12 @@ def test_traffic_tokens_calibration_and_the_recorder_see_it(gathering, tmp_path)
     benches = calibrate._collectives(2, 0, 8, torch.device("cpu"))
     assert benches["gather/library"][0] == pytest.approx(0.5 * 4 * 8)  # 1/p of the 32 bytes, the kind's formula
     assert recorder.watched()["gather"] == ("gather", 0, True)
+    from cocoweave.cluster.planning.llm.comm import priced
+    from cocoweave.cluster.profiling.host_scaling import known_kind
+    from cocoweave.collectives.pricing import Link
+
+    assert known_kind("gather") == "gather"  # the profiler's model prices its 1/p, not a whole message
+    assert priced("gather", 4e6, 4, Link("test", 1e9, 0.0))[0] == pytest.approx(1e-3)  # the planner too: 1/4 of 4 MB
     rec = recorder.StepRecorder(tmp_path / "r.jsonl", steps=1, warmup=0)
     rec.collective("gather", lambda tensor, gather_list=None, dst=0, group=None: None)(torch.ones(3))
     assert rec.collectives["gather/p1"][:2] == [1, 12]

@@ -226,6 +226,14 @@ def memory_rows() -> list[dict[str, Any]]:
     return rows
 
 
+def step_costs(ranks: Any, i: int, pp: int) -> dict[int, tuple[float, float]]:
+    """Timed step i's mean per-stage costs over the ranks' records: (forward with the last stage's loss, backward)
+    of one micro-batch, as PipelineJob.stage_costs takes them."""
+    calls = {k: v for r in ranks for k, v in r["steps"][i]["calls"].items()}
+    return {s: (statistics.mean(calls[f"{s}F"]) + statistics.mean(calls.get(f"{s}L", [0.0])),
+                statistics.mean(calls[f"{s}B"])) for s in range(pp)}
+
+
 def idle_rows() -> list[dict[str, Any]]:
     """Per schedule and rank: the measured idle share (1 - busy / step, median of the timed steps), the share spent in
     torch's waits, the bubble predicted with unit costs and, step by step, with that step's own mean per-stage costs
@@ -242,9 +250,7 @@ def idle_rows() -> list[dict[str, Any]]:
             link = _link(cal)
             with_costs: list[Any] = []  # per timed step: the bubble predicted with that step's own mean costs,
             for i in range(len(out[0]["steps"])):  # without and with the calibrated link
-                calls = {k: v for r in out for k, v in r["steps"][i]["calls"].items()}
-                costs = {s: (statistics.mean(calls[f"{s}F"]) + statistics.mean(calls.get(f"{s}L", [0.0])),
-                             statistics.mean(calls[f"{s}B"])) for s in range(pp)}
+                costs = step_costs(out, i, pp)
                 job = PipelineJob(pp=pp, microbatches=m, n_blocks=blocks, batch=n, seq=seq, d_model=d, heads=heads,
                                   schedule=schedule, stage_costs=costs)
                 with_costs.append((preflight(job, ranks=[]), costs,
@@ -292,10 +298,7 @@ def replay(paths: list[str]) -> None:
                               heads=8, schedule=pair[0]["schedule"], link=link)
             reps = []
             for i in range(len(pair[0]["steps"])):
-                calls = {k: v for r in pair for k, v in r["steps"][i]["calls"].items()}
-                costs = {s: (statistics.mean(calls[f"{s}F"]) + statistics.mean(calls.get(f"{s}L", [0.0])),
-                             statistics.mean(calls[f"{s}B"])) for s in range(2)}
-                reps.append(preflight(dataclasses.replace(job, stage_costs=costs), ranks=[]))
+                reps.append(preflight(dataclasses.replace(job, stage_costs=step_costs(pair, i, 2)), ranks=[]))
             for r in pair:
                 predicted = statistics.median(rep.bubble(r["rank"]) for rep in reps)
                 error = abs(predicted - r["measured_idle"])

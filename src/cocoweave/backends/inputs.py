@@ -9,7 +9,7 @@ from typing import Any
 
 import torch
 
-from .. import collectives, settings
+from .. import settings
 from ..errors import InputError
 from ..ir import registry as R
 from ..ir.graph import Program, Value
@@ -68,8 +68,7 @@ def make_inputs(program: Program, world_size: int, sizes: Mapping[str, int] | No
             per_rank[r][v.name] = cut(logical[key], whole, part_bounds(v.layout, full, pos)).clone()
     drawn: set[str] = set()
     for v in program.values:  # inputs that must agree (all_to_all_v's, grouped_matmul's counts): the op draws them
-        kind = collectives.kinds.find(v.op)
-        draw = kind.draw if kind is not None else R.opdef(v.op).draw
+        draw = R.opdef(v.op).draw
         if draw is not None:
             draw(v, per_rank, sizes, gen, drawn)
     for v in program.scalar_inputs:

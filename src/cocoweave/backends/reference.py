@@ -162,9 +162,9 @@ def _evaluate(v: Value, env: Mapping[Value, list[Any]], inputs: Sequence[RankInp
         for r, t in zip(ranks, collective(v, [_get(env, v.args[0])[s] for s in src])):
             out[r] = t
     elif R.group(v.op) == R.COLLECTIVE:
+        ops = [_get(env, a) for a in v.args]  # several operands: per rank a tuple of them and v's bound shape
+        whole = bind_shape(v.shape, sizes)
         for line in v.group.lines(world, v.attrs.get("axis")):
-            ops = [_get(env, a) for a in v.args]  # several operands: per rank a tuple of them and v's bound shape
-            whole = bind_shape(v.shape, sizes)
             parts = [ops[0][s] if len(ops) == 1 else (*(o[s] for o in ops), whole) for s in line]
             for r, t in zip(line, collective(v, parts)):
                 out[r] = t

@@ -15,9 +15,9 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from .algorithms import DEFAULT, entry, variants
-from .traffic import KINDS
+from .traffic import known
 
-__all__ = ["KINDS", "Link", "fastest", "latency_scale", "moved", "seconds", "spread_seconds", "steps"]
+__all__ = ["Link", "fastest", "known", "latency_scale", "moved", "seconds", "spread_seconds", "steps"]
 
 
 @dataclass(frozen=True)

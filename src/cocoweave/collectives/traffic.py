@@ -20,6 +20,11 @@ KINDS = ("all_reduce", "reduce_scatter", "all_gather", "all_to_all", "all_to_all
 EXCHANGES = ("reduce_scatter", "all_gather", "all_to_all", "all_to_all_v")  # (p-1)/p of the tensor in p-1 steps
 
 
+def known(kind: str) -> bool:
+    """Whether the traffic of collective `kind` is known: one of KINDS, or a registered kind with its own formula."""
+    return kind in KINDS or ((k := find(kind)) is not None and k.moved is not None and k.steps is not None)
+
+
 def moved(kind: str, p: int) -> float:
     """Fraction of the tensor one rank moves in collective `kind` over p ranks (bandwidth-optimal algorithm); for
     all_to_all the tensor is the rank's part, which it keeps 1/p of. An all_to_all_v's splits are runtime values,

@@ -941,8 +941,7 @@ def _draw_counts(v: Value, per_rank: list[dict[str, Any]], sizes: Any, gen: torc
         c = []
         for _ in line:
             total = int(torch.randint(0, builtins.min(sent, rows // p) + 1, (), generator=gen))
-            cuts = sorted(torch.randint(0, total + 1, (p - 1,), generator=gen).tolist())
-            c.append([b - a for a, b in zip([0, *cuts], [*cuts, total])])
+            c.append(_partition(total, p, gen))
         for k, rank in enumerate(line):
             for name, counts in ((s.name, c[k]), (r.name, [c[i][k] for i in range(p)])):
                 t = per_rank[rank][name]

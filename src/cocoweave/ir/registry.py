@@ -88,7 +88,7 @@ def unregister(name: str) -> None:
 def _add_kind(kind: kinds.CollectiveKind) -> None:
     """A collective kind registered (collectives/kinds.py) becomes an operation of the COLLECTIVE group."""
     register(kind.name, COLLECTIVE, kind.attrs, kind.build,
-             kind.rebuild or (lambda program, args, a: kind.build(*args)))
+             kind.rebuild or (lambda program, args, a: kind.build(*args)), kind.draw)
 
 
 kinds.hook(_add_kind, unregister)

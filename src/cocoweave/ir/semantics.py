@@ -157,13 +157,17 @@ def segments(counts: torch.Tensor, rows: int, groups: int, where: str) -> list[t
     return out
 
 
-def _grouped_matmul(v: Value, a: list, place: Place) -> Any:
-    """Each segment of rows times its group's matrix, in float32; zero rows past the segments."""
-    x, w = a[0].float(), a[1].float()
-    out = x.new_zeros(x.shape[0], w.shape[2])
-    for start, n, g in segments(a[2], x.shape[0], w.shape[0], f"grouped_matmul `{v.name}`"):
-        out[start:start + n] = x[start:start + n] @ w[g]
-    return _finish(v, out)
+def grouped_matmul(x: torch.Tensor, w: torch.Tensor, counts: torch.Tensor, name: str) -> torch.Tensor:
+    """The DSL's grouped_matmul `name` on tensors, the reference's (in float32) and the torch backend's (in the
+    operands' dtype) one body: one mm per non-empty segment written into the result, its padding rows zeroed (the
+    counts are read on the host for their check; torch._grouped_mm was at most 10% faster on CPU:
+    docs/programs.md)."""
+    out, end = x.new_empty(x.shape[0], w.shape[2]), 0
+    for start, n, g in segments(counts, x.shape[0], w.shape[0], f"grouped_matmul `{name}`"):
+        torch.mm(x[start:start + n], w[g], out=out[start:start + n])  # written in place; segments cover [0, end)
+        end = start + n
+    out[end:].zero_()  # the padding rows only
+    return out
 
 
 def grouped_matmul_wgrad(x: torch.Tensor, dy: torch.Tensor, counts: torch.Tensor, name: str) -> torch.Tensor:
@@ -199,7 +203,7 @@ MEANINGS: dict[str, Meaning] = {
     "min": lambda v, a, place: _finish(v, reduce_local("min", a[0], v.attrs["dims"], v.attrs["keepdim"])),
     "norm": lambda v, a, place: _finish(v, reduce_local("norm", a[0], v.attrs["dims"], v.attrs["keepdim"])),
     "matmul": lambda v, a, place: _finish(v, torch.matmul(a[0].float(), a[1].float())),
-    "grouped_matmul": _grouped_matmul,
+    "grouped_matmul": lambda v, a, place: _finish(v, grouped_matmul(a[0].float(), a[1].float(), a[2], v.name)),
     "grouped_matmul_wgrad": lambda v, a, place: _finish(v, grouped_matmul_wgrad(a[0].float(), a[1].float(), a[2],
                                                                                 v.name)),
     "layer_norm": _layer_norm,

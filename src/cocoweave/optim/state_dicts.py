@@ -137,14 +137,15 @@ class StateDicts:
         index = {id(p): i for i, p in enumerate(p for g in self.param_groups for p in g["params"])}
         for b in buckets:  # every parameter, a fresh optimizer's at step 0 (a template DCP can fill)
             whole = self._gather_whole(b)
+            kept, masters = self._kept(b), WEIGHTS in whole and model_weights(b.exe.tensor_inputs()) == PARAMS
             for i, p in enumerate(b.params):
                 steps = b.part(whole[STEPS], i) if STEPS in whole else None
                 step = int(steps.reshape(-1)[0]) if steps is not None and steps.numel() else b.step
                 entry = {key: like(p, self.state_part(b, n, whole[n], i).detach().clone())
-                         for n, key in self._kept(b).items() if self.has_state(b, whole, i)}
+                         for n, key in kept.items() if self.has_state(b, whole, i)}
                 if self.has_step:
                     entry = {"step": torch.tensor(float(step))} | entry
-                if WEIGHTS in whole and model_weights(b.exe.tensor_inputs()) == PARAMS:
+                if masters:
                     entry["master_param"] = like(p, b.part(whole[WEIGHTS], i).detach().clone())
                 out["state"][index[id(p)]] = entry
         for post_hook in self._optimizer_state_dict_post_hooks.values():

@@ -182,6 +182,8 @@ def all_to_all_v(ctx: RankContext, x: torch.Tensor, splits: torch.Tensor, recv: 
     replaces it: shm_algorithm's shared-memory exchange); the counts are read on the host (a device sync
     for CUDA tensors)."""
     n = dist.get_world_size(group) if dist.is_initialized() else 1
+    if n > 1 and (alone := ctx.alone(x, out, async_op, group=group)) is not None:
+        return alone  # launched early (its counts checked then) or provided
     where = f"rank {ctx.rank}: all_to_all_v"
     sent, came = row_counts(splits, n, "splits", where), row_counts(recv, n, "recv", where)
     if sum(sent) > x.shape[dim] or sum(came) > rows:
@@ -194,8 +196,6 @@ def all_to_all_v(ctx: RankContext, x: torch.Tensor, splits: torch.Tensor, recv: 
     if n == 1:
         rt[:sum(came)].copy_(xt)
         return ctx.done(None, lambda: res, async_op)
-    if (alone := ctx.alone(x, out, async_op, group=group)) is not None:
-        return alone  # launched early or provided
     host = ctx.backend == "gloo" and x.device.type != "cpu"  # Gloo's all-to-all takes host tensors
     wire = (xt.detach().to("cpu") if host else xt).contiguous()
     direct = dim == 0 and not host and res.is_contiguous()  # received straight into the result

@@ -21,7 +21,7 @@ import torch.distributed as dist
 from torch.utils._python_dispatch import _get_current_dispatch_mode
 
 from ... import collectives, faults, rng
-from ...ir.semantics import grouped_matmul_wgrad, reduce_local, segments  # noqa: F401 - rt.grouped_matmul_wgrad
+from ...ir.semantics import grouped_matmul, grouped_matmul_wgrad, reduce_local  # noqa: F401 - rt.grouped_matmul(_wgrad)
 from . import shm
 from .ring import with_dim  # noqa: F401 - generated code calls rt.with_dim
 
@@ -72,18 +72,6 @@ def minimum(a: Any, b: Any) -> torch.Tensor:
     if not isinstance(a, torch.Tensor):
         a, b = b, a
     return torch.clamp(a, max=b) if not isinstance(b, torch.Tensor) else torch.minimum(a, b)
-
-
-def grouped_matmul(x: torch.Tensor, w: torch.Tensor, counts: torch.Tensor, name: str) -> torch.Tensor:
-    """The DSL's grouped_matmul: one mm per non-empty segment, written into the result, its padding rows zeroed (the
-    counts are read
-    on the host for their check; torch._grouped_mm was at most 10% faster on CPU: docs/programs.md)."""
-    out, end = x.new_empty(x.shape[0], w.shape[2]), 0
-    for start, n, g in segments(counts, x.shape[0], w.shape[0], f"grouped_matmul `{name}`"):
-        torch.mm(x[start:start + n], w[g], out=out[start:start + n])  # written in place; segments cover [0, end)
-        end = start + n
-    out[end:].zero_()  # the padding rows only
-    return out
 
 
 def concat(parts: Sequence[torch.Tensor], dim: int) -> torch.Tensor:

@@ -54,7 +54,7 @@ from scipy.optimize import nnls
 
 from cocoweave.cluster.profiling.io_summary import input_cpu_ms, input_main_cpu_ms, input_wait_ms
 from cocoweave.cluster.profiling.worlds import WorldRun, ranks
-from cocoweave.collectives.pricing import KINDS, moved, steps
+from cocoweave.collectives.pricing import known, moved, steps
 from cocoweave.errors import CocoweaveError
 
 KAPPAS = [k / 100 for k in range(101)]  # the busy-cores factors tried (0 to +100% CPU time with every core busy)
@@ -101,7 +101,7 @@ class Traffic:
 
 def known_kind(kind: str) -> str:
     """`kind` where the collectives table knows its traffic, else a point-to-point message's."""
-    return kind if kind in KINDS else "p2p"
+    return kind if known(kind) else "p2p"
 
 
 @dataclass(frozen=True)

@@ -8,7 +8,7 @@ from __future__ import annotations
 
 from cocoweave.cluster.planning.llm.system import System
 from cocoweave.collectives import DEFAULT
-from cocoweave.collectives.pricing import KINDS, Link, fastest, seconds, spread_seconds
+from cocoweave.collectives.pricing import Link, fastest, known, seconds, spread_seconds
 from cocoweave.errors import PlanningError
 
 __all__ = ["Link", "all_to_all_s", "collective_s", "group_link", "priced"]
@@ -30,8 +30,7 @@ def group_link(system: System, size: int, stride: int) -> Link | None:
     inter = system.inter
     if inter is None:
         raise PlanningError(f"machine {system.machine.name} names no inter_node network for a group across nodes.")
-    rails = ranks_per_node(size, stride, per_node)
-    link = Link.of(inter.key, inter.bandwidth_gb_s, inter.latency_us, system.eff.inter, rails)
+    link = _inter(system, ranks_per_node(size, stride, per_node))
     if intra is None:
         return link
     return Link(link.name, min(link.bandwidth, _intra(system).bandwidth), link.latency)
@@ -48,10 +47,10 @@ def _intra(system: System) -> Link:
     return Link.of(intra.key, intra.bandwidth_gb_s, intra.latency_us, system.eff.intra)
 
 
-def _inter(system: System) -> Link:
-    """One NIC rail at the stack's achieved fraction."""
+def _inter(system: System, rails: int = 1) -> Link:
+    """`rails` NIC rails driven at once (one by default) at the stack's achieved fraction."""
     inter = system.inter
-    return Link.of(inter.key, inter.bandwidth_gb_s, inter.latency_us, system.eff.inter)
+    return Link.of(inter.key, inter.bandwidth_gb_s, inter.latency_us, system.eff.inter, rails)
 
 
 def priced(kind: str, nbytes: float, size: int, link: Link | None, algorithm: str = DEFAULT) -> tuple[float, str]:
@@ -60,7 +59,7 @@ def priced(kind: str, nbytes: float, size: int, link: Link | None, algorithm: st
     library's, which picks among its registered variants; another registered algorithm prices its own formula)."""
     if link is None or size <= 1 or nbytes <= 0:
         return 0.0, "none"
-    if kind not in KINDS:
+    if not known(kind):
         raise PlanningError(f"unknown collective {kind!r}.")
     if algorithm != DEFAULT:
         return seconds(kind, nbytes, size, link, algorithm), algorithm
