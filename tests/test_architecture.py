@@ -599,8 +599,9 @@ def test_layers_and_optimizers_import_no_backend_module(layer: str):
 
 
 def test_a_process_groups_facts_have_one_home():
-    """Rank, size, one host, timeout: defined in cocoweave.group_facts alone, not again in nn/ or optim/."""
-    facts = {"world", "group_rank", "group_size", "one_host", "group_timeout"}
+    """Rank, size, the shared-memory route, timeout: defined in cocoweave.group_facts alone, not again in nn/ or
+    optim/."""
+    facts = {"world", "group_rank", "group_size", "shared_memory", "group_timeout"}
     defined = sorted(f"{m}.{n.name}" for m, p in MODULES.items() if m.startswith(("cocoweave.nn", "cocoweave.optim"))
                      for n in ast.parse(p.read_text(encoding="utf-8")).body
                      if isinstance(n, ast.FunctionDef) and n.name in facts)

@@ -1,8 +1,9 @@
 """A process group's facts, in one home for nn/ and optim/: this rank's place in it (`world`, `group_rank`,
-`group_size`), whether its ranks share this host's memory (`one_host`), its timeout (`group_timeout`), the
+`group_size`), whether its collectives of a device's tensors go through this host's shared memory
+(`shared_memory`: the one answer, for every layer and optimizer), its timeout (`group_timeout`), the
 cross-rank check of a configuration (`agree`), and the collectives layers and optimizers run outside their programs
 every step: the flag all-reduce (`max_flags`), the posted all-reduce (`PostedAllReduce`) and an MoE layer's
-all-to-alls with runtime splits through shared memory (`all_to_all_route`, `start_all_to_all`).
+all-to-alls with runtime splits through shared memory (`start_all_to_all`).
 
 It sits beside compiler.py, above backends/: nn/ and optim/ import no module of backends/ (tests/test_architecture.py)
 and reach the torch backend only here and through the compiled executables, so a transport changes here and in
@@ -15,14 +16,15 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
+from . import collectives
 from .backends.torch import shm
 from .backends.torch import shm_all_to_all as shm_a2a
 from .backends.torch.agreement import agree
 from .backends.torch.placement import cpu_group
 from .backends.torch.shm import Posted
 
-__all__ = ["Posted", "PostedAllReduce", "agree", "all_to_all_route", "group_rank", "group_size", "group_timeout",
-           "max_flags", "one_host", "start_all_to_all", "world"]
+__all__ = ["Posted", "PostedAllReduce", "agree", "group_rank", "group_size", "group_timeout", "max_flags",
+           "shared_memory", "start_all_to_all", "world"]
 
 
 def world(group: Any = None) -> tuple[int, int]:
@@ -45,10 +47,16 @@ def group_rank(group: Any) -> int:
     return dist.get_rank(group)
 
 
-def one_host(group: Any) -> bool:
-    """Whether the group has several ranks and every one shares this host's memory (the shared-memory collectives
-    then apply). A collective of the group the first time it is asked."""
-    return group_size(group) > 1 and shm.group_for(group) is not None
+def shared_memory(group: Any, device: torch.device | str) -> shm.ShmGroup | None:
+    """The shared-memory group through which `group`'s collectives of tensors on `device` go, or None for the
+    library's: only where the group has several ranks, every one on this host, and the tensors are in the host's
+    memory (the collectives table says where its shm algorithm is offered). The one home of that decision for the
+    layers' programs, their posted all-reduces, the MoE all-to-alls and the optimizer's buckets; the same answer on
+    every rank (a collective of the group the first time it is asked)."""
+    kind = device if isinstance(device, str) else device.type
+    if group_size(group) < 2 or not collectives.get("shm").offered(kind):
+        return None
+    return shm.group_for(group)
 
 
 def group_timeout(group: Any = None) -> float:
@@ -86,7 +94,7 @@ class PostedAllReduce:
     def open(self, out: torch.Tensor) -> Posted | None:
         """An all-reduce (sum) into `out`, or None where the group's ranks do not share this host's memory or its
         slots cannot be made or cannot alternate (the same on every rank): the caller then takes a blocking route."""
-        g = shm.group_for(self.group)
+        g = shared_memory(self.group, out.device)
         if g is None:
             return None
         try:
@@ -103,14 +111,8 @@ class PostedAllReduce:
         return sum(storages.values())
 
 
-def all_to_all_route(group: Any) -> Any | None:
-    """The shared-memory group an all_to_all over `group` goes through (its ranks share this host's memory), or None:
-    then the caller takes torch.distributed's all_to_all_single (the same answer on every rank)."""
-    return shm.group_for(group)
-
-
 def start_all_to_all(route: Any, group: Any, x: torch.Tensor, in_splits: list[int], out_splits: list[int]) -> Any:
-    """Begin an all_to_all of `x`'s rows through shared-memory `route` (all_to_all_route's answer for `group`):
+    """Begin an all_to_all of `x`'s rows through shared-memory `route` (shared_memory's answer for `group`):
     in_splits[j] rows to group rank j, out_splits[j] from it; `.wait()` returns them (an MoE layer's dispatch and
     combine, whose splits the router decides each step)."""
     return shm_a2a.start(route, group, x, in_splits, out_splits)

@@ -32,10 +32,10 @@ import torch.distributed as dist
 from .. import collectives, settings
 from ..compiler import compile as compile_schedule
 from ..errors import ParallelConfigError
-from ..group_facts import Posted, PostedAllReduce, one_host
+from ..group_facts import Posted, PostedAllReduce, shared_memory
 from ..ir.graph import Program
 from ..ir.layout import slice_bounds
-from ..schedule.enumerate import schedules_of, shm_offered
+from ..schedule.enumerate import schedules_of
 from ..schedule.schedule import Schedule
 from ..tune import Context, Measure, choose
 from .functional import Group
@@ -156,7 +156,7 @@ class Programs:
         """An all-reduce (sum) into `out` over the layer's group split in two on shared memory (ASYNC_SHM), or None
         where the group's ranks do not share this host's memory or its slots cannot alternate (the same on every
         rank): the caller then takes the blocking route."""
-        return self._posted.open(out) if shm_offered(out.device.type) else None
+        return self._posted.open(out)
 
     def _once(self, what: str, kind: str, program: Program, device: torch.device, make: Callable[[], Any]) -> Any:
         """`make()` the first time `program` asks for `what`, the remembered value after (ids are reused once a
@@ -194,7 +194,7 @@ class Programs:
         return exe
 
     def _executable(self, kind: str, program: Program, inputs: Mapping[str, Any], device: torch.device) -> Any:
-        shared = shm_offered(device.type) and one_host(self.group)
+        shared = shared_memory(self.group, device) is not None
         name = self.schedule
         if name == "auto":
             s = self._auto(kind, program, inputs, device, shared)
@@ -287,7 +287,7 @@ class Programs:
         if self.schedule != "auto" or self.size == 1:
             return first
         names = list(routes)
-        if device.type == "cpu" and one_host(self.group):
+        if shared_memory(self.group, device) is not None:
             # ASYNC's reduction runs on Gloo's thread, which on one host takes the core the weight-gradient matmul
             # needs (one core per rank): alone it measured faster (the other rank's core idle), in the step slower
             # (tp_step d512: 468 ms against 410 for MM-AR@shm-C). It is a choice where the wait is the network's.

@@ -8,11 +8,12 @@ the all-to-all of the split counts that precedes it. Kept in one place so that i
     y = wait_all_to_all(buf, pending)                                  # then wait (backward: the reverse)
 
 The backward of a dispatch is the dispatch of the gradient with the splits swapped (the combine). The route is
-decided once per (group, device type), as nn/compiled.py decides shm against the library: ranks that share this
-host's memory (CPU tensors) exchange through shared memory (backends/torch/shm_all_to_all.py: each rank writes the
-rows for the others into its slot, flags, and the others read theirs; "async" means this rank computes between its
-write and its reads while its peers arrive); across hosts, on CUDA, or with `library=True`,
-`torch.distributed.all_to_all_single` (uneven splits, zeros included, on Gloo and NCCL; async on its own thread).
+decided once per (group, device type) by group_facts.shared_memory (the one answer nn/compiled.py and the
+optimizer ask too): ranks that share this host's memory (CPU tensors) exchange through shared memory
+(backends/torch/shm_all_to_all.py: each rank writes the rows for the others into its slot, flags, and the others
+read theirs; "async" means this rank computes between its write and its reads while its peers arrive); across
+hosts, on CUDA, or with `library=True`, `torch.distributed.all_to_all_single` (uneven splits, zeros included, on
+Gloo and NCCL; async on its own thread).
 """
 
 from __future__ import annotations
@@ -23,7 +24,6 @@ import torch
 import torch.distributed as dist
 
 from .. import group_facts
-from ..schedule.enumerate import shm_offered
 
 _ROUTES: dict[tuple[Any, str], Any] = {}  # (group, device type) -> its shared-memory group, None: the library's
 
@@ -33,7 +33,7 @@ def _route(group: Any, device: torch.device) -> Any:
     on the first call (a collective of the group then, on every rank at the same call) and kept."""
     key = (group, device.type)
     if key not in _ROUTES:
-        _ROUTES[key] = group_facts.all_to_all_route(group) if shm_offered(device.type) else None
+        _ROUTES[key] = group_facts.shared_memory(group, device)
     return _ROUTES[key]
 
 

@@ -14,7 +14,7 @@ import torch.distributed as dist
 
 from ..compiler import compile as compile_schedule
 from ..errors import OptimizerError, ParallelConfigError
-from ..group_facts import one_host, world
+from ..group_facts import shared_memory, world
 from ..ir.graph import Program
 from ..ir.types import canonical_dtype
 from ..sharding import local_data
@@ -139,7 +139,7 @@ class BucketSet:
         """Give bucket b the schedule of `program` this optimizer runs, its executable, and (clipping) the name of
         the squared-norm all-reduce the step pauses before."""
         rank, size = world(self.process_group)
-        shared = size > 1 and b.device.type == "cpu" and one_host(self.process_group)
+        shared = shared_memory(self.process_group, b.device) is not None
         clipped = self.max_grad_norm is not None
         whole = self._whole(program)
         b.schedule = resolve_schedule(program, self.schedule, size, whole, b.device.type, shared, clipped)
