@@ -16,7 +16,7 @@ import numpy as np
 
 from cocoweave.cluster.catalog import Catalog, load_catalog
 from cocoweave.cluster.planning.llm.calibrate import errors
-from cocoweave.cluster.planning.llm.published import PublishedRun, validation_runs
+from cocoweave.cluster.planning.llm.published import PublishedRun, foundry_h100_rest_runs, validation_runs
 from cocoweave.cluster.planning.llm.system import STACKS, Efficiency, stack_efficiencies
 
 
@@ -91,6 +91,10 @@ def main(argv: list[str] | None = None) -> None:
         if g.name.startswith("H100/H200") and "MoE" not in g.name:
             line += f"   (before, one spec-sheet efficiency: mean {p.mean:5.2f}%, max {p.max:5.2f}%)"
         print(("- " if args.markdown else "") + line)
+    rest = {r.name for r in foundry_h100_rest_runs()}
+    added = np.abs(after[np.array([r.name in rest for r in runs])])
+    print(("- " if args.markdown else "") + f"{'of which llm-foundry added':25} {len(added):2} rows: mean |error| "
+          f"{added.mean():5.2f}%, max {added.max():5.2f}%   (held out from the start: FOUNDRY_H100_REST)")
 
 
 if __name__ == "__main__":
