@@ -108,6 +108,11 @@ def test_fsdp_gathers_twice_per_micro_batch_full_recomputation_included():
     for recompute in ("none", "full"):
         step = predict_step(SPEC, replace(cfg, recompute=recompute), SYSTEM)
         assert step.dp_comm_s == pytest.approx(by_hand), recompute
+    # FSDP1's SHARD_GRAD_OP (reshard False): the forward's gather serves the backward, the weights stay whole
+    kept = predict_step(SPEC, replace(cfg, reshard=False), SYSTEM)
+    assert kept.dp_comm_s == pytest.approx(m * (7 / 8 * 2 * params + 7 / 8 * 4 * params) / 100e9)
+    assert kept.memory.weights == pytest.approx(2 * params) and step.memory.weights == pytest.approx(2 * params / 8)
+    assert ParallelConfig(dp=8, zero=1, reshard=False).problems(SPEC, 8)
 
 
 def test_recomputation_costs_a_forward_or_the_attention_core():

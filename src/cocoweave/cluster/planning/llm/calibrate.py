@@ -42,8 +42,8 @@ FREE = (
 )
 # Where a Hopper fit may start. Coordinate descent finds a local optimum: `python -m
 # cocoweave.cluster.planning.llm.calibrate` refits from here and from the shipped constants and prints the one with
-# the lower calibration mean |error|, which the shipped constants are (2026-12-05, FSDP's two gathers: 3.09 % over
-# every calibration row from the previous fit, 3.15 % from here)
+# the lower calibration mean |error|, which the shipped constants are (2026-12-05, FSDP gathering as its sources
+# do: 3.15 % over every calibration row from the previous fit, 3.39 % from here)
 NEUTRAL = Efficiency(gemm_max=0.7, gemm_half=40.0, fp8_max=0.5, flash=0.7, elementwise_passes=3.0, tp_overlap=0.5)
 
 

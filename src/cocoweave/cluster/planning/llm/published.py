@@ -381,6 +381,8 @@ FOUNDRY_H100_LARGE = (  # (model, micro-batch, activation checkpointing, ((GPUs,
     ("3b", 8, False, ((512, 11092218), (256, 5829686), (128, 2998098))),
     ("1b", 12, False, ((512, 20396905), (256, 10894207), (128, 5647854))),
 )
+FOUNDRY_LARGE_GRAD_OP = {"3b", "1b"}  # the large-scale table's Sharding Strategy: SHARD_GRAD_OP for these (FSDP keeps
+# each layer's gathered weights from its forward to its backward), FULL_SHARD for the others and in the other table
 
 
 # The rest of the "H100 80GB BF16" table: its other 34 rows, every one meeting the rule above (micro-batch x
@@ -408,12 +410,13 @@ FOUNDRY_H100_REST = (
 )
 
 
-def _foundry_run(role: str, row: tuple, table: str) -> PublishedRun:
+def _foundry_run(role: str, row: tuple, table: str, reshard: bool = True) -> PublishedRun:
     model, seq, gpus, mb, _accum, batch, ac, tokens_s = row
     layers, hidden, heads = MPT[model]
     spec = TransformerSpec(name=f"MPT-{model}", layers=layers, hidden=hidden, heads=heads, vocab=50368,
                            seq_len=seq, global_batch=batch, tied_embeddings=True)
-    cfg = ParallelConfig(dp=gpus, micro_batch=mb, zero=3, recompute="full" if ac else "none", grad_bytes=4)
+    cfg = ParallelConfig(dp=gpus, micro_batch=mb, zero=3, reshard=reshard, recompute="full" if ac else "none",
+                         grad_bytes=4)
     return PublishedRun(
         f"llm-foundry MPT-{model} seq {seq}, {gpus} H100", spec, cfg, batch * seq / tokens_s,
         f"mosaicml/llm-foundry scripts/train/benchmarking/README.md @8c8dd48f, H100 80GB BF16{table}: {tokens_s} "
@@ -425,7 +428,8 @@ def _foundry_h100_runs() -> list[PublishedRun]:
              for gpus, tokens_s in series]
     alternate = ("calibration", "held-out")
     return [_foundry_run(alternate[i % 2], r, "") for i, r in enumerate(FOUNDRY_H100)] + [
-        _foundry_run(alternate[i % 2], r, " (large scale)") for i, r in enumerate(large)] + foundry_h100_rest_runs()
+        _foundry_run(alternate[i % 2], r, " (large scale)", r[0] not in FOUNDRY_LARGE_GRAD_OP)
+        for i, r in enumerate(large)] + foundry_h100_rest_runs()
 
 
 def foundry_h100_rest_runs() -> list[PublishedRun]:
