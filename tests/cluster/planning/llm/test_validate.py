@@ -99,7 +99,7 @@ def test_the_command_prints_the_groups(capsys):
     main([])
     out = capsys.readouterr().out
     assert "H100/H200 held-out" in out and "before, one spec-sheet efficiency" in out and "NeMo 24.07" in out
-    assert "of which llm-foundry added 34 rows" in out and "H100/H200 held-out + MoE  88 rows" in out
+    assert "llm-foundry added rows    34 rows" in out and "H100/H200 held-out + MoE  88 rows" in out
 
 
 def test_a_data_parallel_scaling_series_grows_as_measured():

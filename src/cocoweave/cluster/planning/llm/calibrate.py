@@ -35,7 +35,7 @@ FREE = (
     ((MC,), "flash", 0.2, 1.0),  # attention kernels relative to the GEMM rate: cuDNN's through TE,
     ((MB,), "flash", 0.2, 1.0),  # a year's newer cuDNN through TE,
     ((TT,), "flash", 0.2, 1.0),  # FlashAttention-2 through torch's SDPA,
-    ((MF,), "flash", 0.2, 1.0),  # FlashAttention with ALiBi (llm-foundry's Triton kernel)
+    ((MF,), "flash", 0.2, 1.0),  # FlashAttention (llm-foundry's attn_impl: flash; no ALiBi in its yamls)
     ((MC, MB), "tp_overlap", 0.0, 1.0),  # TE's userbuffers
     ((TT,), "tp_overlap", 0.0, 1.0),  # async TP
     ((MF,), "overlap_drag", 0.0, 1.0),  # NCCL's kernels beside the GEMMs they overlap: FSDP's

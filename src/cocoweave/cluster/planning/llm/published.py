@@ -321,7 +321,8 @@ LLAMA31 = {"8B": (32, 4096, 32, 14336), "70B": (80, 8192, 64, 28672)}
 # calibration?); local batch = sequences per dp rank (no gradient accumulation). Table 2's four rows keep 32K tokens
 # per GPU at cp 1, 2, 4, 8 (8.42, 12.90, 30.60, 59.80 s a step): a ring adds cp steps of the same half-block
 # attention, but cp 1-2 give 4.5 s a step and cp 4-8 give 7.3 s, so no per-step cost fits all four (the rows are as
-# published; docs/planning_llm.md says what we tried)
+# published: torchtitan 9dec370's TPS counts the whole sequence over cp ranks, as read here; its CP all-gathers keys
+# and values, its default rotate method; docs/planning_llm.md says what the sources settle and what we tried)
 TORCHTITAN_H100 = (
     (1, "8B", 8, 8, 1, 1, 2, 8192, "selective", False, False, 6667, True),
     (1, "8B", 8, 8, 1, 1, 2, 8192, "selective", True, False, 8532, False),
@@ -361,7 +362,9 @@ MPT = {"760m": (24, 1536, 12), "1b": (24, 2048, 16), "3b": (32, 2560, 20), "7b":
 FOUNDRY_H100 = (
     ("70b", 2048, 64, 8, 4, 2048, True, 66523), ("70b", 2048, 32, 2, 16, 1024, True, 28242),
     ("30b", 2048, 32, 14, 3, 1344, True, 73860), ("30b", 2048, 16, 10, 3, 480, True, 36209),
-    ("30b", 8192, 8, 1, 21, 168, True, 11072), ("13b", 2048, 64, 2, 1, 128, False, 307209),
+    ("30b", 8192, 8, 1, 21, 168, True, 11072),  # as published (its MFU column, 29.9 %, agrees), the slowest of
+    # its family: 35.9 % MFU at 4K and 38.1 % at 2K on the same 8 GPUs; the model puts it nearest the card's memory
+    ("13b", 2048, 64, 2, 1, 128, False, 307209),
     ("13b", 2048, 8, 2, 1, 16, False, 38336), ("13b", 4096, 8, 10, 3, 240, True, 37740),
     ("13b", 32768, 8, 1, 3, 24, True, 15812), ("7b", 2048, 8, 6, 1, 48, False, 85144),
     ("7b", 8192, 8, 8, 2, 128, True, 55481), ("7b", 65536, 8, 1, 2, 16, True, 15654),

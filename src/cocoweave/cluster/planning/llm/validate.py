@@ -95,7 +95,7 @@ def main(argv: list[str] | None = None) -> None:
     added = [r.name in rest for r in runs]
     hopper_held = [is_hopper(r, catalog) and r.role == "held-out" for r in runs]
     for name, mask, note in (
-            ("of which llm-foundry added", added, "held out from the start: FOUNDRY_H100_REST"),
+            ("llm-foundry added rows", added, "held out from the start: FOUNDRY_H100_REST"),
             ("H100/H200 held-out + MoE", hopper_held, "the dense and the MoE held-out rows together")):
         a = np.abs(after[np.array(mask)])
         print(("- " if args.markdown else "") + f"{name:25} {len(a):2} rows: mean |error| {a.mean():5.2f}%, max "
