@@ -363,7 +363,7 @@ FOUNDRY_H100 = (
     ("70b", 2048, 64, 8, 4, 2048, True, 66523), ("70b", 2048, 32, 2, 16, 1024, True, 28242),
     ("30b", 2048, 32, 14, 3, 1344, True, 73860), ("30b", 2048, 16, 10, 3, 480, True, 36209),
     ("30b", 8192, 8, 1, 21, 168, True, 11072),  # as published (its MFU column, 29.9 %, agrees), the slowest of
-    # its family: 35.9 % MFU at 4K and 38.1 % at 2K on the same 8 GPUs; the model puts it nearest the card's memory
+    # its family: 35.9 % MFU at 4K and 38.1 % at 2K on the same 8 GPUs (docs/planning_llm.md)
     ("13b", 2048, 64, 2, 1, 128, False, 307209),
     ("13b", 2048, 8, 2, 1, 16, False, 38336), ("13b", 4096, 8, 10, 3, 240, True, 37740),
     ("13b", 32768, 8, 1, 3, 24, True, 15812), ("7b", 2048, 8, 6, 1, 48, False, 85144),
