@@ -95,6 +95,26 @@ def test_overlap_drag_prices_the_bytes_moved_not_the_latency_waited():
     assert exposed == pytest.approx(14 * 5e-6 + bandwidth + 0.5 * (buckets - 1) * bandwidth)
 
 
+def test_fsdp_gathers_twice_per_micro_batch_full_recomputation_included():
+    """FSDP by hand on 8 GPUs of one node (100 GB/s, no latency): per micro-batch every layer's weights are
+    all-gathered for the forward and again for the backward (7/8 x bytes / B each on a ring) and its gradients
+    reduce-scattered; full recomputation adds no third gather, since both stacks that run it (torchtitan's FSDP2,
+    Composer's FSDP1) wrap the checkpointed block inside the FSDP unit, so the recomputed forward runs on the
+    parameters the backward has just gathered."""
+    cfg = ParallelConfig(dp=8, zero=3, grad_bytes=4)
+    params = stage_param_split(SPEC, cfg)[0]
+    m = SPEC.global_batch // 8
+    by_hand = m * (2 * 7 / 8 * 2 * params + 7 / 8 * 4 * params) / 100e9
+    for recompute in ("none", "full"):
+        step = predict_step(SPEC, replace(cfg, recompute=recompute), SYSTEM)
+        assert step.dp_comm_s == pytest.approx(by_hand), recompute
+    # FSDP1's SHARD_GRAD_OP (reshard False): the forward's gather serves the backward, the weights stay whole
+    kept = predict_step(SPEC, replace(cfg, reshard=False), SYSTEM)
+    assert kept.dp_comm_s == pytest.approx(m * (7 / 8 * 2 * params + 7 / 8 * 4 * params) / 100e9)
+    assert kept.memory.weights == pytest.approx(2 * params) and step.memory.weights == pytest.approx(2 * params / 8)
+    assert ParallelConfig(dp=8, zero=1, reshard=False).problems(SPEC, 8)
+
+
 def test_recomputation_costs_a_forward_or_the_attention_core():
     base = predict_step(SPEC, ParallelConfig(), SYSTEM)
     full = predict_step(SPEC, ParallelConfig(recompute="full"), SYSTEM)

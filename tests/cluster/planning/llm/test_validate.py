@@ -8,17 +8,18 @@ import numpy as np
 
 from cocoweave.cluster.catalog import load_catalog
 from cocoweave.cluster.planning.llm.calibrate import calibrate, errors
-from cocoweave.cluster.planning.llm.published import h100_runs, validation_runs
+from cocoweave.cluster.planning.llm.published import foundry_h100_rest_runs, h100_runs, validation_runs
 from cocoweave.cluster.planning.llm.system import stack_efficiencies
 from cocoweave.cluster.planning.llm.validate import groups, main, table
 
 CATALOG = load_catalog()
-# measured 2026-12-05 (`python -m cocoweave.cluster.planning.llm.validate`): H100/H200 held-out 47 rows, mean
-# 4.31 %, max 20.88 % (the max torchtitan's cp 8 row, moved by the shared gemm_half). Before Megatron-Bridge's own
+# measured 2026-12-05 (`python -m cocoweave.cluster.planning.llm.validate`): H100/H200 held-out 81 rows, mean
+# 3.88 %, max 20.88 % (the max torchtitan's cp 8 row); 47 of them 4.13 % / 20.88 % (4.31 % before FSDP gathered as
+# its sources do and llm-foundry's SHARD_GRAD_OP rows were priced as such). Before Megatron-Bridge's own
 # stack, llm-foundry's 128-512 GPU table and the bandwidth-share drag: 35 rows, 5.00 % / 19.91 % (bound 5.5 / 21);
 # before FP8 all-gathers, FSDP1's drag and a GEMM rate per H100 kind: 7.46 % / 21.33 %; the same 47 rows before
 # Hopper constants 15.22 % / 44.04 %. The bound leaves room for refits, not regressions.
-H100_HELD_OUT_MEAN, H100_HELD_OUT_MAX = 4.5, 21.0
+H100_HELD_OUT_MEAN, H100_HELD_OUT_MAX = 4.0, 21.0
 
 
 def test_h100_held_out_rows_within_the_bound_and_far_better_than_the_spec_sheet():
@@ -26,7 +27,7 @@ def test_h100_held_out_rows_within_the_bound_and_far_better_than_the_spec_sheet(
     now = {g.name: g for g in groups(runs, after, CATALOG)}
     then = {g.name: g for g in groups(runs, before, CATALOG)}
     held = now["H100/H200 held-out"]
-    assert held.rows >= 20 and {r.stack for r in h100_runs() if r.role == "held-out"} >= {
+    assert held.rows >= 81 and {r.stack for r in h100_runs() if r.role == "held-out"} >= {
         "megatron-core-2024", "torchtitan-compile-2024", "llm-foundry-2023"}
     assert held.mean <= H100_HELD_OUT_MEAN and held.max <= H100_HELD_OUT_MAX
     assert held.mean < 0.6 * then["H100/H200 held-out"].mean and held.max < then["H100/H200 held-out"].max
@@ -84,10 +85,21 @@ def test_llm_foundry_large_scale_rows_alternate_from_calibration():
     assert [r.role for r in large] == ["calibration", "held-out"] * 9
 
 
+def test_llm_foundry_rest_rows_are_held_out_and_within_their_bound():
+    """The BF16 table's other 34 rows, added held out by a rule fixed before their errors were seen (measured
+    2026-12-05 at their first prediction: mean 3.46 %, max 7.43 %)."""
+    rest = foundry_h100_rest_runs()
+    assert len(rest) == 34 and {r.role for r in rest} == {"held-out"}
+    assert {r.name for r in rest}.isdisjoint(r.name for r in validation_runs() if r.role == "calibration")
+    err = np.abs(errors(rest, CATALOG, stack_efficiencies()))
+    assert err.mean() <= 4.0 and err.max() <= 8.0
+
+
 def test_the_command_prints_the_groups(capsys):
     main([])
     out = capsys.readouterr().out
     assert "H100/H200 held-out" in out and "before, one spec-sheet efficiency" in out and "NeMo 24.07" in out
+    assert "llm-foundry added rows    34 rows" in out and "H100/H200 held-out + MoE  88 rows" in out
 
 
 def test_a_data_parallel_scaling_series_grows_as_measured():

@@ -116,7 +116,8 @@ def stage_param_split(spec: TransformerSpec, cfg: ParallelConfig) -> tuple[float
 def memory_per_gpu(spec: TransformerSpec, cfg: ParallelConfig) -> MemoryBreakdown:
     """Weights (16-bit), gradients (cfg.grad_bytes), Adam state (12 bytes) per parameter, sharded from the ZeRO
     stage that shards each over the ranks that replicate it (cp x dp for dense weights, cp x dp / ep for experts,
-    as Megatron's distributed optimizer does), and the first stage's activations."""
+    as Megatron's distributed optimizer does; weights whole where FSDP keeps them gathered from forward to backward,
+    `reshard` False), and the first stage's activations."""
     dense, experts = stage_param_split(spec, cfg)
     replicas = cfg.cp * cfg.dp
 
@@ -124,5 +125,5 @@ def memory_per_gpu(spec: TransformerSpec, cfg: ParallelConfig) -> MemoryBreakdow
         return dense / (replicas if cfg.zero >= stage else 1) + experts / (replicas // cfg.ep if cfg.zero >= stage
                                                                            else 1)
 
-    return MemoryBreakdown(sharded(3) * spec.bytes_per_value, sharded(2) * cfg.grad_bytes,
+    return MemoryBreakdown(sharded(3 if cfg.reshard else 4) * spec.bytes_per_value, sharded(2) * cfg.grad_bytes,
                            sharded(1) * OPTIMIZER_BYTES, activation_bytes(spec, cfg))

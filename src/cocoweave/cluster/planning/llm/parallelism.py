@@ -34,6 +34,9 @@ class ParallelConfig:
     micro_batch: int = 1
     vp: int = 1  # virtual pipeline stages (model chunks) per GPU: Megatron's interleaved 1F1B
     zero: int = 0  # 0 DDP, 1 distributed optimizer / ZeRO-1, 2 ZeRO-2, 3 FSDP / ZeRO-3
+    reshard: bool = True  # FSDP: each layer's gathered weights freed after its forward and gathered again for its
+    # backward; False keeps them from forward to backward (FSDP1's SHARD_GRAD_OP, FSDP2's
+    # reshard_after_forward=False): one gather a micro-batch, the unsharded weights held
     sp: bool = False  # sequence parallelism (Korthikanti et al. 2022): LayerNorm/dropout sharded over tp
     recompute: Recompute = "none"
     recompute_layers: int = 0  # with recompute "none": this many layers of each stage fully recomputed (Megatron's
@@ -98,6 +101,8 @@ class ParallelConfig:
             out.append("sequence parallelism needs tp > 1")
         if self.zero == 3 and self.pp > 1:
             out.append("FSDP (ZeRO-3) with pipeline parallelism is not modelled")
+        if not self.reshard and self.zero != 3:
+            out.append("keeping gathered weights from forward to backward (reshard False) needs FSDP (zero 3)")
         return out
 
     def describe(self) -> str:
@@ -106,7 +111,7 @@ class ParallelConfig:
             f"pp{self.pp}" + (f"x{self.vp}" if self.vp > 1 else "") + split, f"dp{self.dp}"] + (
             [f"ep{self.ep}"] if self.ep > 1 else []) + [f"mb{self.micro_batch}"]
         if self.zero:
-            parts.append("fsdp" if self.zero == 3 else f"zero{self.zero}")
+            parts.append(("fsdp" if self.reshard else "fsdp-grad-op") if self.zero == 3 else f"zero{self.zero}")
         if self.sp:
             parts.append("sp")
         if self.recompute != "none":

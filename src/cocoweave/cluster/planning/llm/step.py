@@ -252,10 +252,14 @@ def _group_traffic(spec: TransformerSpec, cfg: ParallelConfig, params: float, si
         part = max(rs - window_bwd, last_rs) + max(ag - window_fwd, last_ag) if cfg.gather_overlap else \
             max(t - window_bwd, last_rs)
         return t, part, algo
-    # FSDP: parameters gathered for forward, again for backward (and recomputation), gradients scattered, one
-    # collective per layer (FSDP's unit is the transformer block)
+    # FSDP: parameters gathered for forward, again for backward, gradients scattered, one collective per layer
+    # (FSDP's unit is the transformer block), every micro-batch. Full recomputation gathers nothing more: the
+    # checkpointed block sits inside its FSDP unit (torchtitan 9dec370 parallelize_llama: apply_ac before
+    # fully_shard; Composer's prepare_fsdp_module: apply_activation_checkpointing on the wrapped model, FSDP
+    # units excluded), so the recomputed forward runs on the parameters the backward has just gathered
+    # (with `reshard` False, FSDP1's SHARD_GRAD_OP, the forward's gather serves the backward too)
     m = cfg.micro_batches(spec)
-    gathers = 2 + (1 if cfg.recompute == "full" else 0)
+    gathers = 2 if cfg.reshard else 1
     units = spec.layers / cfg.pp
     ag, last, algo = bucketed_s("all_gather", weights, size, link, weights / units)
     rs, _, _ = bucketed_s("reduce_scatter", grads, size, link, grads / units)

@@ -76,7 +76,7 @@ STACKS: dict[str, Stack] = {s.name: s for s in (
     # overlapped by userbuffers, distributed optimizer overlapping its reduce-scatter with backward and its
     # all-gather with the next forward; Megatron FSDP. Hopper constants fitted on NeMo 24.07's H100 rows
     Stack("megatron-core-2024", MEGATRON_2022, (0, 1, 3), True,
-          families=((HOPPER, Efficiency(gemm_max=0.775, gemm_half=60.0, fp8_max=0.62, elementwise_passes=3.1812,
+          families=((HOPPER, Efficiency(gemm_max=0.7675, gemm_half=60.0, fp8_max=0.62, elementwise_passes=3.1812,
                                         flash=0.53, tp_overlap=0.4)),),
           tp_overlap=True, gather_overlap=True),
     # Megatron-Bridge 25.09-26.06: Megatron-core with a year of TE releases after NeMo 24.07 (FP8 current scaling,
@@ -84,7 +84,7 @@ STACKS: dict[str, Stack] = {s.name: s for s in (
     # elementwise passes fitted on its own calibration releases, the H100's GEMM rate, GEMM shape and TP overlap
     # shared with NeMo 24.07's rows
     Stack("megatron-bridge-2025", MEGATRON_2022, (0, 1, 3), True,
-          families=((HOPPER, Efficiency(gemm_max=0.775, gemm_half=60.0, fp8_max=0.67, elementwise_passes=1.9625,
+          families=((HOPPER, Efficiency(gemm_max=0.7675, gemm_half=60.0, fp8_max=0.67, elementwise_passes=1.9625,
                                         flash=0.61, tp_overlap=0.4)),),
           tp_overlap=True, gather_overlap=True),
     # torchtitan with torch.compile (fused elementwise), FSDP2, float8 and async TP: fitted on its H100 tables
@@ -94,8 +94,8 @@ STACKS: dict[str, Stack] = {s.name: s for s in (
           tp_overlap=True),
     # MosaicML llm-foundry / Composer: FSDP (FULL_SHARD), FlashAttention, bf16: fitted on its H100 table
     Stack("llm-foundry-2023", TORCHTITAN_2024, (3,), True,
-          families=((HOPPER, Efficiency(gemm_max=0.775, gemm_half=60.0, elementwise_passes=3.9125, flash=0.36,
-                                        tp_overlap=0.5, overlap_drag=0.9125)),),  # fp8_max, tp_overlap: not
+          families=((HOPPER, Efficiency(gemm_max=0.7675, gemm_half=60.0, elementwise_passes=3.9125, flash=0.36,
+                                        tp_overlap=0.5, overlap_drag=0.975)),),  # fp8_max, tp_overlap: not
           # fitted (no such row); its FSDP (FSDP1: flat-parameter copies, fp32 reduce-scatter) drags the compute
           sequence_parallel=False),
 )}

@@ -16,7 +16,7 @@ import numpy as np
 
 from cocoweave.cluster.catalog import Catalog, load_catalog
 from cocoweave.cluster.planning.llm.calibrate import errors
-from cocoweave.cluster.planning.llm.published import PublishedRun, validation_runs
+from cocoweave.cluster.planning.llm.published import PublishedRun, foundry_h100_rest_runs, validation_runs
 from cocoweave.cluster.planning.llm.system import STACKS, Efficiency, stack_efficiencies
 
 
@@ -91,6 +91,15 @@ def main(argv: list[str] | None = None) -> None:
         if g.name.startswith("H100/H200") and "MoE" not in g.name:
             line += f"   (before, one spec-sheet efficiency: mean {p.mean:5.2f}%, max {p.max:5.2f}%)"
         print(("- " if args.markdown else "") + line)
+    rest = {r.name for r in foundry_h100_rest_runs()}
+    added = [r.name in rest for r in runs]
+    hopper_held = [is_hopper(r, catalog) and r.role == "held-out" for r in runs]
+    for name, mask, note in (
+            ("llm-foundry added rows", added, "held out from the start: FOUNDRY_H100_REST"),
+            ("H100/H200 held-out + MoE", hopper_held, "the dense and the MoE held-out rows together")):
+        a = np.abs(after[np.array(mask)])
+        print(("- " if args.markdown else "") + f"{name:25} {len(a):2} rows: mean |error| {a.mean():5.2f}%, max "
+              f"{a.max():5.2f}%   ({note})")
 
 
 if __name__ == "__main__":
