@@ -280,6 +280,8 @@ class PlanCoster:
         if isinstance(stage, Overlap):  # the plan runs a fused collective among its parts as RS, C and AGs
             k = max(stage.chunks, 1)
             per_chunk = [sum(self.price(t, k) for t in self.terms(s)) for s in stage.parts]
+            if not collectives.get(getattr(stage, "algorithm", collectives.DEFAULT)).overlaps:
+                return k * sum(per_chunk) + k * self.cal.chunk_overhead_ms  # each exchange waited for: in series
             return sum(per_chunk) + (k - 1) * max(per_chunk, default=0.0) + k * self.cal.chunk_overhead_ms
         return sum(self.price(t) for t in self.terms(stage))
 
