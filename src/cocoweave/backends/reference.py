@@ -148,7 +148,7 @@ def _run_row_chunks(stage: RowChunks, env: dict[Value, list[Any]], inputs: Seque
     """Run a chain through all_to_all_v in row-set chunks (schedule/rows.py): every rank derives chunk k's rows,
     counts and segment counts from its own counts; each chunk's values are computed on its rows alone, then put back
     in their rows of the whole tensors (a grouped_matmul_wgrad's chunks summed)."""
-    facts = rows.analyse(stage.values, set(), stage.label)
+    facts = rows.analyse(stage.values, {id(v) for v in stage.live_outs}, stage.label)
     inside = {id(v) for v in stage.values}
     ranks = [r for r in range(world) if all(_get(env, c)[r] is not None for c in facts.counts)]
     per = {r: facts.chunks(stage.chunks, lambda c, r=r: _get(env, c)[r], f"rank {r}: {stage.label}") for r in ranks}
@@ -172,12 +172,29 @@ def _run_row_chunks(stage: RowChunks, env: dict[Value, list[Any]], inputs: Seque
                 out = [t if t is None else t[:per[r].rows(v.args[2].name, k)] for r, t in enumerate(out)]
             cenv[v] = out
             pieces[v].append(out)
+    pad: dict[Value, list[Any]] = {}  # the rows no chunk holds of the elementwise values read after the chain
+    for v in facts.tail:
+        operands = {}
+        for a in v.args:
+            if a in pad:
+                operands[a] = pad[a]
+            elif id(a) in inside:  # an exchange's or a grouped GEMM's padding rows are zero
+                operands[a] = [None if c is None else per[r].zeros(c, facts.space[id(a)].name,
+                                                                   bind_shape(a.shape, sizes)[0])
+                               for r, c in enumerate(pieces[a][0])]
+            elif id(a) in facts.space:
+                operands[a] = [t if t is None else per[r].padding(t, facts.space[id(a)].name)
+                               for r, t in enumerate(_get(env, a))]
+            else:
+                operands[a] = _get(env, a)
+        pad[v] = _evaluate(v, operands, inputs, sizes, world)
     for v, chunks in pieces.items():
         space = facts.space[id(v)]
         rows_ = bind_shape(v.shape, sizes)[0]
         env[v] = [None if chunks[0][r] is None else
                   rows.accumulate([c[r] for c in chunks]) if space is rows.ACCUMULATED else
-                  per[r].assemble([c[r] for c in chunks], space.name, rows_) for r in range(world)]
+                  per[r].assemble([c[r] for c in chunks], space.name, rows_, pad[v][r] if v in pad else None)
+                  for r in range(world)]
 
 
 def _chunk(t: torch.Tensor, dim: int, chunks: int, k: int) -> torch.Tensor:

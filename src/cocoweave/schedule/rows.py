@@ -35,11 +35,15 @@ class RowFacts:
     """What a chunked run needs to know of a chain: `space[id(v)]` names the counts Value whose segments number the
     rows of chain value v or of an operand from outside the chain (ACCUMULATED for a grouped_matmul_wgrad, whose
     chunks are summed); `segments[id(c)]` the counts Value of the row space a grouped_matmul's counts c [P, G]
-    split; `counts` every counts Value a chunk replaces (splits, recv, segment counts)."""
+    split; `counts` every counts Value a chunk replaces (splits, recv, segment counts); `tail` the elementwise values
+    (in program order) computed once more on the rows no chunk holds, the padding past the counts' rows, because they
+    are read after the chain (an exchange's or a grouped GEMM's padding rows are zero; an elementwise value's are
+    whatever it makes of its operands' padding rows)."""
 
     space: Mapping[int, Any]
     segments: Mapping[int, Any]
     counts: tuple[Any, ...]
+    tail: tuple[Any, ...] = ()
 
     @property
     def spaces(self) -> list[Any]:
@@ -165,15 +169,20 @@ def analyse(values: Sequence[Value], read_after: set[int], names: str) -> RowFac
             if users:
                 raise ScheduleError(f"cannot overlap {names}: `{users[0].name}` reads grouped_matmul_wgrad "
                                     f"`{v.name}`, which is whole only once every chunk has added to it")
-        elif R.opdef(v.op).elementwise and id(v) in read_after:
-            raise ScheduleError(f"cannot overlap {names}: `{v.name} = {v.op}(...)` is read after the chain, and "
-                                "chunks leave its rows past the counts' rows (padding) uncomputed")
     for c, x in seg_rows:
         have = segments.setdefault(id(c), space[id(x)])
         if have is not space[id(x)]:
             raise ScheduleError(f"cannot overlap {names}: counts `{c.name}` segment rows counted by `{have.name}` "
                                 f"and by `{space[id(x)].name}`")
-    return RowFacts(space, segments, tuple(counts.values()))
+    computed = [v for v in values if v.op != "all_to_all_v" and v.op not in SEGMENTED]  # elementwise
+    tail: set[int] = set()
+    todo = [v for v in computed if id(v) in read_after]
+    while todo:  # an elementwise value read after the chain, and the elementwise values it reads
+        v = todo.pop()
+        if id(v) not in tail:
+            tail.add(id(v))
+            todo += [a for a in v.args if any(a is u for u in computed)]
+    return RowFacts(space, segments, tuple(counts.values()), tuple(v for v in computed if id(v) in tail))
 
 
 def _host(t: torch.Tensor) -> list[int]:
@@ -243,12 +252,25 @@ class Chunks:
                 start += m
         return torch.tensor(out, dtype=c.dtype).reshape(c.shape)
 
-    def assemble(self, pieces: Sequence[torch.Tensor], space: str, rows: int) -> torch.Tensor:
-        """The whole tensor of `rows` rows from each chunk's rows of `space` (rows in no chunk, the padding, zero):
-        the chunks cover the rows before the padding, so only the padding is zeroed."""
+    def padding(self, t: torch.Tensor, space: str) -> torch.Tensor:
+        """The rows of whole tensor `t` (rows numbered by `space`) that no chunk holds: those past the counts'."""
+        return t[sum(self.n[space]):]
+
+    def zeros(self, like: torch.Tensor, space: str, rows: int) -> torch.Tensor:
+        """The padding rows of a tensor of `rows` rows whose padding is zero (an exchange's, a grouped GEMM's), with
+        the width and dtype of a chunk of it, `like`."""
+        return like.new_zeros((rows - sum(self.n[space]), *like.shape[1:]))
+
+    def assemble(self, pieces: Sequence[torch.Tensor], space: str, rows: int,
+                 padding: torch.Tensor | None = None) -> torch.Tensor:
+        """The whole tensor of `rows` rows from each chunk's rows of `space` and the rows no chunk holds, `padding`
+        (zero when not given): the chunks cover the rows before the padding, so only the padding is written apart."""
         first = pieces[0]
         out = first.new_empty((rows, *first.shape[1:]))
-        out[sum(self.n[space]):].zero_()
+        if padding is None:
+            out[sum(self.n[space]):].zero_()
+        else:
+            out[sum(self.n[space]):].copy_(padding)
         for k, p in enumerate(pieces):
             out.index_copy_(0, self.index(space, k, out.device), p)
         return out

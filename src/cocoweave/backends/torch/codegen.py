@@ -486,7 +486,7 @@ def _emit_row_chunks(em: Emitter, stage: RowChunks, index: int) -> None:
     host; part j of chunk k reads its operands' chunk-k rows (index_select), its counts' chunk-k counts and runs the
     exchanges asynchronously, so ctx.pipeline computes chunk k while chunk k+1's exchange is in flight; the chunks'
     results go back to their rows of the whole tensors (a grouped_matmul_wgrad's partial sums added)."""
-    facts = rows.analyse(stage.values, set(), stage.label)
+    facts = rows.analyse(stage.values, {id(v) for v in stage.values if id(v) in em.live_out}, stage.label)
     rc = f"RC{index}"
     spaces = ", ".join(f'"{c.name}": {em.var(c)}' for c in facts.spaces)
     segs = ", ".join(f'"{c.name}": ({em.var(c)}, "{facts.segments[id(c)].name}")' for c in facts.counts
@@ -532,13 +532,41 @@ def _emit_row_chunks(em: Emitter, stage: RowChunks, index: int) -> None:
     comm = [isinstance(part, Collective) for part in stage.parts]
     em.emit(f'with ctx.span("{stage.label}", {index}):')
     em.emit(f"envs = ctx.pipeline({stage.chunks}, [{names}], comm={comm}, labels={[p.label for p in stage.parts]})", 2)
+    pads = _emit_row_padding(em, stage, facts, rc)
     for v in stage.values:
         if id(v) in em.live_out:  # only what later stages or the results read
             pieces = f'[e["{em.var(v)}"] for e in envs]'
             space = facts.space[id(v)]
+            pad = f", {pads[id(v)]}" if id(v) in pads else ""
             em.emit(f"{em.var(v)} = " + (f"rc.accumulate({pieces})" if space is rows.ACCUMULATED else
                                          f'{rc}.assemble({pieces}, "{space.name}", '
-                                         f"{em.view.local_shape(v)[0]})"), 2)
+                                         f"{em.view.local_shape(v)[0]}{pad})"), 2)
+
+
+def _emit_row_padding(em: Emitter, stage: RowChunks, facts: rows.RowFacts, rc: str) -> dict[int, str]:
+    """The rows no chunk holds (the padding past the counts') of the elementwise values read after a row-chunked
+    chain (facts.tail), computed once after the chunks from their operands' padding rows: zero for an exchange's or
+    a grouped GEMM's, the rows past the counts' of a whole tensor from outside. Returns their names by value id."""
+    inside, tail = {id(v) for v in stage.values}, {id(v) for v in facts.tail}
+    saved = dict(em.names)
+    for v in facts.tail:
+        for a in v.args:
+            if a.is_scalar or a.op == "const" or id(a) in tail or em.names.get(id(a), "").endswith("_pad"):
+                continue
+            if id(a) in inside:
+                how = f'zeros(envs[0]["{em.var(a)}"], "{facts.space[id(a)].name}", {em.view.local_shape(a)[0]})'
+            elif id(a) in facts.space:
+                how = f'padding({em.var(a)}, "{facts.space[id(a)].name}")'
+            else:
+                continue
+            em.names[id(a)] = f"{em.var(a)}_pad"
+            em.emit(f"{em.var(a)} = {rc}.{how}", 2)
+        line = em.compute(v)
+        em.names[id(v)] = f"{em.var(v)}_pad"
+        em.emit(f"{em.var(v)} = {line}  # {v.name}'s rows past the chunks'", 2)
+    pads = {id(v): em.var(v) for v in facts.tail}
+    em.names = saved
+    return pads
 
 
 def _emit_fused_ring(em: Emitter, stage: FusedCollective, index: int) -> None:
