@@ -50,7 +50,7 @@ def main() -> None:
     ins = inputs(a.world, a.experts, a.rows, a.d, a.f)
     saved = [r.outputs for r in reference.run(fwd, ins)]
     bins = [{"g": torch.randn(i["x"].shape), "s": i["s"], "r": i["r"], "c": i["c"],
-             **{k: o[k] for k in ("got", "gate", "up")},
+             **{k: t for k, t in o.items() if k in bwd.inputs},
              **{f"{k}t": i[k].transpose(1, 2).contiguous() for k in ("w1", "w3", "w2")}} for i, o in zip(ins, saved)]
     out: dict[str, dict[str, float]] = {}
     with LocalWorld(a.world, timeout_s=600.0) as ranks:

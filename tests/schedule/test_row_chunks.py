@@ -92,18 +92,19 @@ def routings(draw, world: int):
     return world * per, n, ins
 
 
-def _backward_inputs(p: cw.Program, ins: list[dict], seed: int) -> list[dict]:
-    """The backward's inputs from the forward's (its saved rows as written) and random output gradients."""
+def _backward_inputs(p: cw.Program, bwd: cw.Program, ins: list[dict], seed: int) -> list[dict]:
+    """The backward's inputs from the forward's (what it saved, as written) and random output gradients."""
     g = torch.Generator().manual_seed(seed)
     saved = [r.outputs for r in reference.run(p, ins)]
     return [{"g": torch.randn(i["x"].shape, generator=g), "s": i["s"], "r": i["r"], "c": i["c"],
-             **{k: o[k] for k in ("got", "gate", "up")},
+             **{k: t for k, t in o.items() if k in bwd.inputs},
              **{f"{k}t": i[k].transpose(1, 2).contiguous() for k in ("w1", "w3", "w2")}} for i, o in zip(ins, saved)]
 
 
 def _programs(world: int, e: int, n: int, ins: list[dict]) -> list[tuple[cw.Program, list[dict]]]:
     fwd = workloads.moe_dropless(R=world, E=e, N=n, D=D, F=F, save=True)
-    return [(fwd, ins), (workloads.moe_dropless_backward(R=world, E=e, N=n, D=D, F=F), _backward_inputs(fwd, ins, n))]
+    bwd = workloads.moe_dropless_backward(R=world, E=e, N=n, D=D, F=F)
+    return [(fwd, ins), (bwd, _backward_inputs(fwd, bwd, ins, n))]
 
 
 def _same(got: list[dict], want: list[dict]) -> None:
