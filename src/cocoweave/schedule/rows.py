@@ -212,7 +212,8 @@ class Chunks:
                                  f"summing to the {n} rows of `{space}` from rank i; row-set chunks split each line "
                                  "by its rank's rows")
             self.segs[name] = (lines, space, c)
-        self._index: dict[tuple[str, int], torch.Tensor] = {}
+        self._index: dict[tuple[str, int, str], torch.Tensor] = {}
+        self._taken: dict[tuple[int, str, int], tuple[torch.Tensor, torch.Tensor]] = {}
 
     def counts(self, space: str, k: int) -> torch.Tensor:
         """Chunk k's counts of `space` (a chunk's all_to_all_v splits or recv), a tensor like the whole counts."""
@@ -226,20 +227,24 @@ class Chunks:
 
     def index(self, space: str, k: int, device: torch.device | None = None) -> torch.Tensor:
         """Chunk k's rows of `space` (int64 indices into the whole tensor's rows, in order)."""
-        key = (space, k)
+        key = (space, k, str(device or "cpu"))
         if key not in self._index:
             at, parts = 0, []
             for n in self.n[space]:
                 a, b = _bounds(n, self.chunks, k)
                 parts.append(torch.arange(at + a, at + b))
                 at += n
-            self._index[key] = torch.cat(parts) if parts else torch.zeros(0, dtype=torch.int64)
-        idx = self._index[key]
-        return idx if device is None or idx.device == device else idx.to(device)
+            idx = torch.cat(parts) if parts else torch.zeros(0, dtype=torch.int64)
+            self._index[key] = idx if device is None else idx.to(device)  # one copy to a device per step
+        return self._index[key]
 
     def take(self, t: torch.Tensor, space: str, k: int) -> torch.Tensor:
-        """Chunk k's rows of tensor `t` (rows numbered by `space`), as one contiguous tensor."""
-        return t.index_select(0, self.index(space, k, t.device))
+        """Chunk k's rows of tensor `t` (rows numbered by `space`), as one contiguous tensor: gathered once per chunk
+        however many parts read them."""
+        key = (id(t), space, k)
+        if key not in self._taken:
+            self._taken[key] = (t, t.index_select(0, self.index(space, k, t.device)))  # t kept: its id stays its own
+        return self._taken[key][1]
 
     def segments(self, name: str, k: int) -> torch.Tensor:
         """Chunk k's grouped_matmul counts [P, G]: of each source rank's rows in the chunk, each group's."""
