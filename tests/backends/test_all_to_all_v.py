@@ -232,8 +232,9 @@ def test_the_tuner_prices_it_as_the_even_all_to_all_of_its_operand():
 
 
 def test_every_enumerated_schedule_equals_the_program_as_written(local_world):
-    """Enumeration offers it on the library and, on CPUs, shared memory; it never chunks it (chunks would need the
-    per-chunk counts): each schedule gives the reference's rows on live ranks."""
+    """Enumeration offers it on the library and, on CPUs, shared memory; it chunks no exchange -> computation ->
+    exchange chain without a GEMM to overlap (row-set chunks are for dispatch -> expert GEMMs -> combine,
+    tests/schedule/test_row_chunks.py): each schedule gives the reference's rows on live ranks."""
     from cocoweave.schedule.enumerate import enumerate_schedules
 
     p = _program(2, 0, 3, 9, back=True)

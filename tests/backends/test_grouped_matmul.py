@@ -162,7 +162,8 @@ def test_counts_that_do_not_fit_are_one_sentence():
 
 def test_the_cost_model_prices_it_at_its_capacity_and_no_schedule_chunks_it():
     """The counts are unknown statically: the tuner prices 2 x M x K x N (every row in a segment, the most it
-    computes); Overlap refuses it (static chunks would cut its runtime segments)."""
+    computes); Overlap refuses a chain whose grouped_matmul's counts are not one line per rank (row-set chunks split
+    each rank's line of an all_to_all_v's rows: schedule/rows.py)."""
     from cocoweave.errors import ScheduleError
     from cocoweave.perf.costmodel import AlphaBeta, Calibration, predict_plan
     from cocoweave.plan import lower
@@ -177,6 +178,6 @@ def test_the_cost_model_prices_it_at_its_capacity_and_no_schedule_chunks_it():
     h = cw.grouped_matmul(x, q.tensor("w", (3, 8, 8)), q.tensor("c", (3,), "int64", cw.Local))
     q.output(cw.all_reduce(h * 2.0), "y")
     s = Schedule(q)
-    with pytest.raises(ScheduleError, match="segments are runtime counts"):
+    with pytest.raises(ScheduleError, match="counts `c` are not one line of segments per rank"):
         s.overlap(s.find("grouped_matmul")[0], s.find("mul")[0], s.find("all_reduce")[0], chunks=2)
     assert not any("ol(" in s.name for s in enumerate_schedules(q))

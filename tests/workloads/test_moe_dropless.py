@@ -93,11 +93,14 @@ def test_the_torch_backend_equals_one_process_of_plain_torch(local_world, world)
     check()
 
 
-def test_the_schedules_enumerated_are_the_program_fused_and_on_shared_memory():
-    """Algorithms and fusion only: no chunked overlap (all_to_all_v and grouped_matmul cannot be chunked yet, their
-    counts are runtime values), and no stage runs while a collective is in flight (Overlap chains only)."""
+def test_the_schedules_enumerated_are_the_program_fused_chunked_and_on_shared_memory():
+    """Fusion, algorithms, and dispatch -> experts -> combine in 2 and 4 row-set chunks (Comet, MegaScale-MoE:
+    schedule/rows.py), their exchanges on the library or on shared memory."""
     names = [s.name for s in enumerate_schedules(workloads.moe_dropless())]
-    assert names == ["A2AV-MM-MM-c-MM-A2AV", "A2AV-MM-MM-C-MM-A2AV", "A2AV@shm-MM-MM-C-MM-A2AV@shm"]
+    assert names == ["A2AV-MM-MM-c-MM-A2AV", "A2AV-MM-MM-C-MM-A2AV", "ol(A2AV,MM,MM,C,MM,A2AV,2)",
+                     "ol(A2AV@shm,MM,MM,C,MM,A2AV@shm,2)", "ol(A2AV,MM,MM,C,MM,A2AV,4)",
+                     "ol(A2AV@shm,MM,MM,C,MM,A2AV@shm,4)",
+                     "A2AV@shm-MM-MM-C-MM-A2AV@shm"]
 
 
 @pytest.mark.parametrize("world", [2, 4])
@@ -186,9 +189,12 @@ def test_the_backward_on_the_torch_backend_equals_torch_autograd_every_schedule(
     check()
 
 
-def test_the_backward_schedules_are_its_program_fused_and_on_shared_memory():
+def test_the_backward_schedules_are_its_program_fused_chunked_and_on_shared_memory():
+    """The backward's chain in row-set chunks too: its grouped_matmul_wgrads add up their chunks' partial sums."""
     names = [s.name for s in enumerate_schedules(workloads.moe_dropless_backward())]
+    chain, shm = "A2AV,MM,C,MM,MM,MM,MM,MM,C,A2AV", "A2AV@shm,MM,C,MM,MM,MM,MM,MM,C,A2AV@shm"
     assert names == ["A2AV-MM-c-MM-MM-MM-MM-MM-c-A2AV", "A2AV-MM-C-MM-MM-MM-MM-MM-C-A2AV",
+                     f"ol({chain},2)", f"ol({shm},2)", f"ol({chain},4)", f"ol({shm},4)",
                      "A2AV@shm-MM-C-MM-MM-MM-MM-MM-C-A2AV@shm"]
 
 

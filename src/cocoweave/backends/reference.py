@@ -18,7 +18,9 @@ from ..ir.layout import Position, slice_bounds
 from ..ir.semantics import HALF, Place, compute
 from ..ir.types import bind_shape
 from ..plan import Overlap, Plan, Stage, lower
+from ..schedule import rows
 from ..schedule.schedule import Schedule
+from ..schedule.stages import RowChunks
 from .adasum import adasum_tree
 from .inputs import RankInputs, bound_sizes, check_inputs, gather_axes, reshard_inputs
 from .results import RankResult
@@ -104,6 +106,9 @@ def _get(env: Mapping[Value, list[Any]], a: Value) -> list[Any]:
 
 def _run_stage(stage: Stage, env: dict[Value, list[Any]], inputs: Sequence[RankInputs],
                sizes: Mapping[str, int], world: int) -> None:
+    if isinstance(stage, RowChunks):
+        _run_row_chunks(stage, env, inputs, sizes, world)
+        return
     if isinstance(stage, Overlap):
         _run_chunked(stage, env, inputs, sizes, world)
         return
@@ -136,6 +141,60 @@ def _run_chunked(stage: Overlap, env: dict[Value, list[Any]], inputs: Sequence[R
             pieces[v].append(cenv[v])
     for v, chunks in pieces.items():
         env[v] = [None if chunks[0][r] is None else torch.cat([c[r] for c in chunks], dim=dim) for r in range(world)]
+
+
+def _run_row_chunks(stage: RowChunks, env: dict[Value, list[Any]], inputs: Sequence[RankInputs],
+                    sizes: Mapping[str, int], world: int) -> None:
+    """Run a chain through all_to_all_v in row-set chunks (schedule/rows.py): every rank derives chunk k's rows,
+    counts and segment counts from its own counts; each chunk's values are computed on its rows alone, then put back
+    in their rows of the whole tensors (a grouped_matmul_wgrad's chunks summed)."""
+    facts = rows.analyse(stage.values, {id(v) for v in stage.live_outs}, stage.label)
+    inside = {id(v) for v in stage.values}
+    ranks = [r for r in range(world) if all(_get(env, c)[r] is not None for c in facts.counts)]
+    per = {r: facts.chunks(stage.chunks, lambda c, r=r: _get(env, c)[r], f"rank {r}: {stage.label}") for r in ranks}
+    pieces: dict[Value, list[list[Any]]] = {v: [] for v in stage.values}
+    for k in range(stage.chunks):
+        cenv: dict[Value, list[Any]] = {}
+        for v in stage.values:
+            operands: dict[Value, list[Any]] = {}
+            for a in v.args:
+                if id(a) in inside:
+                    operands[a] = cenv[a]
+                elif any(a is c for c in facts.counts):
+                    operands[a] = [facts.replaced(per[r], a, k) if r in per else None for r in range(world)]
+                elif id(a) in facts.space:
+                    space = facts.space[id(a)].name
+                    operands[a] = [t if t is None else per[r].take(t, space, k) for r, t in enumerate(_get(env, a))]
+                else:  # weights, broadcast operands, scalars: whole
+                    operands[a] = _get(env, a)
+            out = _evaluate(v, operands, inputs, sizes, world)
+            if v.op == "all_to_all_v":  # the exchange pads to the whole result's rows: keep the chunk's
+                out = [t if t is None else t[:per[r].rows(v.args[2].name, k)] for r, t in enumerate(out)]
+            cenv[v] = out
+            pieces[v].append(out)
+    pad: dict[Value, list[Any]] = {}  # the rows no chunk holds of the elementwise values read after the chain
+    for v in facts.tail:
+        operands = {}
+        for a in v.args:
+            if a in pad:
+                operands[a] = pad[a]
+            elif id(a) in inside:  # an exchange's or a grouped GEMM's padding rows are zero
+                operands[a] = [None if c is None else per[r].zeros(c, facts.space[id(a)].name,
+                                                                   bind_shape(a.shape, sizes)[0])
+                               for r, c in enumerate(pieces[a][0])]
+            elif id(a) in facts.space:
+                operands[a] = [t if t is None else per[r].padding(t, facts.space[id(a)].name)
+                               for r, t in enumerate(_get(env, a))]
+            else:
+                operands[a] = _get(env, a)
+        pad[v] = _evaluate(v, operands, inputs, sizes, world)
+    for v, chunks in pieces.items():
+        space = facts.space[id(v)]
+        rows_ = bind_shape(v.shape, sizes)[0]
+        env[v] = [None if chunks[0][r] is None else
+                  rows.accumulate([c[r] for c in chunks]) if space is rows.ACCUMULATED else
+                  per[r].assemble([c[r] for c in chunks], space.name, rows_, pad[v][r] if v in pad else None)
+                  for r in range(world)]
 
 
 def _chunk(t: torch.Tensor, dim: int, chunks: int, k: int) -> torch.Tensor:

@@ -27,6 +27,8 @@ from ..ir.graph import Value
 from ..ir.layout import largest_position, part_shape
 from ..ir.types import DTYPES, bind_shape
 from ..plan import P2P, Collective, Compute, FusedCollective, MatMul, Overlap, Plan, Stage
+from ..schedule import rows
+from ..schedule.stages import RowChunks
 from ..storage.atomic import write_text
 from ..storage.statedir import state_dir
 
@@ -280,8 +282,22 @@ class PlanCoster:
         if isinstance(stage, Overlap):  # the plan runs a fused collective among its parts as RS, C and AGs
             k = max(stage.chunks, 1)
             per_chunk = [sum(self.price(t, k) for t in self.terms(s)) for s in stage.parts]
-            return sum(per_chunk) + (k - 1) * max(per_chunk, default=0.0) + k * self.cal.chunk_overhead_ms
+            copies = sum(self.price(t) for t in self._row_copies(stage)) if isinstance(stage, RowChunks) else 0.0
+            if not collectives.get(getattr(stage, "algorithm", collectives.DEFAULT)).overlaps:
+                return k * sum(per_chunk) + k * self.cal.chunk_overhead_ms + copies  # each exchange waited for
+            return sum(per_chunk) + (k - 1) * max(per_chunk, default=0.0) + k * self.cal.chunk_overhead_ms + copies
         return sum(self.price(t) for t in self.terms(stage))
+
+    def _row_copies(self, stage: RowChunks) -> list[Term]:
+        """What row-set chunks copy that the chain as written does not: each chunk's rows of the tensors from
+        outside gathered, and its results put back into the whole tensors read after the chain (read and written
+        once each, one op per chunk), a weight gradient's partial sums added (schedule/rows.py)."""
+        facts = rows.analyse(stage.values, {id(v) for v in stage.live_outs}, stage.label)
+        inside, k = {id(v) for v in stage.values}, stage.chunks
+        outside = {id(a): a for v in stage.values for a in v.args if id(a) not in inside and id(a) in facts.space}
+        moved = [*outside.values(), *stage.live_outs]
+        return [Term("kernel", v.dtype, (2 if facts.space.get(id(v)) is not rows.ACCUMULATED else k)
+                     * local_bytes(v, self.sizes, self.world_size), k) for v in moved]
 
 
 @dataclass

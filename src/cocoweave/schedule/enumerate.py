@@ -6,7 +6,9 @@
 3. Groupings on each rewrite: fuse every computation stage into one kernel (`C`); fuse
    ReduceScatter + computation + AllGather; overlap matmul -> collective (-> epilogue) chains,
    collective -> computation -> send chains and all_to_all -> matmul (-> ... -> collective) chains with 2, 4 or 8
-   chunks.
+   chunks; all_to_all_v -> matmul ... -> all_to_all_v chains (a dropless MoE's dispatch -> experts -> combine) in 2
+   or 4 row-set chunks (schedule/rows.py), their exchanges on the library's or on every other algorithm offered
+   that implements all_to_all_v (`@shm`).
 4. Algorithms, as the table of collective algorithms (cocoweave.collectives) says for each one offered on the
    device: the program as written with its AllReduces on the ring (`AR@ring`), every fused
    ReduceScatter + computation + AllGather on CoCoNet's fused ring (`fuse(RS-C-AG)@ring`), and every fused
@@ -23,10 +25,11 @@ from ..errors import ScheduleError
 from ..ir.graph import Program
 from .as_slice import sliced_dim
 from .schedule import Schedule
-from .stages import Stage, value
+from .stages import RowChunks, Stage, value
 from .steps import Reorder, Split, Step
 
 CHUNKS = (2, 4, 8)
+ROW_CHUNKS = (2, 4)  # a dropless MoE's dispatch -> experts -> combine in row-set chunks (schedule/rows.py)
 
 
 def _try(build: Callable[[], Schedule]) -> Schedule | None:
@@ -122,27 +125,43 @@ def _rs_c_ag(s: Schedule, stages: list[Stage], i: int) -> list[Stage] | None:
     return stages[i:j] if j > i + 2 else None
 
 
-def _chains(s: Schedule) -> list[list[Stage]]:
-    """Producer/consumer chains worth overlapping: MM -> collective (-> C), collective -> C -> P2P, and an
-    all_to_all -> MM chain through the matmuls and computations after it, up to and with the next collective (MoE's
-    dispatch -> experts -> combine: the experts of one chunk of tokens run while the next chunk moves)."""
+def _chains(s: Schedule) -> list[tuple[list[Stage], tuple[int, ...]]]:
+    """Producer/consumer chains worth overlapping, each with the chunk counts to try: MM -> collective (-> C),
+    collective -> C -> P2P, and an all_to_all -> MM chain through the matmuls and computations after it, up to and
+    with the next collective (MoE's dispatch -> experts -> combine: the experts of one chunk of tokens run while the
+    next chunk moves); for an all_to_all_v (the dropless experts), only the whole chain through a matmul to the next
+    all_to_all_v, in row-set chunks (ROW_CHUNKS)."""
     st, out = s.stages, []
     for i, x in enumerate(st):
+        if getattr(x, "op", "") == "all_to_all_v":
+            j = i + 1
+            while j < len(st) and st[j].kind in ("matmul", "compute"):
+                j += 1
+            if j < len(st) and getattr(st[j], "op", "") == "all_to_all_v" and \
+                    any(y.kind == "matmul" for y in st[i + 1:j]):
+                out.append((st[i:j + 1], ROW_CHUNKS))
+            continue
         opens = (k := collectives.kinds.find(getattr(x, "op", ""))) is not None and k.opens_chain
         if opens and i + 1 < len(st) and st[i + 1].kind == "matmul":
-            out.append(st[i:i + 2])
+            out.append((st[i:i + 2], CHUNKS))
             j = i + 1
             while j < len(st) and st[j].kind in ("matmul", "compute"):
                 j += 1
             if j < len(st) and st[j].kind == "collective":
-                out.append(st[i:j + 1])
+                out.append((st[i:j + 1], CHUNKS))
         if x.kind == "matmul" and i + 1 < len(st) and st[i + 1].kind in ("collective", "fused"):
-            out.append(st[i:i + 2])
+            out.append((st[i:i + 2], CHUNKS))
             if i + 2 < len(st) and st[i + 2].kind == "compute":
-                out.append(st[i:i + 3])
+                out.append((st[i:i + 3], CHUNKS))
         if x.kind == "p2p" and i >= 2 and st[i - 1].kind == "compute" and st[i - 2].kind in ("collective", "fused"):
-            out.append(st[i - 2:i + 1])
+            out.append((st[i - 2:i + 1], CHUNKS))
     return out
+
+
+def _row_algorithms(device: str) -> list[str]:
+    """The algorithms other than the library's that a row-chunked chain's exchanges (all_to_all_v) move onto."""
+    return [a.name for a in collectives.algorithms()
+            if a.name != collectives.DEFAULT and a.offered(device) and a.implements("all_to_all_v")]
 
 
 def shm_offered(device: str) -> bool:
@@ -168,10 +187,13 @@ def enumerate_schedules(program: Program, device: str = "cpu") -> list[Schedule]
         bases.append(_try(lambda steps=steps: _fuse_collectives(_fuse_computations(Schedule(program, steps)))))
         for base in [b for b in bases if b is not None]:
             add(base)
-            for chain in _chains(base):
-                for n in CHUNKS:
+            for chain, counts in _chains(base):
+                for n in counts:
                     refs = [c.anchor for c in chain]
-                    add(_try(lambda base=base, refs=refs, n=n: _overlapped(program, base, refs, n)))
+                    ol = _try(lambda base=base, refs=refs, n=n: _overlapped(program, base, refs, n))
+                    add(ol)
+                    for algorithm in _row_algorithms(device) if ol is not None else ():
+                        add(_on(program, ol, (RowChunks.kind,), algorithm))
         on = {"written": None if steps else bases[0], "each": bases[0], "fused": bases[1]}
         for algorithm in [a for a in collectives.algorithms() if a.offered(device)]:
             for base, kinds in algorithm.enumerated:

@@ -21,6 +21,7 @@ from ..ir import registry as R
 from ..ir.graph import Program, Value
 from ..ir.layout import placements
 from ..ir.ops import batch_dims
+from . import rows
 from .rewrite import axis_of, on_axis
 
 COMPUTE_OPS = R.names(*R.COMPUTE_GROUPS)
@@ -160,6 +161,18 @@ class Overlap(Stage):
         return f"ol({','.join(p.label for p in self.parts)},{self.chunks})"
 
 
+@dataclass(frozen=True)
+class RowChunks(Overlap):
+    """An Overlap of a chain through all_to_all_v (a dropless MoE's dispatch -> expert GEMMs -> combine) in
+    `chunks` row-set chunks decided at run time (schedule/rows.py): chunk k takes of every rank's segment of rows
+    its k-th K-th, so chunk k+1's exchange is in flight while chunk k's GEMMs run (where the exchanges' algorithm
+    overlaps: the library's). `chunk_dim` is 0 (rows); `algorithm` is its exchanges' ("library", or "shm" through
+    shared memory), which its exchange parts carry too."""
+
+    algorithm: str = "library"
+    kind: ClassVar[str] = "row_chunks"
+
+
 def join_labels(stages: tuple[Stage, ...] | list[Stage]) -> str:
     """Labels joined by '-', runs of equal communication labels written once (AG-AG-AG -> AG)."""
     out: list[str] = []
@@ -293,6 +306,14 @@ def overlap(program: Program, stages: list[Stage], refs: tuple[str | Stage, ...]
             raise ScheduleError(f"cannot overlap {names}: `{nxt.anchor}` does not read what `{group[k - 1].anchor}` "
                                 "or a stage before it makes")
     members = [n for s in group for n in s.names]
+    vals = [value(program, n) for n in members]
+    if rows.chainable(vals):
+        inside = {id(v) for v in vals}
+        after = {id(a) for u in program.values if id(u) not in inside for a in u.args}
+        after |= {id(v) for _, v in program.outputs} | {id(u.args[1]) for u in program.updates.values()}
+        rows.analyse(vals, after, names)
+        return stages[:idx[0]] + [RowChunks(tuple(members), parts=tuple(group), chunks=chunks)] + \
+            stages[idx[-1] + 1:]
     dim = chunk_dim(program, members, names)
     return stages[:idx[0]] + [Overlap(tuple(members), parts=tuple(group), chunks=chunks, chunk_dim=dim)] + \
         stages[idx[-1] + 1:]
@@ -319,13 +340,20 @@ def set_algorithm(program: Program, stages: list[Stage], ref: str | Stage, algor
     i = locate(stages, ref)
     s = stages[i]
     lab = s.label
+    if isinstance(s, RowChunks):
+        missing = next((v.op for v in map(lambda n: value(program, n), s.values) if R.is_communication(v.op)
+                        and not entry.implements(v.op)), None)
+        if missing is not None:
+            raise ScheduleError(f"cannot run {lab} (`{s.anchor}`) as a {algorithm}: it has no {missing}")
+        parts = tuple(replace(p, algorithm=algorithm) if isinstance(p, Collective) else p for p in s.parts)
+        return stages[:i] + [replace(s, algorithm=algorithm, parts=parts)] + stages[i + 1:]
     if isinstance(s, P2P):
         if not entry.implements("send"):
             raise ScheduleError(f"cannot run {lab} (`{s.anchor}`) as a {algorithm}: it has no point-to-point send")
         return stages[:i] + [replace(s, algorithm=algorithm)] + stages[i + 1:]
     if not isinstance(s, Collective | FusedCollective):
         raise ScheduleError(f"cannot choose an algorithm for stage {lab} (`{s.anchor}`): only collective stages "
-                            "(AR, RS, AG), fused RS-C-AG stages and P2P stages have one")
+                            "(AR, RS, AG), fused RS-C-AG stages, P2P stages and row-chunked exchanges have one")
     head = value(program, s.anchor)
     ops = [value(program, p.anchor).op for p in (s.parts if isinstance(s, FusedCollective) else (s,))
            if isinstance(p, Collective)]
@@ -368,9 +396,6 @@ def chunk_dim(program: Program, members: list[str], names: str) -> int:
         kind = collectives.kinds.find(v.op)
         if kind is not None and not kind.chunkable:  # a send is chunked piece by piece
             raise ScheduleError(f"cannot overlap {names}: a {v.op} cannot be chunked")
-        if v.op in ("grouped_matmul", "grouped_matmul_wgrad"):
-            raise ScheduleError(f"cannot overlap {names}: {v.op} `{v.name}`'s segments are runtime counts, "
-                                "which static chunks of its rows would cut")
         if v.op == "all_reduce" and v.attrs["op"] == "adasum":
             raise ScheduleError(f"cannot overlap {names}: adasum all_reduce `{v.name}` combines whole tensors "
                                 "(its coefficients need every element), so it cannot be chunked")

@@ -22,6 +22,8 @@ from ...ir.semantics import local_rank
 from ...ir.types import bind_shape
 from ...plan import P2P, Collective, Compute, FusedCollective, Memory, Overlap, Plan, RankView
 from ...plan.memory import OVER_OPS
+from ...schedule import rows
+from ...schedule.stages import RowChunks
 from .algorithms import method as runtime_method
 
 RESERVED = {"ctx", "I", "torch", "rt", "math", "step", "OUT"}
@@ -311,7 +313,9 @@ def generate(plan: Plan, rank: int, world_size: int, sizes: Mapping[str, int],
     em.live_out = plan.live_outs()
     em.lines += [f'"""cocoweave plan `{plan.name}` ({plan.fingerprint}) for rank {rank} of {world_size}, '
                  f'sizes {dict(sizes)}.', "", "Generated code: read it, do not edit it.", '"""', "",
-                 "import math", "", "import torch", "", "from cocoweave.backends.torch import runtime as rt", "", "",
+                 "import math", "", "import torch", "", "from cocoweave.backends.torch import runtime as rt",
+                 *(["from cocoweave.schedule import rows as rc"] if any(isinstance(s, RowChunks) for s in plan.stages)
+                   else []), "", "",
                  "def step(ctx, I):",
                  '    """One step, a generator that pauses before each stage (yielding its index and what it reads):',
                  '    Executable.run runs it through; Executable.steps lets a caller work between stages."""']
@@ -334,7 +338,9 @@ def generate(plan: Plan, rank: int, world_size: int, sizes: Mapping[str, int],
         reads = ", ".join(f'"{a.name}": {em.ref(a)}' for a in stage.reads() if view.in_group(a))
         em.emit(f"yield {i}, {{{reads}}}")
         em.emit(f"# stage {i}: {stage.label}  [{', '.join(stage.names)}]")
-        if isinstance(stage, Overlap):
+        if isinstance(stage, RowChunks):
+            _emit_row_chunks(em, stage, i)
+        elif isinstance(stage, Overlap):
             _emit_chunked(em, stage, i)
         elif isinstance(stage, FusedCollective) and collectives.get(stage.algorithm).fuses:
             _emit_fused_ring(em, stage, i)
@@ -473,6 +479,94 @@ def _emit_chunked(em: Emitter, stage: Overlap, index: int) -> None:
             em.emit(f'{em.var(v)} = rt.concat([e["{em.var(v)}"] for e in envs], {j})', 2)
     em.chunk = None
     em.chain_ids = set()
+
+
+def _emit_row_chunks(em: Emitter, stage: RowChunks, index: int) -> None:
+    """A chain through all_to_all_v in row-set chunks (schedule/rows.py): `RC{i}` holds this rank's counts on the
+    host; part j of chunk k reads its operands' chunk-k rows (index_select), its counts' chunk-k counts and runs the
+    exchanges asynchronously, so ctx.pipeline computes chunk k while chunk k+1's exchange is in flight; the chunks'
+    results go back to their rows of the whole tensors (a grouped_matmul_wgrad's partial sums added)."""
+    facts = rows.analyse(stage.values, {id(v) for v in stage.values if id(v) in em.live_out}, stage.label)
+    rc = f"RC{index}"
+    spaces = ", ".join(f'"{c.name}": {em.var(c)}' for c in facts.spaces)
+    segs = ", ".join(f'"{c.name}": ({em.var(c)}, "{facts.segments[id(c)].name}")' for c in facts.counts
+                     if id(c) in facts.segments)
+    em.emit(f'{rc} = rc.Chunks({stage.chunks}, {{{spaces}}}, {{{segs}}}, "rank {em.view.rank}: {stage.label}")')
+    inside = {id(v) for v in stage.values}
+    counts = {id(c) for c in facts.counts}
+    overlaps = collectives.get(stage.algorithm).overlaps  # shm: one exchange of a group at a time, so each waits
+    for j, part in enumerate(stage.parts):
+        em.algorithm = getattr(part, "algorithm", collectives.DEFAULT)
+        em.emit(f"def part{index}_{j}(k, env):  # {part.label}: {', '.join(part.names)}")
+        mine, seen, swapped = {id(v) for v in part.values}, set(), {}
+        for a in (a for v in part.values for a in v.args if not a.is_scalar and a.op != "const"):
+            if id(a) in seen:
+                continue
+            seen.add(id(a))
+            name = em.var(a)
+            if id(a) in inside and id(a) not in mine:
+                em.emit(f'{name} = env["{name}"]', 2)
+                continue
+            if id(a) in counts:  # chunk k's counts in place of the whole ones
+                how = f"{'segments' if id(a) in facts.segments else 'counts'}(\"{a.name}\", k)"
+            elif id(a) not in inside and id(a) in facts.space:  # chunk k's rows of a whole tensor
+                how = f'take({name}, "{facts.space[id(a)].name}", k)'
+            else:
+                continue
+            swapped[id(a)] = name
+            em.names[id(a)] = f"{name}_k"
+            em.used.add(f"{name}_k")
+            em.emit(f"{name}_k = {rc}.{how}", 2)
+        for v in part.values:
+            if v.op == "all_to_all_v":
+                x, sp, rv = (em.ref(a) for a in v.args)
+                em.emit(f"{em.var(v)} = ctx.{em.method(v)}({x}, {sp}, {rv}, 0, {rc}.rows(\"{v.args[2].name}\", k), "
+                        f'{em.group(v)}, out=("{v.name}", k), async_op={overlaps})', 2)
+            else:
+                em.emit(f"{em.var(v)} = {em.compute(v)}  # {v.name} = {v.op}({', '.join(operand(a) for a in v.args)})",
+                        2)
+            em.emit(f'env["{em.var(v)}"] = {em.var(v)}', 2)
+        em.names.update(swapped)  # the whole tensors' names again after the part
+    em.algorithm = collectives.DEFAULT
+    names = ", ".join(f"part{index}_{j}" for j in range(len(stage.parts)))
+    comm = [isinstance(part, Collective) for part in stage.parts]
+    em.emit(f'with ctx.span("{stage.label}", {index}):')
+    em.emit(f"envs = ctx.pipeline({stage.chunks}, [{names}], comm={comm}, labels={[p.label for p in stage.parts]})", 2)
+    pads = _emit_row_padding(em, stage, facts, rc)
+    for v in stage.values:
+        if id(v) in em.live_out:  # only what later stages or the results read
+            pieces = f'[e["{em.var(v)}"] for e in envs]'
+            space = facts.space[id(v)]
+            pad = f", {pads[id(v)]}" if id(v) in pads else ""
+            em.emit(f"{em.var(v)} = " + (f"rc.accumulate({pieces})" if space is rows.ACCUMULATED else
+                                         f'{rc}.assemble({pieces}, "{space.name}", '
+                                         f"{em.view.local_shape(v)[0]}{pad})"), 2)
+
+
+def _emit_row_padding(em: Emitter, stage: RowChunks, facts: rows.RowFacts, rc: str) -> dict[int, str]:
+    """The rows no chunk holds (the padding past the counts') of the elementwise values read after a row-chunked
+    chain (facts.tail), computed once after the chunks from their operands' padding rows: zero for an exchange's or
+    a grouped GEMM's, the rows past the counts' of a whole tensor from outside. Returns their names by value id."""
+    inside, tail = {id(v) for v in stage.values}, {id(v) for v in facts.tail}
+    saved = dict(em.names)
+    for v in facts.tail:
+        for a in v.args:
+            if a.is_scalar or a.op == "const" or id(a) in tail or em.names.get(id(a), "").endswith("_pad"):
+                continue
+            if id(a) in inside:
+                how = f'zeros(envs[0]["{em.var(a)}"], "{facts.space[id(a)].name}", {em.view.local_shape(a)[0]})'
+            elif id(a) in facts.space:
+                how = f'padding({em.var(a)}, "{facts.space[id(a)].name}")'
+            else:
+                continue
+            em.names[id(a)] = f"{em.var(a)}_pad"
+            em.emit(f"{em.var(a)} = {rc}.{how}", 2)
+        line = em.compute(v)
+        em.names[id(v)] = f"{em.var(v)}_pad"
+        em.emit(f"{em.var(v)} = {line}  # {v.name}'s rows past the chunks'", 2)
+    pads = {id(v): em.var(v) for v in facts.tail}
+    em.names = saved
+    return pads
 
 
 def _emit_fused_ring(em: Emitter, stage: FusedCollective, index: int) -> None:
