@@ -22,6 +22,7 @@ from cocoweave.errors import InputError, ScheduleError
 from cocoweave.ir import Layout, Local, Sliced
 from cocoweave.perf.costmodel import AlphaBeta, Calibration, predict_plan
 from cocoweave.plan import lower
+from cocoweave.schedule import rows as row_sets
 from cocoweave.schedule.enumerate import enumerate_schedules
 from cocoweave.schedule.rows import Chunks
 from cocoweave.schedule.schedule import Schedule
@@ -236,3 +237,11 @@ def test_the_cost_model_prices_library_exchanges_as_a_pipeline_shared_memory_one
             want = serial + k * 1e-3 if shm else serial / k + (k - 1) * longest / k + k * 1e-3
             want += copies
             assert ms == pytest.approx(want, rel=1e-6), (k, shm)
+
+
+def test_16_bit_partial_sums_are_added_in_float32_and_rounded_once():
+    """bfloat16 256 + 0.5 rounds back to 256 (its spacing there is 2): added in bfloat16, 256 + 0.5 - 256 is 0."""
+    pieces = [torch.tensor([256.0], dtype=torch.bfloat16), torch.tensor([0.5], dtype=torch.bfloat16),
+              torch.tensor([-256.0], dtype=torch.bfloat16)]
+    out = row_sets.accumulate(pieces)
+    assert out.dtype == torch.bfloat16 and float(out) == 0.5

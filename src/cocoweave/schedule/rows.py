@@ -282,11 +282,12 @@ class Chunks:
 
 
 def accumulate(pieces: Sequence[torch.Tensor]) -> torch.Tensor:
-    """A grouped_matmul_wgrad's result from its chunks' partial sums (in chunk order)."""
-    out = pieces[0].clone()
+    """A grouped_matmul_wgrad's result from its chunks' partial sums (in chunk order; 16-bit ones added in float32
+    and rounded once, as the unchunked op sums its segments)."""
+    out = pieces[0].float() if pieces[0].element_size() < 4 else pieces[0].clone()
     for p in pieces[1:]:
         out += p
-    return out
+    return out.to(pieces[0].dtype)
 
 
 __all__ = ["ACCUMULATED", "Chunks", "RowFacts", "accumulate", "analyse", "chainable"]
