@@ -45,6 +45,10 @@ H100 (Hopper) sources, each row's step = global batch x sequence / (tokens/s/GPU
   micro-batch x accumulation x GPUs is the global batch (the others would accumulate a shorter last micro-batch):
   18 first (every second one calibrating), then the table's other 34, all held out (`FOUNDRY_H100_REST`). The
   cluster's network is not stated: ASSUMED DGX H100's (`dgx-h100`).
+- NeMo long sequences: NVIDIA/NeMo docs/source/performance/performance_long_sequence.md at commit 19fadb67,
+  LLAMA2-7B (FP8, NeMo 24.03.01, DGX-H100) from 4K to 1M tokens with context parallelism up to cp 32, model
+  TFLOP/s per GPU by NeMo's own formula (`nemo_flops_per_token`); every second row by sequence length calibrates
+  (`NEMO_LONG_SEQ`).
 """
 
 from __future__ import annotations
@@ -461,11 +465,55 @@ def _torchtitan_h200_runs() -> list[PublishedRun]:
     return runs
 
 
+# NeMo's long-sequence table: LLAMA2-7B (FP8) on DGX-H100, container NeMo 24.03.01, the "With-CP" layouts
+# (NVIDIA/NeMo docs/source/performance/performance_long_sequence.md @19fadb67, which adds the batch column to the
+# table first published at 5b47a94c): (seq K, GPUs, global batch, TP, PP, DP, CP, model TFLOP/s/GPU). 4M tokens a
+# step in every row, GPUs = seq in K. The "Without-CP" column gives TFLOP/s only (its layout is not published), so
+# it is not taken. Step = batch x seq x FLOPs per token / (TFLOP/s x GPUs), FLOPs per token by `nemo_flops_per_token`
+# (the formula NeMo 24.07's summary reproduces). ASSUMED, not in the table: micro-batch 1, no recomputation, no
+# interleaving (the 8K row's pp 2), the recipe defaults of NeMo 24.07 (SP, distributed optimizer, overlaps).
+# Roles by a rule fixed and committed before any of these rows was predicted: in order of sequence length they
+# alternate calibration / held-out, the first (4K) calibrating: 4K, 16K, 64K, 256K, 1024K calibrate; 8K, 32K,
+# 128K, 512K are held out (cp 2, 4, 16 held out; cp 2, 8, 32 calibrate).
+NEMO_LONG_SEQ = (
+    (4, 4, 1024, 1, 1, 4, 1, 768), (8, 8, 512, 1, 2, 4, 1, 730), (16, 16, 256, 2, 1, 8, 1, 660),
+    (32, 32, 128, 2, 1, 8, 2, 610), (64, 64, 64, 4, 1, 8, 2, 574), (128, 128, 32, 4, 1, 8, 4, 555),
+    (256, 256, 16, 4, 1, 8, 8, 549), (512, 512, 8, 8, 1, 4, 16, 549), (1024, 1024, 4, 8, 1, 4, 32, 536),
+)
+
+
+def nemo_flops_per_token(spec: TransformerSpec) -> float:
+    """NeMo's model FLOPs per token (forward + backward, no recomputation): 6 x (the layers' linear weights + the
+    output layer's) + 12 x layers x seq x hidden, attention counted over the whole s x s, not its causal half.
+    NeMo 24.07's summary gives both its columns for LLAMA2-7B at 4K (776 TFLOP/s at 16847 tokens/s) and LLAMA3-8B
+    at 8K (697 at 12036): this formula gives 46.08 and 57.91 GFLOP a token, theirs 46.06 and 57.91."""
+    h = spec.hidden
+    linear = spec.layers * (h * (spec.qkv_out + spec.q_width) + spec.mlp_matrices * h * spec.ffn_size)
+    return 6.0 * (linear + h * spec.vocab) + 12.0 * spec.layers * spec.seq_len * h
+
+
+def nemo_long_seq_runs() -> list[PublishedRun]:
+    """`NEMO_LONG_SEQ`'s rows: LLAMA2-7B from 4K to 1M tokens, cp 1 to 32 (roles as the rule above says)."""
+    runs = []
+    for i, (seq_k, gpus, batch, tp, pp, dp, cp, tflops) in enumerate(NEMO_LONG_SEQ):
+        spec = _nemo_spec("LLAMA2-7B", seq_k * 1024, batch)
+        cfg = _megatron_core_cfg(gpus, tp, pp, cp, 1, 1)
+        assert cfg.dp == dp, (seq_k, cfg.dp, dp)
+        runs.append(PublishedRun(
+            f"NeMo 24.03 LLAMA2-7B {seq_k}K, cp {cp}, {gpus} H100", spec, cfg,
+            batch * spec.seq_len * nemo_flops_per_token(spec) / (tflops * 1e12 * gpus),
+            f"NVIDIA/NeMo docs/source/performance/performance_long_sequence.md @19fadb67, LLAMA2-7B (FP8) DGX-H100, "
+            f"NeMo 24.03.01: {tflops} TFLOP/s/GPU with TP {tp}, PP {pp}, DP {dp}, CP {cp}, batch {batch}; "
+            "micro-batch 1, no recomputation, recipe overlaps ASSUMED",
+            "held-out" if i % 2 else "calibration", "megatron-core-2024", "dgx-h100"))
+    return runs
+
+
 def h100_runs() -> list[PublishedRun]:
     """The Hopper rows: NeMo / Megatron-Bridge / DGX Cloud, torchtitan and llm-foundry on H100, torchtitan on
     H200."""
     return (_h100_megatron_runs() + _h100_moe_runs() + _dgxc_runs() + _torchtitan_h100_runs() + _foundry_h100_runs()
-            + _torchtitan_h200_runs())
+            + _torchtitan_h200_runs() + nemo_long_seq_runs())
 
 
 def published_runs() -> list[PublishedRun]:

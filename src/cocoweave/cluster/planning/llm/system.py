@@ -74,10 +74,11 @@ STACKS: dict[str, Stack] = {s.name: s for s in (
     Stack("torchtitan-2024", TORCHTITAN_2024, (0, 1, 3), True),
     # Megatron-core with Transformer Engine (NeMo 24.07): fused kernels, FP8 (delayed scaling), TP communication
     # overlapped by userbuffers, distributed optimizer overlapping its reduce-scatter with backward and its
-    # all-gather with the next forward; Megatron FSDP. Hopper constants fitted on NeMo 24.07's H100 rows
+    # all-gather with the next forward; Megatron FSDP. Hopper constants fitted on NeMo 24.07's H100 rows and NeMo
+    # 24.03.01's long-sequence ones (its attention: flash)
     Stack("megatron-core-2024", MEGATRON_2022, (0, 1, 3), True,
           families=((HOPPER, Efficiency(gemm_max=0.7675, gemm_half=60.0, fp8_max=0.62, elementwise_passes=3.1812,
-                                        flash=0.53, tp_overlap=0.4)),),
+                                        flash=0.61, tp_overlap=0.4)),),
           tp_overlap=True, gather_overlap=True),
     # Megatron-Bridge 25.09-26.06: Megatron-core with a year of TE releases after NeMo 24.07 (FP8 current scaling,
     # newer cuDNN attention, fusions), the same layouts and overlaps; its FP8 rate, attention kernel and

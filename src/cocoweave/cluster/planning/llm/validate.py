@@ -16,7 +16,12 @@ import numpy as np
 
 from cocoweave.cluster.catalog import Catalog, load_catalog
 from cocoweave.cluster.planning.llm.calibrate import errors
-from cocoweave.cluster.planning.llm.published import PublishedRun, foundry_h100_rest_runs, validation_runs
+from cocoweave.cluster.planning.llm.published import (
+    PublishedRun,
+    foundry_h100_rest_runs,
+    nemo_long_seq_runs,
+    validation_runs,
+)
 from cocoweave.cluster.planning.llm.system import STACKS, Efficiency, stack_efficiencies
 
 
@@ -93,9 +98,11 @@ def main(argv: list[str] | None = None) -> None:
         print(("- " if args.markdown else "") + line)
     rest = {r.name for r in foundry_h100_rest_runs()}
     added = [r.name in rest for r in runs]
+    long_seq = {r.name for r in nemo_long_seq_runs() if r.role == "held-out"}
     hopper_held = [is_hopper(r, catalog) and r.role == "held-out" for r in runs]
     for name, mask, note in (
             ("llm-foundry added rows", added, "held out from the start: FOUNDRY_H100_REST"),
+            ("NeMo long-seq held-out", [r.name in long_seq for r in runs], "LLAMA2-7B 8K-512K, cp 1-16: NEMO_LONG_SEQ"),
             ("H100/H200 held-out + MoE", hopper_held, "the dense and the MoE held-out rows together")):
         a = np.abs(after[np.array(mask)])
         print(("- " if args.markdown else "") + f"{name:25} {len(a):2} rows: mean |error| {a.mean():5.2f}%, max "
