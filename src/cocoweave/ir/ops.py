@@ -266,6 +266,18 @@ def exp(x: Value) -> Value:
     return _float_unary("exp", x)
 
 
+@operation("sigmoid", R.UNARY)
+def sigmoid(x: Value) -> Value:
+    """1 / (1 + e ** -x): one operation where exp, add and div would be three passes (SwiGLU's backward)."""
+    return _float_unary("sigmoid", x)
+
+
+@operation("silu", R.UNARY)
+def silu(x: Value) -> Value:
+    """x / (1 + e ** -x) (x * sigmoid(x)): SwiGLU's activation in one pass instead of four."""
+    return _float_unary("silu", x)
+
+
 @operation("cast", R.CAST, ("dtype",), rebuild=lambda p, args, a: cast(args[0], a["dtype"]))
 def cast(x: Value, dtype: str) -> Value:
     """Convert to `dtype` (e.g. fp32 master weights to bf16)."""

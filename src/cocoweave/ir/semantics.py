@@ -194,7 +194,7 @@ MEANINGS: dict[str, Meaning] = {
     "lt": _binary(torch.lt), "le": _binary(torch.le), "gt": _binary(torch.gt), "ge": _binary(torch.ge),
     "eq": _binary(torch.eq), "ne": _binary(torch.ne),
     "neg": _unary(torch.neg), "sqrt": _unary(torch.sqrt), "rsqrt": _unary(torch.rsqrt), "exp": _unary(torch.exp),
-    "abs": _unary(torch.abs),
+    "sigmoid": _unary(torch.sigmoid), "silu": _unary(torch.nn.functional.silu), "abs": _unary(torch.abs),
     "cast": lambda v, a, place: a[0].to(DTYPES[v.dtype]),
     "where": lambda v, a, place: _finish(v, torch.where(a[0], _up(a[1]), _up(a[2]))),
     "dropout": _dropout,

@@ -13,7 +13,7 @@ from __future__ import annotations
 
 from ..errors import ProgramError
 from ..ir import Layout, Local, Program, Sliced, Value
-from ..ir.ops import all_to_all, exp, grouped_matmul, grouped_matmul_wgrad, matmul
+from ..ir.ops import all_to_all, grouped_matmul, grouped_matmul_wgrad, matmul, sigmoid, silu
 
 
 def moe_experts(R: int = 2, E: int = 4, C: int = 8, D: int = 16, F: int = 32, dtype: str = "float32") -> Program:
@@ -26,7 +26,7 @@ def moe_experts(R: int = 2, E: int = 4, C: int = 8, D: int = 16, F: int = 32, dt
     w2 = p.tensor("w2", (E, F, D), dtype, Sliced(0))
     mine = all_to_all(x, 1)  # dispatch: every rank's tokens for this rank's experts
     gate = matmul(mine, w1)
-    hidden = gate / (1.0 + exp(-gate)) * matmul(mine, w3)  # silu(x w1) * (x w3)
+    hidden = silu(gate) * matmul(mine, w3)
     p.output(all_to_all(matmul(hidden, w2), 0), "y")  # combine: back to the ranks the tokens came from
     return p
 
@@ -69,7 +69,7 @@ def moe_dropless(R: int = 2, E: int = 4, N: int = 8, D: int = 16, F: int = 32, M
     w2 = p.tensor("w2", (E, F, D), dtype, ep)
     got = all_to_all(x, 0, splits=s, recv=r, rows=R * N if M is None else M)  # dispatch
     gate, up = grouped_matmul(got, w1, c), grouped_matmul(got, w3, c)
-    hidden = gate / (1.0 + exp(-gate)) * up  # silu(x w1) * (x w3)
+    hidden = silu(gate) * up
     p.output(all_to_all(grouped_matmul(hidden, w2, c), 0, splits=r, recv=s, rows=N), "y")  # combine
     if save:
         for v, name in ((got, "got"), (gate, "gate"), (up, "up")):
@@ -96,7 +96,7 @@ def moe_dropless_backward(R: int = 2, E: int = 4, N: int = 8, D: int = 16, F: in
     w3t = p.tensor("w3t", (E, F, D), dtype, ep)
     w2t = p.tensor("w2t", (E, D, F), dtype, ep)
     gy = all_to_all(g, 0, splits=s, recv=r, rows=m)  # combine's adjoint: each row's gradient to its expert's rank
-    sig = 1.0 / (1.0 + exp(-gate))
+    sig = sigmoid(gate)
     act = gate * sig  # silu(gate)
     dh = grouped_matmul(gy, w2t, c)
     p.output(grouped_matmul_wgrad(act * up, gy, c), "gw2")

@@ -8,6 +8,7 @@ generated code calls them through the context by name (`ctx.all_reduce(...)`).
 
 from __future__ import annotations
 
+import math
 import time
 import types
 import warnings
@@ -72,6 +73,24 @@ def minimum(a: Any, b: Any) -> torch.Tensor:
     if not isinstance(a, torch.Tensor):
         a, b = b, a
     return torch.clamp(a, max=b) if not isinstance(b, torch.Tensor) else torch.minimum(a, b)
+
+
+def _exp_neg(x: float) -> float:
+    """e ** -x on the host, inf where it overflows (as C's exp, which torch calls; math.exp raises instead)."""
+    try:
+        return math.exp(-x)
+    except OverflowError:
+        return math.inf
+
+
+def sigmoid(x: float) -> float:
+    """A host scalar's sigmoid, 1 / (1 + e ** -x) as torch computes it (0.0 for a very negative x)."""
+    return 1.0 / (1.0 + _exp_neg(x))
+
+
+def silu(x: float) -> float:
+    """A host scalar's silu, x / (1 + e ** -x) as torch computes it (-0.0 for a very negative x)."""
+    return x / (1.0 + _exp_neg(x))
 
 
 def concat(parts: Sequence[torch.Tensor], dim: int) -> torch.Tensor:
