@@ -46,6 +46,7 @@ from .ir.ops import (
     send,
     sigmoid,
     silu,
+    silu_grad,
     slice,
     sqrt,
     sub,
@@ -75,5 +76,5 @@ __all__ = [
     "abs", "add", "all_gather", "all_reduce", "all_to_all", "broadcast", "cast", "div", "dropout", "eq", "exp", "ge",
     "grouped_matmul", "grouped_matmul_wgrad", "gt", "layer_norm", "le", "lt", "matmul", "max", "maximum", "min",
     "minimum", "mul", "ne", "neg", "norm", "pow", "recv", "reduce", "reduce_scatter", "rsqrt", "sigmoid", "silu",
-    "slice", "send", "sqrt", "sub", "sum", "update", "where",
+    "silu_grad", "slice", "send", "sqrt", "sub", "sum", "update", "where",
 ]

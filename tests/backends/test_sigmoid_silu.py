@@ -1,6 +1,7 @@
-"""sigmoid and silu, SwiGLU's activation as DSL operations: the reference's meaning is torch's, and the torch
-backend's generated code (op by op, fused, and on host scalars) computes the same bits, at every magnitude,
-where exp(-x) overflows included (silu(-100) is -0, not nan; sigmoid(-1000) is 0, not an OverflowError)."""
+"""sigmoid, silu and silu_grad, SwiGLU's activation and its derivative as DSL operations: the reference's meaning is
+torch's (silu_grad: what autograd computes through F.silu), and the torch backend's generated code (op by op, fused,
+and on host scalars) computes the same bits, at every magnitude, where exp(-x) overflows included (silu(-100) is -0,
+not nan; sigmoid(-1000) is 0, not an OverflowError)."""
 
 from __future__ import annotations
 
@@ -16,7 +17,8 @@ from cocoweave.equivalence.compare import compare
 from cocoweave.plan import lower
 from cocoweave.schedule.schedule import Schedule
 
-TORCH = {"sigmoid": torch.sigmoid, "silu": torch.nn.functional.silu}
+TORCH = {"sigmoid": lambda x, d: torch.sigmoid(x), "silu": lambda x, d: torch.nn.functional.silu(x),
+         "silu_grad": lambda x, d: torch.ops.aten.silu_backward(d, x)}
 # exp(-x) overflows float32 below -88.73 and float64 below -709.8; halves are computed in float32
 EXTREMES = [-1e4, -1000.0, -100.0, -88.8, -88.7, -20.0, -1.0, -1e-30, -0.0, 0.0, 1e-30, 1.0, 20.0, 88.7, 100.0,
             1e4, math.inf]
@@ -34,10 +36,10 @@ def _values(dtype: str) -> torch.Tensor:
 
 
 def _program(op: str, dtype: str, n: int, fused: bool) -> Schedule:
-    """y = op(x) and z = op(x) * x + 1 (a chain for a fused stage) on one rank."""
+    """y = op(x) (silu_grad(d, x)) and z = y * x + 1 (a chain for a fused stage) on one rank."""
     p = cw.Program(op)
-    x = p.tensor("x", (n,), dtype, cw.Local)
-    y = getattr(cw, op)(x)
+    x, d = p.tensor("x", (n,), dtype, cw.Local), p.tensor("d", (n,), dtype, cw.Local)
+    y = cw.silu_grad(d, x) if op == "silu_grad" else getattr(cw, op)(x)
     p.output(y, "y")
     p.output(y * x + 1.0, "z")
     s = Schedule(p)
@@ -49,15 +51,15 @@ def _program(op: str, dtype: str, n: int, fused: bool) -> Schedule:
 @pytest.mark.parametrize("dtype", ["float32", "float16", "bfloat16"])
 @pytest.mark.parametrize("op", sorted(TORCH))
 def test_the_reference_and_the_torch_backend_compute_torchs_bits(op, dtype):
-    x = _values(dtype)
-    want = TORCH[op](x)
-    if dtype == "float32":  # halves: torch's op computes in float32 too, rounding once
-        assert torch.equal(_bits(TORCH[op](x.float()).to(x.dtype)), _bits(want))
+    x, d = _values(dtype), _values(dtype).flip(0)
+    want = TORCH[op](x, d)
+    if dtype != "float32":  # halves: torch's op computes in float32 too, rounding once
+        assert torch.equal(_bits(TORCH[op](x.float(), d.float()).to(x.dtype)), _bits(want))
     for fused in (False, True):
         plan = lower(_program(op, dtype, x.numel(), fused))
-        ref = reference.run(plan, [{"x": x}])[0].outputs
+        ref = reference.run(plan, [{"x": x, "d": d}])[0].outputs
         assert torch.equal(_bits(ref["y"]), _bits(want)), (op, dtype, fused)
-        got = Executable(plan, 0, 1, {}, kernels="torch").run({"x": x.clone()}).outputs
+        got = Executable(plan, 0, 1, {}, kernels="torch").run({"x": x.clone(), "d": d.clone()}).outputs
         assert torch.equal(_bits(got["y"]), _bits(want)), (op, dtype, fused)
         assert torch.equal(_bits(got["z"]), _bits(ref["z"])), (op, dtype, fused)
 
@@ -66,10 +68,10 @@ def test_the_reference_and_the_torch_backend_compute_torchs_bits(op, dtype):
 def test_a_fused_stage_compiled_equals_the_reference(op):
     """The CPU default route: the fused stage as one loop compiled by torch.compile, within compare's tolerance of
     the reference (Inductor's exp is not torch's), the overflowing end exact (-0 and 0, no nan)."""
-    x = _values("float32")
+    x, d = _values("float32"), _values("float32").flip(0)
     plan = lower(_program(op, "float32", x.numel(), True))
-    ref = reference.run(plan, [{"x": x}])[0].outputs
-    got = Executable(plan, 0, 1, {}, kernels="compiled").run({"x": x.clone()}).outputs
+    ref = reference.run(plan, [{"x": x, "d": d}])[0].outputs
+    got = Executable(plan, 0, 1, {}, kernels="compiled").run({"x": x.clone(), "d": d.clone()}).outputs
     for name in ("y", "z"):
         assert compare(got[name], ref[name]).ok, (name, compare(got[name], ref[name]))
     assert torch.equal(_bits(got["y"][:4]), _bits(ref["y"][:4]))  # -1e4 .. -88.8
@@ -78,30 +80,46 @@ def test_a_fused_stage_compiled_equals_the_reference(op):
 @pytest.mark.parametrize("op", sorted(TORCH))
 def test_exp_overflow_gives_the_limit_not_nan(op):
     x = torch.tensor([-1e4, -100.0, 100.0, 1e4])
-    y = reference.run(lower(_program(op, "float32", 4, False)), [{"x": x}])[0].outputs["y"]
+    y = reference.run(lower(_program(op, "float32", 4, False)), [{"x": x, "d": torch.full((4,), 2.0)}])[0]
+    y = y.outputs["y"]
     assert not y.isnan().any()
-    if op == "silu":  # -100 / (1 + inf): a negative zero
-        assert torch.equal(_bits(y), _bits(torch.tensor([-0.0, -0.0, 100.0, 1e4])))
-    else:
-        assert torch.equal(_bits(y), _bits(torch.tensor([0.0, 0.0, 1.0, 1.0])))
+    want = {"silu": [-0.0, -0.0, 100.0, 1e4], "sigmoid": [0.0, 0.0, 1.0, 1.0], "silu_grad": [-0.0, -0.0, 2.0, 2.0]}
+    assert torch.equal(_bits(y), _bits(torch.tensor(want[op])))  # silu: -100 / (1 + inf), a negative zero
 
 
-@pytest.mark.parametrize("s", [-1e4, -745.2, -100.0, -1.5, -0.0, 0.0, 3.0, 800.0])
-def test_host_scalars_equal_the_reference(s):
-    """A scalar's sigmoid and silu are Python floats on the host (rt.sigmoid, rt.silu): the reference's float64 values,
-    where math.exp would raise OverflowError (exp(1e4))."""
+def test_silu_grad_is_what_autograd_computes_through_silu():
+    x, d = _values("float32").requires_grad_(), _values("float32").flip(0)
+    (grad,) = torch.autograd.grad(torch.nn.functional.silu(x), x, d)
+    plan = lower(_program("silu_grad", "float32", x.numel(), False))
+    ref = reference.run(plan, [{"x": x.detach(), "d": d}])[0].outputs["y"]
+    assert torch.equal(_bits(ref), _bits(grad))
+
+
+HOST = [-1e4, -745.2, -100.0, -1.5, -0.0, 0.0, 3.0, 800.0, *torch.randn(24, generator=torch.Generator().manual_seed(3),
+                                                                        dtype=torch.float64).mul(8).tolist()]
+
+
+def test_host_scalars_equal_the_reference():
+    """A scalar's sigmoid, silu and silu_grad are Python floats on the host (rt.sigmoid, rt.silu): the reference's
+    float64 values, bit for bit, where math.exp would raise OverflowError (exp(1e4)) too."""
     p = cw.Program("host")
     x = p.tensor("x", (3,), "float64", cw.Local)
-    t = p.scalar("t")
-    p.output(x * cw.sigmoid(t), "a")
-    p.output(x * cw.silu(t), "b")
+    ts = p.scalars(" ".join(f"t{i}" for i in range(len(HOST))))
+    for i, t in enumerate(ts):
+        p.output(x * cw.sigmoid(t), f"a{i}")
+        p.output(x * cw.silu(t), f"b{i}")
+        p.output(x * cw.silu_grad(t * 0.5 + 1.0, t), f"c{i}")
     plan = lower(Schedule(p))
-    inputs = {"x": torch.tensor([1.0, -2.0, 0.5], dtype=torch.float64), "t": torch.tensor(s, dtype=torch.float64)}
+    inputs = {"x": torch.tensor([1.0, -2.0, 0.5], dtype=torch.float64),
+              **{f"t{i}": torch.tensor(s, dtype=torch.float64) for i, s in enumerate(HOST)}}
     ref = reference.run(plan, [inputs])[0].outputs
     exe = Executable(plan, 0, 1, {}, kernels="torch")
     assert "rt.sigmoid(" in exe.source and "rt.silu(" in exe.source  # computed on the host
     got = exe.run(dict(inputs)).outputs
-    t64 = torch.tensor(s, dtype=torch.float64)
-    for name, fn in (("a", torch.sigmoid), ("b", torch.nn.functional.silu)):
-        assert torch.equal(_bits(got[name]), _bits(ref[name])), (name, got[name], ref[name])
-        assert torch.equal(_bits(ref[name]), _bits(inputs["x"] * fn(t64))), name
+    for i, s in enumerate(HOST):
+        t64 = torch.tensor(s, dtype=torch.float64)
+        for name, fn in (("a", torch.sigmoid), ("b", torch.nn.functional.silu),
+                         ("c", lambda t: torch.ops.aten.silu_backward(t * 0.5 + 1.0, t))):
+            name = f"{name}{i}"
+            assert torch.equal(_bits(got[name]), _bits(ref[name])), (name, s, got[name], ref[name])
+            assert torch.equal(_bits(ref[name]), _bits(inputs["x"] * fn(t64))), (name, s)

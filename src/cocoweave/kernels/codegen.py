@@ -1,10 +1,9 @@
 """Fused computation stages as generated Triton kernels: the torch backend's code generation on CUDA.
 
 `build_fused_kernels` turns every top-level fused `Compute` stage whose operations are all elementwise
-(arithmetic with broadcasting, neg, pow, sqrt, rsqrt, exp, sigmoid, silu, abs, maximum/minimum, comparisons, where,
-cast, dropout, slice) into ONE Triton kernel. The kernel is readable Python source, written to the plan
-cache and imported from there (Triton reads a kernel's source from its file); `FusedKernel.source`
-shows it.
+(arithmetic with broadcasting, neg, pow, sqrt, rsqrt, exp, sigmoid, silu, silu_grad, abs, maximum/minimum,
+comparisons, where, cast, dropout, slice) into ONE Triton kernel. The kernel is readable Python source, written to
+the plan cache and imported from there (Triton reads a kernel's source from its file); `FusedKernel.source` shows it.
 
 The kernel runs over the flat index space of the stage's iteration shape (this rank's local shapes of
 the stage's values, broadcast); each program handles BLOCK consecutive elements, unmasked on full blocks
@@ -298,6 +297,9 @@ class _Gen:
                 e = f"{a[0]} {INFIX[op]} {a[1]}"
             elif op == "div":
                 e = f"tl.div_rn({a[0]}, {a[1]})"
+            elif op == "silu_grad":  # torch's CUDA silu_backward: dy * s * (1 + x * (1 - s)), s = sigmoid(x)
+                s = UNARY["sigmoid"].format(x=a[1])
+                e = f"{a[0]} * {s} * (1.0 + {a[1]} * (1.0 - {s}))"
             elif op in ("maximum", "minimum"):
                 nan = ", propagate_nan=tl.PropagateNan.ALL" if c == "float32" else ""
                 e = f"tl.{op}({a[0]}, {a[1]}{nan})"

@@ -16,7 +16,7 @@ from .view import RankView
 
 # ops whose result may be computed over an operand (`a.add_(b)`) / whose results are fresh tensors either way
 OVER_OPS = ("add", "sub", "mul", "div")
-FRESH_OPS = (*OVER_OPS, "neg", "sqrt", "rsqrt", "exp", "sigmoid", "silu")
+FRESH_OPS = (*OVER_OPS, "neg", "sqrt", "rsqrt", "exp", "sigmoid", "silu", "silu_grad")
 # ops whose torch code always makes a new tensor (an output computed by one never aliases an executable buffer)
 _NEW_TENSOR = {*FRESH_OPS, "pow", "lt", "le", "gt", "ge", "eq", "ne", "abs", "where", "matmul", "layer_norm"}
 _FLOATS = ("float32", "float64")

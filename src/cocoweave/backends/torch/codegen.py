@@ -270,6 +270,7 @@ EXPR: dict[str, Callable[[Emitter, Value, list[str]], str]] = {
     "neg": lambda em, v, a: f"(-{a[0]})",
     "sqrt": _unary("sqrt"), "rsqrt": _unary("rsqrt"), "exp": _unary("exp"), "abs": _unary("abs"),
     "sigmoid": _unary("sigmoid"), "silu": _unary("nn.functional.silu"),
+    "silu_grad": lambda em, v, a: f"rt.silu_grad({a[0]}, {a[1]})",
     "cast": lambda em, v, a: f"{a[0]}.to(torch.{v.dtype})",
     "where": lambda em, v, a: f"torch.where({a[0]}, {a[1]}, {a[2]})",
     "dropout": lambda em, v, a: em.dropout(v, a),
@@ -296,6 +297,7 @@ HOST: dict[str, Callable[[Value, list[str]], str]] = {
     "exp": lambda v, a: f"math.exp({a[0]})",
     "sigmoid": lambda v, a: f"rt.sigmoid({a[0]})",
     "silu": lambda v, a: f"rt.silu({a[0]})",
+    "silu_grad": lambda v, a: f"float(rt.silu_grad({a[0]}, {a[1]}))",  # torch's kernel (its FMA): the reference's bits
     "abs": lambda v, a: f"abs({a[0]})",
     "maximum": lambda v, a: f"max({a[0]}, {a[1]})",
     "minimum": lambda v, a: f"min({a[0]}, {a[1]})",
