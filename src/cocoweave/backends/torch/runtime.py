@@ -8,7 +8,6 @@ generated code calls them through the context by name (`ctx.all_reduce(...)`).
 
 from __future__ import annotations
 
-import math
 import time
 import types
 import warnings
@@ -22,12 +21,7 @@ import torch.distributed as dist
 from torch.utils._python_dispatch import _get_current_dispatch_mode
 
 from ... import collectives, faults, rng
-from ...ir.semantics import (  # noqa: F401 - generated code calls rt.grouped_matmul(_wgrad), rt.silu_grad
-    grouped_matmul,
-    grouped_matmul_wgrad,
-    reduce_local,
-    silu_grad,
-)
+from ...ir.semantics import grouped_matmul, grouped_matmul_wgrad, reduce_local, silu_grad  # noqa: F401 - rt.*
 from . import shm
 from .ring import with_dim  # noqa: F401 - generated code calls rt.with_dim
 
@@ -78,24 +72,6 @@ def minimum(a: Any, b: Any) -> torch.Tensor:
     if not isinstance(a, torch.Tensor):
         a, b = b, a
     return torch.clamp(a, max=b) if not isinstance(b, torch.Tensor) else torch.minimum(a, b)
-
-
-def _exp_neg(x: float) -> float:
-    """e ** -x on the host, inf where it overflows (as C's exp, which torch calls; math.exp raises instead)."""
-    try:
-        return math.exp(-x)
-    except OverflowError:
-        return math.inf
-
-
-def sigmoid(x: float) -> float:
-    """A host scalar's sigmoid, 1 / (1 + e ** -x) as torch computes it (0.0 for a very negative x)."""
-    return 1.0 / (1.0 + _exp_neg(x))
-
-
-def silu(x: float) -> float:
-    """A host scalar's silu, x / (1 + e ** -x) as torch computes it (-0.0 for a very negative x)."""
-    return x / (1.0 + _exp_neg(x))
 
 
 def concat(parts: Sequence[torch.Tensor], dim: int) -> torch.Tensor:
