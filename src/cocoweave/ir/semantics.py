@@ -144,7 +144,7 @@ def silu_grad(dy: Any, x: Any, out: torch.Tensor | None = None) -> torch.Tensor:
     """The DSL's silu_grad on tensors (Python numbers as float64, like the reference's scalars), the reference's and
     the torch backend's one body: torch's silu_backward, dy * s * (1 + x * (1 - s)) with s = sigmoid(x); `out`:
     written there (the torch backend's over dy, a temporary: one full-size allocation less)."""
-    dy, x = (t if isinstance(t, torch.Tensor) else torch.tensor(float(t), dtype=torch.float64) for t in (dy, x))
+    dy, x = (t if isinstance(t, torch.Tensor) else torch.as_tensor(float(t), dtype=torch.float64) for t in (dy, x))
     if not (dy.is_floating_point() or x.is_floating_point()):
         dy, x = dy.float(), x.float()
     if out is not None:

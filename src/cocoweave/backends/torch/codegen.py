@@ -299,8 +299,8 @@ HOST: dict[str, Callable[[Value, list[str]], str]] = {
     "exp": lambda v, a: f"math.exp({a[0]})",
     # torch's float64 kernels on the host: the reference's bits (its FMA in silu_grad; inf, not math.exp's
     # OverflowError, where exp(-x) overflows)
-    "sigmoid": lambda v, a: f"float(torch.sigmoid(torch.tensor({a[0]}, dtype=torch.float64)))",
-    "silu": lambda v, a: f"float(torch.nn.functional.silu(torch.tensor({a[0]}, dtype=torch.float64)))",
+    "sigmoid": lambda v, a: f"float(torch.sigmoid(torch.as_tensor({a[0]}, dtype=torch.float64)))",
+    "silu": lambda v, a: f"float(torch.nn.functional.silu(torch.as_tensor({a[0]}, dtype=torch.float64)))",
     "silu_grad": lambda v, a: f"float(rt.silu_grad({a[0]}, {a[1]}))",
     "abs": lambda v, a: f"abs({a[0]})",
     "maximum": lambda v, a: f"max({a[0]}, {a[1]})",
