@@ -44,6 +44,9 @@ from .ir.ops import (
     reduce_scatter,
     rsqrt,
     send,
+    sigmoid,
+    silu,
+    silu_grad,
     slice,
     sqrt,
     sub,
@@ -72,6 +75,6 @@ __all__ = [
     "WORLD", "Group", "Layout", "Local", "Mesh", "Program", "Replicated", "Sliced", "Value", "errors",
     "abs", "add", "all_gather", "all_reduce", "all_to_all", "broadcast", "cast", "div", "dropout", "eq", "exp", "ge",
     "grouped_matmul", "grouped_matmul_wgrad", "gt", "layer_norm", "le", "lt", "matmul", "max", "maximum", "min",
-    "minimum", "mul", "ne", "neg", "norm", "pow",
-    "recv", "reduce", "reduce_scatter", "rsqrt", "slice", "send", "sqrt", "sub", "sum", "update", "where",
+    "minimum", "mul", "ne", "neg", "norm", "pow", "recv", "reduce", "reduce_scatter", "rsqrt", "sigmoid", "silu",
+    "silu_grad", "slice", "send", "sqrt", "sub", "sum", "update", "where",
 ]

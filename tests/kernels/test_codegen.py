@@ -160,13 +160,15 @@ def test_generated_math_is_correctly_rounded_or_libdevices() -> None:
     ex2.approx.ftz (error growing with |x|, subnormals flushed) would show."""
     p = cw.Program("math")
     a = p.tensor("a", (100,), "float32")
-    p.output(cw.exp(-cw.abs(a)) + (cw.abs(a) + 0.5) ** p.scalar("s") + (cw.abs(a) + 1) ** -0.5 + cw.rsqrt(a), "y")
+    p.output(cw.exp(-cw.abs(a)) + (cw.abs(a) + 0.5) ** p.scalar("s") + (cw.abs(a) + 1) ** -0.5 + cw.rsqrt(a)
+             + cw.sigmoid(a) * cw.silu(a) + cw.silu_grad(a, a), "y")
     s = Schedule(p)
     s.fuse(s.stages[0])
     source = kernel_spec(lower(s), 0, 0, 1, {}).source
     for approximate in ("tl.exp(", "tl.exp2(", "tl.log2(", "tl.rsqrt("):
         assert approximate not in source
     assert "precise_exp(" in source and "precise_pow(" in source and "tl.div_rn(1.0, tl.sqrt_rn(" in source
+    assert source.count("precise_exp(") == 5  # exp, sigmoid's, silu's and silu_grad's two sigmoids
 
 
 def test_precompile_compiles_the_launch_the_step_will_make(monkeypatch: pytest.MonkeyPatch) -> None:
@@ -264,8 +266,8 @@ def test_generated_kernels_compile_for_sm90_like_the_hand_written_ones() -> None
 # -- random elementwise chains: the generated kernel against the torch path --------------------------------
 SHAPES = [("A", "B"), ("B",), ("A", 1), ()]
 DTYPES = ["float32", "float16", "bfloat16"]
-OPS = ["add", "sub", "mul", "maximum", "minimum", "neg", "abs", "div", "sqrt", "exp", "where", "dropout",
-       "cast", "scalar", "pow", "square"]
+OPS = ["add", "sub", "mul", "maximum", "minimum", "neg", "abs", "div", "sqrt", "exp", "sigmoid", "silu", "silu_grad",
+       "where", "dropout", "cast", "scalar", "pow", "square"]
 
 
 def build_chain(data: st.DataObject) -> tuple[cw.Program, int]:
@@ -282,8 +284,10 @@ def build_chain(data: st.DataObject) -> tuple[cw.Program, int]:
         a, b = data.draw(st.sampled_from(vals)), data.draw(st.sampled_from(vals))
         if op in ("add", "sub", "mul", "maximum", "minimum"):
             r = getattr(cw, op)(a, b)
-        elif op in ("neg", "abs"):
+        elif op in ("neg", "abs", "sigmoid", "silu"):
             r = getattr(cw, op)(a)
+        elif op == "silu_grad":
+            r = cw.silu_grad(a, b)
         elif op == "div":
             r = a / (cw.abs(b) + 1)
         elif op == "sqrt":

@@ -266,6 +266,28 @@ def exp(x: Value) -> Value:
     return _float_unary("exp", x)
 
 
+@operation("sigmoid", R.UNARY)
+def sigmoid(x: Value) -> Value:
+    """1 / (1 + e ** -x): one operation where exp, add and div would be three passes (SwiGLU's backward)."""
+    return _float_unary("sigmoid", x)
+
+
+@operation("silu", R.UNARY)
+def silu(x: Value) -> Value:
+    """x / (1 + e ** -x) (x * sigmoid(x)): SwiGLU's activation in one pass instead of four."""
+    return _float_unary("silu", x)
+
+
+@operation("silu_grad", R.BINARY)
+def silu_grad(dy: Any, x: Any) -> Value:
+    """dy * silu'(x) = dy s (1 + x (1 - s)) with s = sigmoid(x) (torch's silu_backward): SwiGLU's backward through
+    its activation in one pass where sigmoid and arithmetic take six (docs/moe.md, "program path")."""
+    program = _program_of(dy, x)
+    vals = [lift(v, program) for v in (dy, x)]
+    dtype = _result_dtype(vals)
+    return _elementwise("silu_grad", vals, dtype=dtype if is_float(dtype) else "float32")
+
+
 @operation("cast", R.CAST, ("dtype",), rebuild=lambda p, args, a: cast(args[0], a["dtype"]))
 def cast(x: Value, dtype: str) -> Value:
     """Convert to `dtype` (e.g. fp32 master weights to bf16)."""

@@ -140,6 +140,18 @@ def _layer_norm(v: Value, a: list, place: Place) -> Any:
     return _finish(v, torch.nn.functional.layer_norm(x.float(), (x.shape[-1],), w, b, v.attrs["eps"]))
 
 
+def silu_grad(dy: Any, x: Any, out: torch.Tensor | None = None) -> torch.Tensor:
+    """The DSL's silu_grad on tensors (Python numbers as float64, like the reference's scalars), the reference's and
+    the torch backend's one body: torch's silu_backward, dy * s * (1 + x * (1 - s)) with s = sigmoid(x); `out`:
+    written there (the torch backend's over dy, a temporary: one full-size allocation less)."""
+    dy, x = (t if isinstance(t, torch.Tensor) else torch.as_tensor(float(t), dtype=torch.float64) for t in (dy, x))
+    if not (dy.is_floating_point() or x.is_floating_point()):
+        dy, x = dy.float(), x.float()
+    if out is not None:
+        return torch.ops.aten.silu_backward.grad_input(dy, x, grad_input=out)
+    return torch.ops.aten.silu_backward(dy, x)
+
+
 def segments(counts: torch.Tensor, rows: int, groups: int, where: str) -> list[tuple[int, int, int]]:
     """grouped_matmul's (start, length, group) per non-empty segment from its counts on the host: the reference's
     and the torch backend's one check (InputError naming `where` otherwise)."""
@@ -194,7 +206,8 @@ MEANINGS: dict[str, Meaning] = {
     "lt": _binary(torch.lt), "le": _binary(torch.le), "gt": _binary(torch.gt), "ge": _binary(torch.ge),
     "eq": _binary(torch.eq), "ne": _binary(torch.ne),
     "neg": _unary(torch.neg), "sqrt": _unary(torch.sqrt), "rsqrt": _unary(torch.rsqrt), "exp": _unary(torch.exp),
-    "abs": _unary(torch.abs),
+    "sigmoid": _unary(torch.sigmoid), "silu": _unary(torch.nn.functional.silu), "abs": _unary(torch.abs),
+    "silu_grad": _binary(silu_grad),
     "cast": lambda v, a, place: a[0].to(DTYPES[v.dtype]),
     "where": lambda v, a, place: _finish(v, torch.where(a[0], _up(a[1]), _up(a[2]))),
     "dropout": _dropout,

@@ -1,10 +1,9 @@
 """Fused computation stages as generated Triton kernels: the torch backend's code generation on CUDA.
 
 `build_fused_kernels` turns every top-level fused `Compute` stage whose operations are all elementwise
-(arithmetic with broadcasting, neg, pow, sqrt, rsqrt, exp, abs, maximum/minimum, comparisons, where,
-cast, dropout, slice) into ONE Triton kernel. The kernel is readable Python source, written to the plan
-cache and imported from there (Triton reads a kernel's source from its file); `FusedKernel.source`
-shows it.
+(arithmetic with broadcasting, neg, pow, sqrt, rsqrt, exp, sigmoid, silu, silu_grad, abs, maximum/minimum,
+comparisons, where, cast, dropout, slice) into ONE Triton kernel. The kernel is readable Python source, written to
+the plan cache and imported from there (Triton reads a kernel's source from its file); `FusedKernel.source` shows it.
 
 The kernel runs over the flat index space of the stage's iteration shape (this rank's local shapes of
 the stage's values, broadcast); each program handles BLOCK consecutive elements, unmasked on full blocks
@@ -13,8 +12,8 @@ so shapes and strides are constants of the source: an operand's offset is an aff
 element's multi-index, with stride 0 on broadcast dimensions and a base offset that narrows a whole
 Replicated operand of a sliced stage to this rank's part. Half types compute in float32 and round once
 per operation to the value's dtype, like the torch path and the reference backend; division, square root and
-rsqrt (1 / sqrt) are correctly rounded (div_rn, sqrt_rn), exp and pow are libdevice's (kernels/precise.py), and
-launches disable FMA contraction, as torch computes.
+rsqrt (1 / sqrt) are correctly rounded (div_rn, sqrt_rn), exp and pow (and the exp in sigmoid and silu) are
+libdevice's (kernels/precise.py), and launches disable FMA contraction, as torch computes.
 Dropout hashes each element's logical index with `cocoweave.kernels.rng`, so masks are bit-identical to
 `cocoweave.rng`. New state is stored over the state tensor it replaces where that is safe (see
 `_Gen.over_state`), so an Adam step moves 28 bytes per parameter like benchmarks/baselines/adam.py.
@@ -57,8 +56,10 @@ TL = {"float16": "tl.float16", "bfloat16": "tl.bfloat16", "float32": "tl.float32
       "int64": "tl.int64", "bool": "tl.int1"}
 INFIX = {"add": "+", "sub": "-", "mul": "*", "lt": "<", "le": "<=", "gt": ">", "ge": ">=", "eq": "==", "ne": "!="}
 # correctly rounded or libdevice's (kernels/precise.py): tl.rsqrt, tl.exp and an exp2-based pow are approximate
+# sigmoid and silu as torch's CUDA kernels write them (1 / (1 + expf(-x)), x / (1 + expf(-x)), one rounding for halves)
 UNARY = {"abs": "tl.abs({x})", "sqrt": "tl.sqrt_rn({x})", "rsqrt": "tl.div_rn(1.0, tl.sqrt_rn({x}))",
-         "exp": "precise_exp({x})"}
+         "exp": "precise_exp({x})", "sigmoid": "tl.div_rn(1.0, 1.0 + precise_exp(-({x})))",
+         "silu": "tl.div_rn({x}, 1.0 + precise_exp(-({x})))"}
 # torch.pow's special cases for constant exponents (pow_tensor_scalar_optimized_kernel)
 POW = {1: "{x}", 2: "{x} * {x}", 3: "{x} * {x} * {x}", 0.5: "tl.sqrt_rn({x})",
        -0.5: UNARY["rsqrt"], -1: "tl.div_rn(1.0, {x})", -2: "tl.div_rn(1.0, {x} * {x})"}
@@ -296,6 +297,9 @@ class _Gen:
                 e = f"{a[0]} {INFIX[op]} {a[1]}"
             elif op == "div":
                 e = f"tl.div_rn({a[0]}, {a[1]})"
+            elif op == "silu_grad":  # torch's CUDA silu_backward: dy * s * (1 + x * (1 - s)), s = sigmoid(x)
+                s = UNARY["sigmoid"].format(x=a[1])
+                e = f"{a[0]} * {s} * (1.0 + {a[1]} * (1.0 - {s}))"
             elif op in ("maximum", "minimum"):
                 nan = ", propagate_nan=tl.PropagateNan.ALL" if c == "float32" else ""
                 e = f"tl.{op}({a[0]}, {a[1]}{nan})"

@@ -21,6 +21,8 @@ from ..group_facts import max_flags
 from ..ir.types import canonical_dtype
 from . import programs as P
 
+SAVED = ("got", "gate", "up", "hidden")  # what the forward program outputs for the backward one (moe_dropless's save)
+
 
 def capacity(rows: int, bound: int) -> int:
     """`rows` rounded up to a multiple of a quarter of `bound` (at least one quarter)."""
@@ -52,18 +54,18 @@ class DroplessExperts(torch.autograd.Function):
         shape = (ranks, ranks * per, sizes[0], dim, w1.shape[2], sizes[1], canonical_dtype(rows.dtype))
         counts = {"s": sent.sum(1), "r": received.sum(1), "c": received}
         x = rows if n == sizes[0] else torch.cat([rows, rows.new_zeros(sizes[0] - n, dim)])
-        y, got, gate, up = programs.run("experts forward", P.moe_forward(*shape), {
-            "x": x.contiguous(), **counts, "w1": w1, "w3": w3, "w2": w2}, rows.device, ("y", "got", "gate", "up"))
-        ctx.save_for_backward(got, gate, up, w1, w2, w3)
+        y, *saved = programs.run("experts forward", P.moe_forward(*shape), {
+            "x": x.contiguous(), **counts, "w1": w1, "w3": w3, "w2": w2}, rows.device, ("y", *SAVED))
+        ctx.save_for_backward(*saved, w1, w2, w3)
         ctx.shape, ctx.counts, ctx.programs, ctx.n = shape, counts, programs, n
         return y[:n]
 
     @staticmethod
     def backward(ctx: Any, grad: torch.Tensor) -> tuple[Any, ...]:
-        got, gate, up, w1, w2, w3 = ctx.saved_tensors
+        *saved, w1, w2, w3 = ctx.saved_tensors
         n, rows = ctx.n, ctx.shape[2]
         g = grad if n == rows else torch.cat([grad, grad.new_zeros(rows - n, grad.shape[1])])
-        inputs = {"g": g.contiguous(), **ctx.counts, "got": got, "gate": gate, "up": up,
+        inputs = {"g": g.contiguous(), **ctx.counts, **dict(zip(SAVED, saved)),
                   "w1t": w1.transpose(1, 2), "w3t": w3.transpose(1, 2), "w2t": w2.transpose(1, 2)}
         dx, gw1, gw2, gw3 = ctx.programs.run("experts backward", P.moe_backward(*ctx.shape), inputs, grad.device,
                                              ("dx", "gw1", "gw2", "gw3"))

@@ -114,7 +114,8 @@ def moe_forward(ranks: int, experts: int, rows: int, dim: int, hidden: int, capa
                 dtype: str = "float32") -> Program:
     """The MoE layer's dropless experts (workloads.moe_dropless with `save`): this rank's `rows` routed rows in,
     sorted by (destination rank, local expert); dispatch, SwiGLU as grouped_matmul, combine; `capacity` rows a
-    rank may receive. Also outputs what moe_backward takes (the received rows and the two first GEMMs')."""
+    rank may receive. Also outputs what moe_backward takes (the received rows, the two first GEMMs' results and the
+    last one's operand)."""
     from ..workloads import moe_dropless
 
     return moe_dropless(R=ranks, E=experts, N=rows, D=dim, F=hidden, M=capacity, dtype=dtype, save=True)

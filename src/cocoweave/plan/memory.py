@@ -14,9 +14,10 @@ from ..schedule.stages import Compute, FusedCollective, Overlap, Stage
 from .plan import Plan
 from .view import RankView
 
-# ops whose result may be computed over an operand (`a.add_(b)`) / whose results are fresh tensors either way
-OVER_OPS = ("add", "sub", "mul", "div")
-FRESH_OPS = (*OVER_OPS, "neg", "sqrt", "rsqrt", "exp")
+# ops whose result may be computed over an operand (`a.add_(b)`; silu_grad over its dy) / whose results are fresh
+# tensors either way
+OVER_OPS = ("add", "sub", "mul", "div", "silu_grad")
+FRESH_OPS = (*OVER_OPS, "neg", "sqrt", "rsqrt", "exp", "sigmoid", "silu")
 # ops whose torch code always makes a new tensor (an output computed by one never aliases an executable buffer)
 _NEW_TENSOR = {*FRESH_OPS, "pow", "lt", "le", "gt", "ge", "eq", "ne", "abs", "where", "matmul", "layer_norm"}
 _FLOATS = ("float32", "float64")

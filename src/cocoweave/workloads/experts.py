@@ -13,7 +13,7 @@ from __future__ import annotations
 
 from ..errors import ProgramError
 from ..ir import Layout, Local, Program, Sliced, Value
-from ..ir.ops import all_to_all, exp, grouped_matmul, grouped_matmul_wgrad, matmul
+from ..ir.ops import all_to_all, grouped_matmul, grouped_matmul_wgrad, matmul, silu, silu_grad
 
 
 def moe_experts(R: int = 2, E: int = 4, C: int = 8, D: int = 16, F: int = 32, dtype: str = "float32") -> Program:
@@ -26,7 +26,7 @@ def moe_experts(R: int = 2, E: int = 4, C: int = 8, D: int = 16, F: int = 32, dt
     w2 = p.tensor("w2", (E, F, D), dtype, Sliced(0))
     mine = all_to_all(x, 1)  # dispatch: every rank's tokens for this rank's experts
     gate = matmul(mine, w1)
-    hidden = gate / (1.0 + exp(-gate)) * matmul(mine, w3)  # silu(x w1) * (x w3)
+    hidden = silu(gate) * matmul(mine, w3)
     p.output(all_to_all(matmul(hidden, w2), 0), "y")  # combine: back to the ranks the tokens came from
     return p
 
@@ -59,8 +59,9 @@ def moe_dropless(R: int = 2, E: int = 4, N: int = 8, D: int = 16, F: int = 32, M
     expert (row i sums to r[i]: what a router's counts exchange gives). Dispatch (all_to_all_v) then leaves the
     received rows in (source rank, local expert) segments, which is the row-major order of `c`, so each expert GEMM
     is one grouped_matmul over them with no regrouping; combine sends each row back where it came from. With `save`
-    the program also outputs what moe_dropless_backward takes: the received rows `got` and the two first GEMMs'
-    results `gate` (got w1) and `up` (got w3)."""
+    the program also outputs what moe_dropless_backward takes: the received rows `got`, the two first GEMMs'
+    results `gate` (got w1) and `up` (got w3), and the last GEMM's operand `hidden` (silu(gate) * up), as autograd
+    saves them."""
     p, mine, ep = _on_ep("moe_dropless", R, E)
     x = p.tensor("x", (N, D), dtype, mine)
     s, r, c = _counts(p, R, E)
@@ -69,10 +70,10 @@ def moe_dropless(R: int = 2, E: int = 4, N: int = 8, D: int = 16, F: int = 32, M
     w2 = p.tensor("w2", (E, F, D), dtype, ep)
     got = all_to_all(x, 0, splits=s, recv=r, rows=R * N if M is None else M)  # dispatch
     gate, up = grouped_matmul(got, w1, c), grouped_matmul(got, w3, c)
-    hidden = gate / (1.0 + exp(-gate)) * up  # silu(x w1) * (x w3)
+    hidden = silu(gate) * up
     p.output(all_to_all(grouped_matmul(hidden, w2, c), 0, splits=r, recv=s, rows=N), "y")  # combine
     if save:
-        for v, name in ((got, "got"), (gate, "gate"), (up, "up")):
+        for v, name in ((got, "got"), (gate, "gate"), (up, "up"), (hidden, "hidden")):
             p.output(v, name)
     return p
 
@@ -80,11 +81,12 @@ def moe_dropless(R: int = 2, E: int = 4, N: int = 8, D: int = 16, F: int = 32, M
 def moe_dropless_backward(R: int = 2, E: int = 4, N: int = 8, D: int = 16, F: int = 32, M: int | None = None,
                           dtype: str = "float32") -> Program:
     """moe_dropless's gradients from its output's gradient `g` [N, D] and what its `save` form output (`got`,
-    `gate`, `up`; counts `s`, `r`, `c` as in the forward): the input gradient `dx` [N, D] (combine's adjoint is a
-    dispatch, each row's gradient sent to the rank that computed it; the GEMMs' with the transposed weights `w2t`,
-    `w1t`, `w3t` (views of w2, w1, w3 with their last two dimensions swapped); SwiGLU's elementwise backward; the
-    dispatch's adjoint a combine) and this rank's experts' weight gradients `gw1`, `gw3` [E / R, D, F] and `gw2`
-    [E / R, F, D] (grouped_matmul_wgrad over the same segments)."""
+    `gate`, `up`, `hidden`; counts `s`, `r`, `c` as in the forward): the input gradient `dx` [N, D] (combine's
+    adjoint is a dispatch, each row's gradient sent to the rank that computed it; the GEMMs' with the transposed
+    weights `w2t`, `w1t`, `w3t` (views of w2, w1, w3 with their last two dimensions swapped); SwiGLU's elementwise
+    backward, silu recomputed and silu_grad, the three passes autograd makes and one; the dispatch's adjoint a
+    combine) and this rank's experts' weight gradients `gw1`, `gw3` [E / R, D, F] and `gw2` [E / R, F, D]
+    (grouped_matmul_wgrad over the same segments)."""
     m = R * N if M is None else M
     p, mine, ep = _on_ep("moe_dropless_backward", R, E)
     g = p.tensor("g", (N, D), dtype, mine)
@@ -92,16 +94,15 @@ def moe_dropless_backward(R: int = 2, E: int = 4, N: int = 8, D: int = 16, F: in
     got = p.tensor("got", (m, D), dtype, mine)
     gate = p.tensor("gate", (m, F), dtype, mine)
     up = p.tensor("up", (m, F), dtype, mine)
+    hidden = p.tensor("hidden", (m, F), dtype, mine)
     w1t = p.tensor("w1t", (E, F, D), dtype, ep)
     w3t = p.tensor("w3t", (E, F, D), dtype, ep)
     w2t = p.tensor("w2t", (E, D, F), dtype, ep)
     gy = all_to_all(g, 0, splits=s, recv=r, rows=m)  # combine's adjoint: each row's gradient to its expert's rank
-    sig = 1.0 / (1.0 + exp(-gate))
-    act = gate * sig  # silu(gate)
     dh = grouped_matmul(gy, w2t, c)
-    p.output(grouped_matmul_wgrad(act * up, gy, c), "gw2")
-    dup = dh * act
-    dgate = dh * up * sig * (1.0 + gate * (1.0 - sig))  # silu'(a) = sig(a) (1 + a (1 - sig(a)))
+    p.output(grouped_matmul_wgrad(hidden, gy, c), "gw2")
+    dup = dh * silu(gate)
+    dgate = silu_grad(dh * up, gate)
     p.output(grouped_matmul_wgrad(got, dgate, c), "gw1")
     p.output(grouped_matmul_wgrad(got, dup, c), "gw3")
     dgot = grouped_matmul(dgate, w1t, c) + grouped_matmul(dup, w3t, c)

@@ -27,7 +27,9 @@ from ...schedule.stages import RowChunks
 from .algorithms import method as runtime_method
 
 RESERVED = {"ctx", "I", "torch", "rt", "math", "step", "OUT"}
-INPLACE = {op: f"{op}_" for op in OVER_OPS}  # the in-place method of each op the Plan may compute over an operand
+# the in-place form of each op the Plan may compute over an operand: (operand, other) -> expression
+INPLACE = {op: (lambda a, b, m=f"{op}_": f"{a}.{m}({b})") for op in OVER_OPS} | {
+    "silu_grad": lambda a, b: f"rt.silu_grad({a}, {b}, out={a})"}
 
 
 @dataclass
@@ -122,7 +124,7 @@ class Emitter:
         j = self.memory.over.get(id(v))
         if j is None:
             return None
-        return f"{self.var(v.args[j])}.{INPLACE[v.op]}({self.operand_expr(v, v.args[1 - j], up=False)})"
+        return INPLACE[v.op](self.var(v.args[j]), self.operand_expr(v, v.args[1 - j], up=False))
 
     def compute(self, v: Value) -> str:
         """A tensor computation as a torch expression (half precision: float32 math, one rounding)."""
@@ -269,6 +271,8 @@ EXPR: dict[str, Callable[[Emitter, Value, list[str]], str]] = {
     "minimum": lambda em, v, a: f"rt.minimum({a[0]}, {a[1]})",
     "neg": lambda em, v, a: f"(-{a[0]})",
     "sqrt": _unary("sqrt"), "rsqrt": _unary("rsqrt"), "exp": _unary("exp"), "abs": _unary("abs"),
+    "sigmoid": _unary("sigmoid"), "silu": _unary("nn.functional.silu"),
+    "silu_grad": lambda em, v, a: f"rt.silu_grad({a[0]}, {a[1]})",
     "cast": lambda em, v, a: f"{a[0]}.to(torch.{v.dtype})",
     "where": lambda em, v, a: f"torch.where({a[0]}, {a[1]}, {a[2]})",
     "dropout": lambda em, v, a: em.dropout(v, a),
@@ -293,6 +297,11 @@ HOST: dict[str, Callable[[Value, list[str]], str]] = {
     "sqrt": lambda v, a: f"math.sqrt({a[0]})",
     "rsqrt": lambda v, a: f"1.0 / math.sqrt({a[0]})",
     "exp": lambda v, a: f"math.exp({a[0]})",
+    # torch's float64 kernels on the host: the reference's bits (its FMA in silu_grad; inf, not math.exp's
+    # OverflowError, where exp(-x) overflows)
+    "sigmoid": lambda v, a: f"float(torch.sigmoid(torch.as_tensor({a[0]}, dtype=torch.float64)))",
+    "silu": lambda v, a: f"float(torch.nn.functional.silu(torch.as_tensor({a[0]}, dtype=torch.float64)))",
+    "silu_grad": lambda v, a: f"float(rt.silu_grad({a[0]}, {a[1]}))",
     "abs": lambda v, a: f"abs({a[0]})",
     "maximum": lambda v, a: f"max({a[0]}, {a[1]})",
     "minimum": lambda v, a: f"min({a[0]}, {a[1]})",
