@@ -168,7 +168,7 @@ def _run_row_chunks(stage: RowChunks, env: dict[Value, list[Any]], inputs: Seque
                 else:  # weights, broadcast operands, scalars: whole
                     operands[a] = _get(env, a)
             out = _evaluate(v, operands, inputs, sizes, world)
-            if v.op == "all_to_all_v":  # the exchange pads to the whole result's rows: keep the chunk's
+            if rows.exchanges_rows(v.op):  # the exchange pads to the whole result's rows: keep the chunk's
                 out = [t if t is None else t[:per[r].rows(v.args[2].name, k)] for r, t in enumerate(out)]
             cenv[v] = out
             pieces[v].append(out)

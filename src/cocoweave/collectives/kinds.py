@@ -32,6 +32,8 @@ class CollectiveKind:
     tensors of n, n/p, n and n elements; p, rank); `recorded`: torch.distributed function -> (index of the tensor
     whose bytes count, whether it is one rank's part) the profiler counts as this kind; `chunkable`: an overlapped
     chain may chunk it; `opens_chain`: enumeration chunks it with the matmul after it (MoE's dispatch);
+    `row_counts`: its operands are (rows, splits, recv), rows sent and received by runtime counts, so an overlapped
+    chain through it runs in row-set chunks (schedule/rows.py: all_to_all_v);
     `draw(v, per_rank, sizes, gen, drawn)`: makes random inputs of its operands agree across ranks (all_to_all_v's
     counts; `drawn`: the input names already drawn, which it extends)."""
 
@@ -49,6 +51,7 @@ class CollectiveKind:
     recorded: Mapping[str, tuple[int, bool]] = field(default_factory=dict)
     chunkable: bool = True
     opens_chain: bool = False
+    row_counts: bool = False
     draw: Callable[..., None] | None = None
     doc: str = ""
 

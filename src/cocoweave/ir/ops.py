@@ -1003,7 +1003,7 @@ register_kind(CollectiveKind(
     "all_to_all_v", "A2AV", all_to_all_v, attrs=("dim", "axis", "rows"),
     rebuild=lambda p, args, a: all_to_all_v(args[0], args[1], args[2], a["dim"], a["axis"], a["rows"]),
     reference=_exchange_v, call=lambda v, shape: ((v.attrs["dim"], shape[v.attrs["dim"]]), ()),
-    benchmark=_exchange_benchmark, draw=_draw_counts, chunkable=False))
+    benchmark=_exchange_benchmark, draw=_draw_counts, chunkable=False, row_counts=True))
 
 
 def broadcast(x: Value, root: int = 0, axis: str | None = None) -> Value:

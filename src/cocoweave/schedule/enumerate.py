@@ -23,6 +23,7 @@ from collections.abc import Callable
 from .. import collectives
 from ..errors import ScheduleError
 from ..ir.graph import Program
+from . import rows
 from .as_slice import sliced_dim
 from .schedule import Schedule
 from .stages import RowChunks, Stage, value
@@ -133,11 +134,11 @@ def _chains(s: Schedule) -> list[tuple[list[Stage], tuple[int, ...]]]:
     all_to_all_v, in row-set chunks (ROW_CHUNKS)."""
     st, out = s.stages, []
     for i, x in enumerate(st):
-        if getattr(x, "op", "") == "all_to_all_v":
+        if rows.exchanges_rows(getattr(x, "op", "")):
             j = i + 1
             while j < len(st) and st[j].kind in ("matmul", "compute"):
                 j += 1
-            if j < len(st) and getattr(st[j], "op", "") == "all_to_all_v" and \
+            if j < len(st) and rows.exchanges_rows(getattr(st[j], "op", "")) and \
                     any(y.kind == "matmul" for y in st[i + 1:j]):
                 out.append((st[i:j + 1], ROW_CHUNKS))
             continue

@@ -20,6 +20,7 @@ from typing import TYPE_CHECKING, Any
 
 import torch
 
+from .. import collectives
 from ..errors import InputError, ScheduleError
 from ..ir import registry as R
 
@@ -62,10 +63,17 @@ class RowFacts:
         return chunks.segments(c.name, k) if id(c) in self.segments else chunks.counts(c.name, k)
 
 
+def exchanges_rows(op: str) -> bool:
+    """Whether operation `op` is a collective that sends and receives rows by runtime counts (its kind's
+    `row_counts`: all_to_all_v), which row-set chunks cut by the counts' arithmetic."""
+    kind = collectives.kinds.find(op)
+    return kind is not None and kind.row_counts
+
+
 def chainable(values: Sequence[Value]) -> bool:
     """Whether a chain is one for row-set chunks: it exchanges rows with runtime counts (all_to_all_v) or computes
     on segments of runtime counts."""
-    return any(v.op == "all_to_all_v" or v.op in SEGMENTED for v in values)
+    return any(exchanges_rows(v.op) or v.op in SEGMENTED for v in values)
 
 
 def analyse(values: Sequence[Value], read_after: set[int], names: str) -> RowFacts:
@@ -117,7 +125,7 @@ def analyse(values: Sequence[Value], read_after: set[int], names: str) -> RowFac
     seg_rows: list[tuple[Value, Value]] = []  # (segment counts, a value on their rows)
     counts: dict[int, Any] = {}
     for v in values:
-        if v.op == "all_to_all_v":
+        if exchanges_rows(v.op):
             x, s, r = v.args
             if v.attrs["dim"] != 0:
                 raise ScheduleError(f"cannot overlap {names}: all_to_all_v `{v.name}` exchanges along dimension "
@@ -174,7 +182,7 @@ def analyse(values: Sequence[Value], read_after: set[int], names: str) -> RowFac
         if have is not space[id(x)]:
             raise ScheduleError(f"cannot overlap {names}: counts `{c.name}` segment rows counted by `{have.name}` "
                                 f"and by `{space[id(x)].name}`")
-    computed = [v for v in values if v.op != "all_to_all_v" and v.op not in SEGMENTED]  # elementwise
+    computed = [v for v in values if not exchanges_rows(v.op) and v.op not in SEGMENTED]  # elementwise
     tail: set[int] = set()
     todo = [v for v in computed if id(v) in read_after]
     while todo:  # an elementwise value read after the chain, and the elementwise values it reads

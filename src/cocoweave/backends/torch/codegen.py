@@ -527,7 +527,7 @@ def _emit_row_chunks(em: Emitter, stage: RowChunks, index: int) -> None:
             em.used.add(f"{name}_k")
             em.emit(f"{name}_k = {rc}.{how}", 2)
         for v in part.values:
-            if v.op == "all_to_all_v":
+            if rows.exchanges_rows(v.op):
                 x, sp, rv = (em.ref(a) for a in v.args)
                 em.emit(f"{em.var(v)} = ctx.{em.method(v)}({x}, {sp}, {rv}, 0, {rc}.rows(\"{v.args[2].name}\", k), "
                         f'{em.group(v)}, out=("{v.name}", k), async_op={overlaps})', 2)
