@@ -16,12 +16,12 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
-from . import collectives
 from .backends.torch import shm
 from .backends.torch import shm_all_to_all as shm_a2a
 from .backends.torch.agreement import agree
 from .backends.torch.placement import cpu_group
 from .backends.torch.shm import Posted
+from .schedule.enumerate import shm_offered
 
 __all__ = ["Posted", "PostedAllReduce", "agree", "group_rank", "group_size", "group_timeout", "max_flags",
            "shared_memory", "start_all_to_all", "world"]
@@ -53,8 +53,7 @@ def shared_memory(group: Any, device: torch.device | str) -> shm.ShmGroup | None
     memory (the collectives table says where its shm algorithm is offered). The one home of that decision for the
     layers' programs, their posted all-reduces, the MoE all-to-alls and the optimizer's buckets; the same answer on
     every rank (a collective of the group the first time it is asked)."""
-    kind = device if isinstance(device, str) else device.type
-    if group_size(group) < 2 or not collectives.get("shm").offered(kind):
+    if group_size(group) < 2 or not shm_offered(str(device)):
         return None
     return shm.group_for(group)
 

@@ -57,3 +57,10 @@ def test_float32_keeps_elementwise_tolerance():
     off = y.clone()
     off.view(-1)[small] += 1e-2
     assert not compare(off, y).ok
+
+
+def test_an_infinity_does_not_widen_a_16_bit_tolerance():
+    """The tensor's size is its finite elements' root-mean-square: with an infinity in it every element passed."""
+    want = torch.tensor([float("-inf"), 1.0, 2.0], dtype=torch.bfloat16)
+    assert compare(want.clone(), want).ok
+    assert not compare(torch.tensor([float("-inf"), 100.0, -50.0], dtype=torch.bfloat16), want).ok

@@ -181,13 +181,14 @@ def _dispatch(name: str) -> tuple[cw.Program, cw.Value, cw.Value, cw.Value, cw.V
     return p, cw.all_to_all(x, 0, splits=s, recv=r, rows=16), s, r, c, ep
 
 
-def test_an_elementwise_value_read_after_the_chain_gets_its_padding_rows_as_written(local_world):
+@pytest.mark.parametrize("outside", ["z", "z_pad"])  # z_pad: the generated code's own name for z's padding rows
+def test_an_elementwise_value_read_after_the_chain_gets_its_padding_rows_as_written(local_world, outside):
     """An elementwise value kept as a result holds rows no chunk computes (past the counts'): computed once after the
     chunks from its operands' padding rows (zero for the exchange's and the GEMM's, an outside tensor's own rows), as
     the program as written computes them (here nonzero: + 1 and a random outside tensor)."""
     p, got, s, r, c, ep = _dispatch("padding_out")
     h = cw.grouped_matmul(got, p.tensor("w", (2, D, D), "float32", ep), c)
-    act = (h * 2.0 + 1.0) * p.tensor("z", (16, D), "float32", Layout(ep=Local))
+    act = (h * 2.0 + 1.0) * p.tensor(outside, (16, D), "float32", Layout(ep=Local))
     p.output(cw.all_to_all(act + got, 0, splits=r, recv=s, rows=8), "y")
     p.output(act, "act")
     found = [x for x in enumerate_schedules(p) if x.name.startswith("ol(")]

@@ -148,7 +148,7 @@ def _run_row_chunks(stage: RowChunks, env: dict[Value, list[Any]], inputs: Seque
     """Run a chain through all_to_all_v in row-set chunks (schedule/rows.py): every rank derives chunk k's rows,
     counts and segment counts from its own counts; each chunk's values are computed on its rows alone, then put back
     in their rows of the whole tensors (a grouped_matmul_wgrad's chunks summed)."""
-    facts = rows.analyse(stage.values, {id(v) for v in stage.live_outs}, stage.label)
+    facts = rows.of_stage(stage)
     inside = {id(v) for v in stage.values}
     ranks = [r for r in range(world) if all(_get(env, c)[r] is not None for c in facts.counts)]
     per = {r: facts.chunks(stage.chunks, lambda c, r=r: _get(env, c)[r], f"rank {r}: {stage.label}") for r in ranks}

@@ -268,7 +268,7 @@ def exp(x: Value) -> Value:
 
 @operation("sigmoid", R.UNARY)
 def sigmoid(x: Value) -> Value:
-    """1 / (1 + e ** -x): one operation where exp, add and div would be three passes (SwiGLU's backward)."""
+    """1 / (1 + e ** -x): one operation where neg, exp, add and div would be four passes."""
     return _float_unary("sigmoid", x)
 
 

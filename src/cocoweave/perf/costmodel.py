@@ -292,7 +292,7 @@ class PlanCoster:
         """What row-set chunks copy that the chain as written does not: each chunk's rows of the tensors from
         outside gathered, and its results put back into the whole tensors read after the chain (read and written
         once each, one op per chunk), a weight gradient's partial sums added (schedule/rows.py)."""
-        facts = rows.analyse(stage.values, {id(v) for v in stage.live_outs}, stage.label)
+        facts = rows.of_stage(stage)
         inside, k = {id(v) for v in stage.values}, stage.chunks
         outside = {id(a): a for v in stage.values for a in v.args if id(a) not in inside and id(a) in facts.space}
         moved = [*outside.values(), *stage.live_outs]

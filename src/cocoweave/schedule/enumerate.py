@@ -180,6 +180,7 @@ def enumerate_schedules(program: Program, device: str = "cpu") -> list[Schedule]
         if s is not None:
             found.setdefault(s.name, s)
 
+    row_algorithms = _row_algorithms(device)
     for rewrite in _rewrites(program):
         if not rewrite.steps:
             add(rewrite)  # the program as written: the baseline
@@ -193,8 +194,9 @@ def enumerate_schedules(program: Program, device: str = "cpu") -> list[Schedule]
                     refs = [c.anchor for c in chain]
                     ol = _try(lambda base=base, refs=refs, n=n: _overlapped(program, base, refs, n))
                     add(ol)
-                    for algorithm in _row_algorithms(device) if ol is not None else ():
-                        add(_on(program, ol, (RowChunks.kind,), algorithm))
+                    if ol is not None and any(isinstance(x, RowChunks) for x in ol.stages):
+                        for algorithm in row_algorithms:
+                            add(_on(program, ol, (RowChunks.kind,), algorithm))
         on = {"written": None if steps else bases[0], "each": bases[0], "fused": bases[1]}
         for algorithm in [a for a in collectives.algorithms() if a.offered(device)]:
             for base, kinds in algorithm.enumerated:

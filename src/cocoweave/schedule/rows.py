@@ -76,6 +76,11 @@ def chainable(values: Sequence[Value]) -> bool:
     return any(exchanges_rows(v.op) or v.op in SEGMENTED for v in values)
 
 
+def of_stage(stage: Any) -> RowFacts:
+    """`analyse` of a lowered row-chunked stage: its values, those it keeps for later stages, its label."""
+    return analyse(stage.values, {id(v) for v in stage.live_outs}, stage.label)
+
+
 def analyse(values: Sequence[Value], read_after: set[int], names: str) -> RowFacts:
     """The row spaces of chain `values` (in program order); `read_after`: ids of its values read after it (or kept
     as results). ScheduleError with a sentence for a chain that row-set chunks cannot run."""
@@ -298,4 +303,4 @@ def accumulate(pieces: Sequence[torch.Tensor]) -> torch.Tensor:
     return out.to(pieces[0].dtype)
 
 
-__all__ = ["ACCUMULATED", "Chunks", "RowFacts", "accumulate", "analyse", "chainable"]
+__all__ = ["ACCUMULATED", "Chunks", "RowFacts", "accumulate", "analyse", "chainable", "exchanges_rows", "of_stage"]

@@ -308,10 +308,7 @@ def overlap(program: Program, stages: list[Stage], refs: tuple[str | Stage, ...]
     members = [n for s in group for n in s.names]
     vals = [value(program, n) for n in members]
     if rows.chainable(vals):
-        inside = {id(v) for v in vals}
-        after = {id(a) for u in program.values if id(u) not in inside for a in u.args}
-        after |= {id(v) for _, v in program.outputs} | {id(u.args[1]) for u in program.updates.values()}
-        rows.analyse(vals, after, names)
+        rows.analyse(vals, set(), names)  # refuses what row-set chunks cannot run (what is read after: lowering's)
         return stages[:idx[0]] + [RowChunks(tuple(members), parts=tuple(group), chunks=chunks)] + \
             stages[idx[-1] + 1:]
     dim = chunk_dim(program, members, names)

@@ -62,12 +62,17 @@ class Emitter:
             base = v.name.replace("%", "v").replace(".", "_").replace("'", "_new")
             if keyword.iskeyword(base) or base in RESERVED or not base.isidentifier():
                 base = f"{base}_"
-            name, i = base, 1
-            while name in self.used:  # an input may be called like an intermediate (`v10`)
-                name, i = f"{base}_{i}", i + 1
-            self.used.add(name)
-            self.names[id(v)] = name
+            self.names[id(v)] = self.fresh(base)
         return self.names[id(v)]
+
+    def fresh(self, base: str) -> str:
+        """`base`, or `base_1`, `base_2`... if taken (an input may be called like an intermediate, `v10`, or like
+        a derived name, `z_pad`): a name no other value of the step has."""
+        name, i = base, 1
+        while name in self.used:
+            name, i = f"{base}_{i}", i + 1
+        self.used.add(name)
+        return name
 
     def ref(self, a: Value) -> str:
         """An operand as an expression (constants inline)."""
@@ -523,9 +528,8 @@ def _emit_row_chunks(em: Emitter, stage: RowChunks, index: int) -> None:
             else:
                 continue
             swapped[id(a)] = name
-            em.names[id(a)] = f"{name}_k"
-            em.used.add(f"{name}_k")
-            em.emit(f"{name}_k = {rc}.{how}", 2)
+            em.names[id(a)] = chunk = em.fresh(f"{name}_k")
+            em.emit(f"{chunk} = {rc}.{how}", 2)
         for v in part.values:
             if rows.exchanges_rows(v.op):
                 x, sp, rv = (em.ref(a) for a in v.args)
@@ -557,10 +561,10 @@ def _emit_row_padding(em: Emitter, stage: RowChunks, facts: rows.RowFacts, rc: s
     chain (facts.tail), computed once after the chunks from their operands' padding rows: zero for an exchange's or
     a grouped GEMM's, the rows past the counts' of a whole tensor from outside. Returns their names by value id."""
     inside, tail = {id(v) for v in stage.values}, {id(v) for v in facts.tail}
-    saved = dict(em.names)
+    saved, padded = dict(em.names), set()
     for v in facts.tail:
         for a in v.args:
-            if a.is_scalar or a.op == "const" or id(a) in tail or em.names.get(id(a), "").endswith("_pad"):
+            if a.is_scalar or a.op == "const" or id(a) in tail or id(a) in padded:
                 continue
             if id(a) in inside:
                 how = f'zeros(envs[0]["{em.var(a)}"], "{facts.space[id(a)].name}", {em.view.local_shape(a)[0]})'
@@ -568,11 +572,12 @@ def _emit_row_padding(em: Emitter, stage: RowChunks, facts: rows.RowFacts, rc: s
                 how = f'padding({em.var(a)}, "{facts.space[id(a)].name}")'
             else:
                 continue
-            em.names[id(a)] = f"{em.var(a)}_pad"
-            em.emit(f"{em.var(a)} = {rc}.{how}", 2)
+            padded.add(id(a))
+            em.names[id(a)] = pad = em.fresh(f"{em.var(a)}_pad")
+            em.emit(f"{pad} = {rc}.{how}", 2)
         line = em.compute(v)
-        em.names[id(v)] = f"{em.var(v)}_pad"
-        em.emit(f"{em.var(v)} = {line}  # {v.name}'s rows past the chunks'", 2)
+        em.names[id(v)] = pad = em.fresh(f"{em.var(v)}_pad")
+        em.emit(f"{pad} = {line}  # {v.name}'s rows past the chunks'", 2)
     pads = {id(v): em.var(v) for v in facts.tail}
     em.names = saved
     return pads

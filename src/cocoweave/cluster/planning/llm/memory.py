@@ -125,5 +125,6 @@ def memory_per_gpu(spec: TransformerSpec, cfg: ParallelConfig) -> MemoryBreakdow
         return dense / (replicas if cfg.zero >= stage else 1) + experts / (replicas // cfg.ep if cfg.zero >= stage
                                                                            else 1)
 
-    return MemoryBreakdown(sharded(3 if cfg.reshard else 4) * spec.bytes_per_value, sharded(2) * cfg.grad_bytes,
-                           sharded(1) * OPTIMIZER_BYTES, activation_bytes(spec, cfg))
+    weights = sharded(3) if cfg.reshard else dense + experts  # gathered weights kept whole without resharding
+    return MemoryBreakdown(weights * spec.bytes_per_value, sharded(2) * cfg.grad_bytes, sharded(1) * OPTIMIZER_BYTES,
+                           activation_bytes(spec, cfg))

@@ -486,10 +486,9 @@ def nemo_flops_per_token(spec: TransformerSpec) -> float:
     """NeMo's model FLOPs per token (forward + backward, no recomputation): 6 x (the layers' linear weights + the
     output layer's) + 12 x layers x seq x hidden, attention counted over the whole s x s, not its causal half.
     NeMo 24.07's summary gives both its columns for LLAMA2-7B at 4K (776 TFLOP/s at 16847 tokens/s) and LLAMA3-8B
-    at 8K (697 at 12036): this formula gives 46.08 and 57.91 GFLOP a token, theirs 46.06 and 57.91."""
-    h = spec.hidden
-    linear = spec.layers * (h * (spec.qkv_out + spec.q_width) + spec.mlp_matrices * h * spec.ffn_size)
-    return 6.0 * (linear + h * spec.vocab) + 12.0 * spec.layers * spec.seq_len * h
+    at 8K (697 at 12036): this formula gives 46.08 and 57.91 GFLOP a token, theirs 46.06 and 57.91. It is the model
+    FLOPs MFU counts (TransformerSpec.model_flops_per_step), per token."""
+    return spec.model_flops_per_step() / spec.tokens_per_step()
 
 
 def nemo_long_seq_runs() -> list[PublishedRun]:
