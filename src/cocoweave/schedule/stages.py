@@ -167,10 +167,13 @@ class RowChunks(Overlap):
     `chunks` row-set chunks decided at run time (schedule/rows.py): chunk k takes of every rank's segment of rows
     its k-th K-th, so chunk k+1's exchange is in flight while chunk k's GEMMs run (where the exchanges' algorithm
     overlaps: the library's). `chunk_dim` is 0 (rows); `algorithm` is its exchanges' ("library", or "shm" through
-    shared memory), which its exchange parts carry too."""
+    shared memory), read from its exchange parts, which carry it."""
 
-    algorithm: str = "library"
     kind: ClassVar[str] = "row_chunks"
+
+    @property
+    def algorithm(self) -> str:
+        return next((p.algorithm for p in self.parts if isinstance(p, Collective)), collectives.DEFAULT)
 
 
 def join_labels(stages: tuple[Stage, ...] | list[Stage]) -> str:
@@ -343,7 +346,7 @@ def set_algorithm(program: Program, stages: list[Stage], ref: str | Stage, algor
         if missing is not None:
             raise ScheduleError(f"cannot run {lab} (`{s.anchor}`) as a {algorithm}: it has no {missing}")
         parts = tuple(replace(p, algorithm=algorithm) if isinstance(p, Collective) else p for p in s.parts)
-        return stages[:i] + [replace(s, algorithm=algorithm, parts=parts)] + stages[i + 1:]
+        return stages[:i] + [replace(s, parts=parts)] + stages[i + 1:]
     if isinstance(s, P2P):
         if not entry.implements("send"):
             raise ScheduleError(f"cannot run {lab} (`{s.anchor}`) as a {algorithm}: it has no point-to-point send")
