@@ -169,6 +169,18 @@ def test_segment_counts_that_disagree_with_the_rows_received_are_refused_at_run_
         reference.run(_chunked(p, 2), ins)
 
 
+def test_a_negative_row_count_is_refused_naming_the_counts():
+    """Checked where the chunks read the counts, before any chunk's arithmetic turns them into other numbers."""
+    n = 3
+    x = torch.ones(n, D)
+    w = {k: torch.ones(1, *shape) for k, shape in (("w1", (D, F)), ("w3", (D, F)), ("w2", (F, D)))}
+    ins = [{"x": x, "s": torch.tensor([2, -1]), "r": torch.tensor([2, 1]), "c": torch.tensor([[2], [1]]), **w},
+           {"x": x, "s": torch.tensor([1, 1]), "r": torch.tensor([-1, 1]), "c": torch.tensor([[0], [1]]), **w}]
+    p = workloads.moe_dropless(R=2, E=2, N=n, D=D, F=F)
+    with pytest.raises(InputError, match="`[sr]` must hold 2 non-negative row counts"):
+        reference.run(_chunked(p, 2), ins)
+
+
 # -- refusals -------------------------------------------------------------------------------------------------
 
 

@@ -23,6 +23,7 @@ import torch
 from .. import collectives
 from ..errors import InputError, ScheduleError
 from ..ir import registry as R
+from ..ir.ops import row_counts
 
 if TYPE_CHECKING:
     from ..ir.graph import Value
@@ -214,7 +215,7 @@ class Chunks:
     def __init__(self, chunks: int, spaces: Mapping[str, torch.Tensor],
                  segments: Mapping[str, tuple[torch.Tensor, str]], where: str):
         self.chunks, self.where = chunks, where
-        self.n = {name: _host(t) for name, t in spaces.items()}
+        self.n = {name: row_counts(t, t.numel(), name, where) for name, t in spaces.items()}  # InputError if < 0
         self.like = {name: t for name, t in spaces.items()}
         self.segs: dict[str, tuple[list[list[int]], str, torch.Tensor]] = {}
         for name, (c, space) in segments.items():
