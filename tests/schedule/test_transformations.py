@@ -61,6 +61,26 @@ def test_reorder_inserts_all_reduce_for_norms_over_slices():
     assert len(small) == 2 and all(v.shape == () for v in small)
 
 
+def test_reorder_gathers_an_output_a_pulled_in_feeder_slices():
+    """`c = sqrt(abs(s))` reads Replicated state and only region values read it, so it joins the region on slices
+    after `t = sum(y) + c`'s dimension was decided (none: the sum is a scalar): `t` is sliced all the same, and the
+    output must be gathered back to its whole, Replicated self (each rank got half of it before)."""
+    from cocoweave.equivalence.check import check_schedules
+
+    p = cw.Program("feeder")
+    g = p.tensor("g", (2,), "float32", cw.Local)
+    s = p.tensor("s", (2,), "float32", cw.Replicated, init="positive")
+    y = cw.all_reduce(g, "sum")
+    c = cw.sqrt(cw.abs(s))
+    p.update(s, cw.abs(y + c))
+    p.output(cw.sum(y) + c, "out")
+    sch = Schedule(p)
+    sch.split(y.name, dim=0)
+    sch.reorder(f"{y.name}.ag")
+    assert sch.program.outputs[0][1].layout.is_replicated
+    assert all(r.ok for r in check_schedules(p, [sch], 2, seed=0)), sch.name
+
+
 def test_reorder_refuses_a_local_operand():
     p = cw.Program("t")
     g = p.tensor("g", (8,), "float32", cw.Local)

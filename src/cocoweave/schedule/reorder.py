@@ -174,7 +174,9 @@ def _rebuild(program: Program, ag: Value, dims: dict[Value, int | None], red_dim
             sl[v] = env[ag.args[0]]
         elif v in dims:
             sl[v] = _rebuild_region_value(v, [region_operand(v, a) for a in v.args], red_dim, env, ax)
-            if dims[v] is None and v.op != "update":
+            # whole where its rebuilt layout is: a feeder pulled in after v's dimension was decided (a Replicated
+            # operand of v all of whose users are in the region) may have sliced it since
+            if not ax.at(sl[v]).is_sliced and v.op != "update":
                 env[v] = sl[v]
         else:
             env[v] = copy_value(v, {a: whole(a) for a in v.args}, new)
