@@ -138,7 +138,6 @@ def _layer_schedules(family: str = "tp") -> dict[str, frozenset[str]]:
     return {**every, ASYNC: frozenset(), ASYNC_SHM: frozenset({"shm"})}  # the column backward's routes
 
 
-
 class Programs:
     """One layer's compiled programs: executables by (program fingerprint, schedule), the schedule each program
     runs (for print(model)), and "auto"'s measurement."""

@@ -19,9 +19,8 @@ import torch
 
 from ..group_facts import max_flags
 from ..ir.types import canonical_dtype
+from ..workloads.experts import SAVED  # what the forward program outputs for the backward one
 from . import programs as P
-
-SAVED = ("got", "gate", "up", "hidden")  # what the forward program outputs for the backward one (moe_dropless's save)
 
 
 def capacity(rows: int, bound: int) -> int:

@@ -314,7 +314,7 @@ def overlap(program: Program, stages: list[Stage], refs: tuple[str | Stage, ...]
         rows.analyse(vals, set(), names)  # refuses what row-set chunks cannot run (what is read after: lowering's)
         return stages[:idx[0]] + [RowChunks(tuple(members), parts=tuple(group), chunks=chunks)] + \
             stages[idx[-1] + 1:]
-    dim = chunk_dim(program, members, names)
+    dim = chunk_dim(vals, names)
     return stages[:idx[0]] + [Overlap(tuple(members), parts=tuple(group), chunks=chunks, chunk_dim=dim)] + \
         stages[idx[-1] + 1:]
 
@@ -384,10 +384,9 @@ def _axis_count(v: Value) -> int:
     return len(mesh.axes) if mesh is not None else 1
 
 
-def chunk_dim(program: Program, members: list[str], names: str) -> int:
-    """A dimension every value of the chain can be cut along independently: not contracted by a
+def chunk_dim(vals: list[Value], names: str) -> int:
+    """A dimension every value of the chain `vals` can be cut along independently: not contracted by a
     matmul, not sliced or gathered by a collective, not reduced."""
-    vals = [value(program, n) for n in members]
     nd = vals[0].ndim
     banned: set[int] = set()
     for v in vals:

@@ -31,6 +31,9 @@ def moe_experts(R: int = 2, E: int = 4, C: int = 8, D: int = 16, F: int = 32, dt
     return p
 
 
+SAVED = ("got", "gate", "up", "hidden")  # what moe_dropless's `save` form outputs and moe_dropless_backward takes
+
+
 def _on_ep(name: str, R: int, E: int) -> tuple[Program, Layout, Layout]:
     """Program `name` on the mesh axis `ep` of R ranks holding E experts (refused unless E / R each); its Local and
     its expert-sliced layout."""
@@ -73,7 +76,7 @@ def moe_dropless(R: int = 2, E: int = 4, N: int = 8, D: int = 16, F: int = 32, M
     hidden = silu(gate) * up
     p.output(all_to_all(grouped_matmul(hidden, w2, c), 0, splits=r, recv=s, rows=N), "y")  # combine
     if save:
-        for v, name in ((got, "got"), (gate, "gate"), (up, "up"), (hidden, "hidden")):
+        for v, name in zip((got, gate, up, hidden), SAVED, strict=True):
             p.output(v, name)
     return p
 

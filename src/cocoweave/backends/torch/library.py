@@ -186,21 +186,22 @@ def all_to_all_v(ctx: RankContext, x: torch.Tensor, splits: torch.Tensor, recv: 
         return alone  # launched early (its counts checked then) or provided
     where = f"rank {ctx.rank}: all_to_all_v"
     sent, came = row_counts(splits, n, "splits", where), row_counts(recv, n, "recv", where)
-    if sum(sent) > x.shape[dim] or sum(came) > rows:
-        raise InputError(f"{where} sends {sum(sent)} of its {x.shape[dim]} rows and receives "
-                         f"{sum(came)} into {rows}: the counts do not fit the tensors")
+    n_sent, n_came = sum(sent), sum(came)
+    if n_sent > x.shape[dim] or n_came > rows:
+        raise InputError(f"{where} sends {n_sent} of its {x.shape[dim]} rows and receives "
+                         f"{n_came} into {rows}: the counts do not fit the tensors")
     res = ctx.buffer(out, with_dim(x.shape, dim, rows), x.dtype)
     rt = res.movedim(dim, 0)
-    rt[sum(came):].zero_()
-    xt = x.movedim(dim, 0)[:sum(sent)]
+    rt[n_came:].zero_()
+    xt = x.movedim(dim, 0)[:n_sent]
     if n == 1:
-        rt[:sum(came)].copy_(xt)
+        rt[:n_came].copy_(xt)
         return ctx.done(None, lambda: res, async_op)
     host = ctx.backend == "gloo" and x.device.type != "cpu"  # Gloo's all-to-all takes host tensors
     wire = (xt.detach().to("cpu") if host else xt).contiguous()
     direct = dim == 0 and not host and res.is_contiguous()  # received straight into the result
-    got = rt[:sum(came)] if direct else ctx.buffer((out, "got"), (rows, *wire.shape[1:]), wire.dtype,
-                                                   wire.device)[:sum(came)]
+    got = rt[:n_came] if direct else ctx.buffer((out, "got"), (rows, *wire.shape[1:]), wire.dtype,
+                                                wire.device)[:n_came]
     if start is not None:
         work = start(wire, sent, came, got)
     else:
@@ -210,7 +211,7 @@ def all_to_all_v(ctx: RankContext, x: torch.Tensor, splits: torch.Tensor, recv: 
         if start is not None:
             work.wait()
         if not direct:
-            rt[:sum(came)].copy_(got)
+            rt[:n_came].copy_(got)
         return res
 
     return ctx.done(work if async_op or start is not None else None, finish, async_op)
