@@ -208,13 +208,18 @@ class _Gen:
                 base = "v" + base
             if keyword.iskeyword(base) or base.endswith("_ptr") or re.fullmatch(r"(index|key|threshold)\d+", base):
                 base += "_"
-            name, k = base, 1
-            while name in self.used:
-                name, k = f"{base}_{k}", k + 1
-            self.used.add(name)
+            name = self.fresh(base)
             self.names[id(v)] = name
             self.dtypes[name] = v.dtype
         return self.names[id(v)]
+
+    def fresh(self, base: str) -> str:
+        """A kernel-local name starting with `base` that no value or temporary of this kernel has."""
+        name, k = base, 1
+        while name in self.used:
+            name, k = f"{base}_{k}", k + 1
+        self.used.add(name)
+        return name
 
     def emit(self, line: str) -> None:
         self.lines.append("    " + line)
@@ -298,7 +303,8 @@ class _Gen:
             elif op == "div":
                 e = f"tl.div_rn({a[0]}, {a[1]})"
             elif op == "silu_grad":  # torch's CUDA silu_backward: dy * s * (1 + x * (1 - s)), s = sigmoid(x)
-                s = UNARY["sigmoid"].format(x=a[1])
+                s = self.fresh(f"{self.var(v)}_sigmoid")
+                self.emit(f"{s} = {UNARY['sigmoid'].format(x=a[1])}")
                 e = f"{a[0]} * {s} * (1.0 + {a[1]} * (1.0 - {s}))"
             elif op in ("maximum", "minimum"):
                 nan = ", propagate_nan=tl.PropagateNan.ALL" if c == "float32" else ""

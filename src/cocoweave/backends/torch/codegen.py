@@ -32,6 +32,13 @@ INPLACE = {op: (lambda a, b, m=f"{op}_": f"{a}.{m}({b})") for op in OVER_OPS} | 
     "silu_grad": lambda a, b: f"rt.silu_grad({a}, {b}, out={a})"}
 
 
+class Code(str):
+    """Source text that a generated call takes as is where a value's repr would go (a size known at run time)."""
+
+    def __repr__(self) -> str:
+        return str(self)
+
+
 @dataclass
 class Emitter:
     """Builds the source text of one rank's step function."""
@@ -213,10 +220,11 @@ class Emitter:
         kind = collectives.kinds.find(v.op)
         return None if kind is None else kind.shares(v)
 
-    def collective(self, v: Value, x: str, g: str, tail: str) -> str:
+    def collective(self, v: Value, x: str, g: str, tail: str, shape: tuple[Any, ...] | None = None) -> str:
         """The runtime call of collective `v`: the operand, the arguments its kind gives (collectives/kinds.py), the
-        group, then its keyword arguments."""
-        before, after = collectives.kind(v.op).call(v, self.view.local_shape(v))
+        group, then its keyword arguments. `shape` stands for v's local shape where a size is only known when the
+        step runs (a `Code` expression: a row chunk's rows)."""
+        before, after = collectives.kind(v.op).call(v, self.view.local_shape(v) if shape is None else shape)
         args = "".join(f", {a!r}" for a in before)
         more = "".join(f", {k}={a!r}" for k, a in after if a is not None)
         return f"ctx.{self.method(v)}({x}{args}, {g}{more}{tail})"
@@ -531,10 +539,11 @@ def _emit_row_chunks(em: Emitter, stage: RowChunks, index: int) -> None:
             em.names[id(a)] = chunk = em.fresh(f"{name}_k")
             em.emit(f"{chunk} = {rc}.{how}", 2)
         for v in part.values:
-            if rows.exchanges_rows(v.op):
-                x, sp, rv = (em.ref(a) for a in v.args)
-                em.emit(f"{em.var(v)} = ctx.{em.method(v)}({x}, {sp}, {rv}, 0, {rc}.rows(\"{v.args[2].name}\", k), "
-                        f'{em.group(v)}, out=("{v.name}", k), async_op={overlaps})', 2)
+            if rows.exchanges_rows(v.op):  # chunk k's rows received: a size known when the step runs
+                shape = (Code(f'{rc}.rows("{v.args[2].name}", k)'), *em.view.local_shape(v)[1:])
+                call = em.collective(v, ", ".join(em.ref(a) for a in v.args), em.group(v),
+                                     f', out=("{v.name}", k), async_op={overlaps}', shape)
+                em.emit(f"{em.var(v)} = {call}", 2)
             else:
                 em.emit(f"{em.var(v)} = {em.compute(v)}  # {v.name} = {v.op}({', '.join(operand(a) for a in v.args)})",
                         2)
