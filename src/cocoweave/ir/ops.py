@@ -522,7 +522,8 @@ def _draw_segments(v: Value, per_rank: list[dict[str, Any]], sizes: Any, gen: to
     not fit its rows): where its rows are all_to_all_v's result and the counts hold one row of segments per source
     rank, row i partitions the rows received from rank i (the recv drawn before); otherwise the segments cover a
     random number of the rows, zeros and padding included."""
-    from .semantics import local_rank  # semantics fills in the meanings of the operations this module registers
+    # semantics fills in the meanings of the operations this module registers
+    from .semantics import host_counts, local_rank
 
     c = v.args[2]
     if c.op != "input" or c.name in drawn:
@@ -536,7 +537,7 @@ def _draw_segments(v: Value, per_rank: list[dict[str, Any]], sizes: Any, gen: to
         lines = t.numel() // g if g else 0
         got = per_rank[rank].get(recv.name) if recv is not None else None
         if got is not None and got.numel() == lines > 0:  # each source rank's rows, split among the groups
-            totals, each = [int(k) for k in got.reshape(-1).tolist()], g
+            totals, each = host_counts(got), g
         else:
             key = local_rank(c.layout, c.position(rank, len(per_rank)))
             if key not in same:
@@ -941,7 +942,9 @@ def all_to_all_v(x: Value, splits: Value, recv: Value, dim: int = 0, axis: str |
 def row_counts(t: Any, n: int, what: str, where: str) -> list[int]:
     """all_to_all_v's counts operand `what` (a tensor) as n non-negative ints on the host: the reference's and the
     torch backend's one check (InputError naming `where` otherwise)."""
-    c = [int(k) for k in t.reshape(-1).tolist()]
+    from .semantics import host_counts
+
+    c = host_counts(t)
     if len(c) != n or builtins.min(c, default=0) < 0:
         raise InputError(f"{where}: `{what}` must hold {n} non-negative row counts (one per rank), got {c}")
     return c

@@ -152,10 +152,15 @@ def silu_grad(dy: Any, x: Any, out: torch.Tensor | None = None) -> torch.Tensor:
     return torch.ops.aten.silu_backward(dy, x)
 
 
+def host_counts(t: torch.Tensor) -> list[int]:
+    """The row counts an integer tensor holds, in order, as ints on the host (where routing's counts are read)."""
+    return [int(k) for k in t.reshape(-1).tolist()]
+
+
 def segments(counts: torch.Tensor, rows: int, groups: int, where: str) -> list[tuple[int, int, int]]:
     """grouped_matmul's (start, length, group) per non-empty segment from its counts on the host: the reference's
     and the torch backend's one check (InputError naming `where` otherwise)."""
-    c = [int(k) for k in counts.reshape(-1).tolist()]
+    c = host_counts(counts)
     g = counts.shape[-1] if counts.ndim else 1
     if g != groups:
         raise InputError(f"{where}: the counts hold {g} segments per line but the rank holds {groups} groups")

@@ -24,6 +24,7 @@ from .. import collectives
 from ..errors import InputError, ScheduleError
 from ..ir import registry as R
 from ..ir.ops import row_counts
+from ..ir.semantics import host_counts
 
 if TYPE_CHECKING:
     from ..ir.graph import Value
@@ -199,10 +200,6 @@ def analyse(values: Sequence[Value], read_after: set[int], names: str) -> RowFac
     return RowFacts(space, segments, tuple(counts.values()), tuple(v for v in computed if id(v) in tail))
 
 
-def _host(t: torch.Tensor) -> list[int]:
-    return [int(k) for k in t.reshape(-1).tolist()]
-
-
 def _bounds(n: int, chunks: int, k: int) -> tuple[int, int]:
     return k * n // chunks, (k + 1) * n // chunks
 
@@ -219,7 +216,7 @@ class Chunks:
         self.like = {name: t for name, t in spaces.items()}
         self.segs: dict[str, tuple[list[list[int]], str, torch.Tensor]] = {}
         for name, (c, space) in segments.items():
-            lines = [_host(line) for line in c.reshape(c.shape[0], -1)] if c.ndim else []
+            lines = [host_counts(line) for line in c.reshape(c.shape[0], -1)] if c.ndim else []
             n = self.n[space]
             if len(lines) != len(n) or any(sum(line) != m for line, m in zip(lines, n)):
                 raise InputError(f"{where}: the segment counts `{name}` {lines} must hold one line per rank, line i "
