@@ -206,10 +206,15 @@ def mul(a: Any, b: Any) -> Value:
 @operation("div", R.BINARY)
 def div(a: Any, b: Any) -> Value:
     """a / b (true division; integer operands give float32)."""
+    return _float_binary("div", a, b)
+
+
+def _float_binary(op: str, a: Any, b: Any) -> Value:
+    """A binary op whose result is a float: the operands' promoted dtype, or float32 for integers."""
     program = _program_of(a, b)
     vals = [lift(x, program) for x in (a, b)]
     dtype = _result_dtype(vals)
-    return _elementwise("div", vals, dtype=dtype if is_float(dtype) else "float32")
+    return _elementwise(op, vals, dtype=dtype if is_float(dtype) else "float32")
 
 
 @operation("pow", R.BINARY)
@@ -282,10 +287,7 @@ def silu(x: Value) -> Value:
 def silu_grad(dy: Any, x: Any) -> Value:
     """dy * silu'(x) = dy s (1 + x (1 - s)) with s = sigmoid(x) (torch's silu_backward): SwiGLU's backward through
     its activation in one pass where sigmoid and arithmetic take six (docs/moe.md, "program path")."""
-    program = _program_of(dy, x)
-    vals = [lift(v, program) for v in (dy, x)]
-    dtype = _result_dtype(vals)
-    return _elementwise("silu_grad", vals, dtype=dtype if is_float(dtype) else "float32")
+    return _float_binary("silu_grad", dy, x)
 
 
 @operation("cast", R.CAST, ("dtype",), rebuild=lambda p, args, a: cast(args[0], a["dtype"]))
