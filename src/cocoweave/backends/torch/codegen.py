@@ -508,7 +508,7 @@ def _emit_row_chunks(em: Emitter, stage: RowChunks, index: int) -> None:
     host; part j of chunk k reads its operands' chunk-k rows (index_select), its counts' chunk-k counts and runs the
     exchanges asynchronously, so ctx.pipeline computes chunk k while chunk k+1's exchange is in flight; the chunks'
     results go back to their rows of the whole tensors (a grouped_matmul_wgrad's partial sums added)."""
-    facts = rows.analyse(stage.values, {id(v) for v in stage.values if id(v) in em.live_out}, stage.label)
+    facts = rows.of_stage(stage)
     rc = f"RC{index}"
     spaces = ", ".join(f'"{c.name}": {em.var(c)}' for c in facts.spaces)
     segs = ", ".join(f'"{c.name}": ({em.var(c)}, "{facts.segments[id(c)].name}")' for c in facts.counts
