@@ -46,10 +46,10 @@ def compare(actual: torch.Tensor, expected: torch.Tensor) -> Difference:
         return Difference(0.0, 0.0, True)
     same_inf = torch.isinf(e) & (a == e)
     diff = torch.where(same_inf, torch.zeros_like(a), (a - e).abs())
-    rel = diff / e.abs().clamp_min(1e-12)
     scale = e.abs()
-    finite = e[torch.isfinite(e)]
-    if expected.dtype in HALF and finite.numel():
+    rel = diff / scale.clamp_min(1e-12)
+    finite = e[torch.isfinite(e)] if expected.dtype in HALF else e[:0]  # the finite elements (16-bit floats only)
+    if finite.numel():
         # an element of a sum of rounded 16-bit terms (a matmul's, a reduction's) is off by a rounding of its terms'
         # size, not of its own: where the terms cancel, |expected| is far below them. The tensor's root-mean-square
         # stands in for the terms' size (a fused chain rounded once against the chain rounded op by op: max abs 8.0

@@ -133,11 +133,17 @@ def _chains(s: Schedule) -> list[tuple[list[Stage], tuple[int, ...]]]:
     next chunk moves); for an all_to_all_v (the dropless experts), only the whole chain through a matmul to the next
     all_to_all_v, in row-set chunks (ROW_CHUNKS)."""
     st, out = s.stages, []
+
+    def after_computations(i: int) -> int:
+        """The index of the first stage after i that is not a matmul or a computation."""
+        j = i + 1
+        while j < len(st) and st[j].kind in ("matmul", "compute"):
+            j += 1
+        return j
+
     for i, x in enumerate(st):
         if rows.exchanges_rows(getattr(x, "op", "")):
-            j = i + 1
-            while j < len(st) and st[j].kind in ("matmul", "compute"):
-                j += 1
+            j = after_computations(i)
             if j < len(st) and rows.exchanges_rows(getattr(st[j], "op", "")) and \
                     any(y.kind == "matmul" for y in st[i + 1:j]):
                 out.append((st[i:j + 1], ROW_CHUNKS))
@@ -145,9 +151,7 @@ def _chains(s: Schedule) -> list[tuple[list[Stage], tuple[int, ...]]]:
         opens = (k := collectives.kinds.find(getattr(x, "op", ""))) is not None and k.opens_chain
         if opens and i + 1 < len(st) and st[i + 1].kind == "matmul":
             out.append((st[i:i + 2], CHUNKS))
-            j = i + 1
-            while j < len(st) and st[j].kind in ("matmul", "compute"):
-                j += 1
+            j = after_computations(i)
             if j < len(st) and st[j].kind == "collective":
                 out.append((st[i:j + 1], CHUNKS))
         if x.kind == "matmul" and i + 1 < len(st) and st[i + 1].kind in ("collective", "fused"):

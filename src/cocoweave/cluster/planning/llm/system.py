@@ -62,6 +62,9 @@ HOPPER = "hopper"
 # Megatron-core's those of Megatron 2022, torchtitan with torch.compile's and llm-foundry's those of eager FSDP2
 MEGATRON_2022 = Efficiency(gemm_max=0.78, elementwise_passes=2.094)
 TORCHTITAN_2024 = Efficiency(gemm_max=0.78, elementwise_passes=8.788)
+# Hopper constants that calibrate.FREE fits once for several stacks: cuBLAS's large-GEMM rate on DGX H100 (700 W
+# SXM), shared by the stacks that ran there, and the GEMM shape constant, shared by all four Hopper stacks
+DGX_H100_GEMM_MAX, HOPPER_GEMM_HALF = 0.7675, 60.0
 
 # The software stacks the published runs used, with their calibrated constants (`calibrate.py` refits them);
 # `DEFAULT_STACK` is what `cocoweave plan` assumes for a new job.
@@ -77,27 +80,28 @@ STACKS: dict[str, Stack] = {s.name: s for s in (
     # all-gather with the next forward; Megatron FSDP. Hopper constants fitted on NeMo 24.07's H100 rows and NeMo
     # 24.03.01's long-sequence ones (its attention: flash)
     Stack("megatron-core-2024", MEGATRON_2022, (0, 1, 3), True,
-          families=((HOPPER, Efficiency(gemm_max=0.7675, gemm_half=60.0, fp8_max=0.62, elementwise_passes=3.1812,
-                                        flash=0.61, tp_overlap=0.4)),),
+          families=((HOPPER, Efficiency(gemm_max=DGX_H100_GEMM_MAX, gemm_half=HOPPER_GEMM_HALF, fp8_max=0.62,
+                                        elementwise_passes=3.1812, flash=0.61, tp_overlap=0.4)),),
           tp_overlap=True, gather_overlap=True),
     # Megatron-Bridge 25.09-26.06: Megatron-core with a year of TE releases after NeMo 24.07 (FP8 current scaling,
     # newer cuDNN attention, fusions), the same layouts and overlaps; its FP8 rate, attention kernel and
     # elementwise passes fitted on its own calibration releases, the H100's GEMM rate, GEMM shape and TP overlap
     # shared with NeMo 24.07's rows
     Stack("megatron-bridge-2025", MEGATRON_2022, (0, 1, 3), True,
-          families=((HOPPER, Efficiency(gemm_max=0.7675, gemm_half=60.0, fp8_max=0.67, elementwise_passes=1.9625,
-                                        flash=0.61, tp_overlap=0.4)),),
+          families=((HOPPER, Efficiency(gemm_max=DGX_H100_GEMM_MAX, gemm_half=HOPPER_GEMM_HALF, fp8_max=0.67,
+                                        elementwise_passes=1.9625, flash=0.61, tp_overlap=0.4)),),
           tp_overlap=True, gather_overlap=True),
     # torchtitan with torch.compile (fused elementwise), FSDP2, float8 and async TP: fitted on its H100 tables
     Stack("torchtitan-compile-2024", TORCHTITAN_2024, (0, 1, 3), True,
-          families=((HOPPER, Efficiency(gemm_max=0.6325, gemm_half=60.0, fp8_max=0.5, elementwise_passes=2.6938,
-                                        flash=0.64, tp_overlap=0.525)),),
+          families=((HOPPER, Efficiency(gemm_max=0.6325, gemm_half=HOPPER_GEMM_HALF, fp8_max=0.5,
+                                        elementwise_passes=2.6938, flash=0.64, tp_overlap=0.525)),),
           tp_overlap=True),
     # MosaicML llm-foundry / Composer: FSDP (FULL_SHARD), FlashAttention, bf16: fitted on its H100 table
+    # (fp8_max, tp_overlap: not fitted, no such row; its FSDP (FSDP1: flat-parameter copies, fp32 reduce-scatter)
+    # drags the compute)
     Stack("llm-foundry-2023", TORCHTITAN_2024, (3,), True,
-          families=((HOPPER, Efficiency(gemm_max=0.7675, gemm_half=60.0, elementwise_passes=3.9125, flash=0.36,
-                                        tp_overlap=0.5, overlap_drag=0.975)),),  # fp8_max, tp_overlap: not
-          # fitted (no such row); its FSDP (FSDP1: flat-parameter copies, fp32 reduce-scatter) drags the compute
+          families=((HOPPER, Efficiency(gemm_max=DGX_H100_GEMM_MAX, gemm_half=HOPPER_GEMM_HALF,
+                                        elementwise_passes=3.9125, flash=0.36, tp_overlap=0.5, overlap_drag=0.975)),),
           sequence_parallel=False),
 )}
 DEFAULT_STACK = "megatron-2022"
